@@ -1,0 +1,1053 @@
+#!/usr/bin/env python3
+"""dsec benchmarks, side by side with runc, Docker and the raw kernel floor.
+
+One run measures, on the same busybox root filesystem:
+
+  create  dsec: create -> first exec of /bin/true -> stop, through the Python SDK;
+          sequential p50/p99, and creations/s with 16 and 32 concurrent clients
+          (AsyncClient)
+  runc    `runc run` of the same rootfs running /bin/true: sequential p50/p99, and
+          containers/s at the same concurrencies
+  docker  `docker run --rm --network none IMAGE /bin/true` (the rootfs `docker import`ed),
+          if a Docker daemon answers; else "docker: no daemon"
+  floor   bench/floor.c: clone(new ns) + private / + overlay + pivot_root + exec /bin/true,
+          the cheapest container this kernel can make
+  exec    round trip of `/bin/true` in one running dsec sandbox over HTTP (sync Client)
+  idle    host memory per idle dsec sandbox: MemAvailable before and after creating 500
+
+Usage (as root, from the repository root):
+
+  python3 bench/bench.py                       # everything
+  python3 bench/bench.py --only floor,runc     # some parts
+  python3 bench/bench.py --n 100 --idle-n 200  # smaller
+
+dsec: uses $DSEC_URL if set (that server must see the same filesystem); otherwise starts
+`target/release/dsec serve` (or --dsec-bin) on a temporary state directory and stops it at
+the end. The results are printed as markdown on stdout (progress goes to stderr); nothing
+is written anywhere else. Copy the table into bench/RESULTS.md by hand.
+
+Everything the run creates (sandboxes, the imported image, runc containers under a private
+runc --root, docker containers and image, temporary directories, the server it started) is
+removed at the end, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO / "bench"
+OUT_DIR = BENCH_DIR / "out"
+PARTS = ["create", "runc", "docker", "floor", "exec", "idle"]
+TAG = f"dsec-bench-{os.getpid()}"
+
+# Targets from the issue.
+TARGET_CREATE_P50_MS = 10.0
+TARGET_CREATIONS_PER_S = 300.0
+TARGET_EXEC_P50_MS = 2.0
+TARGET_IDLE_MIB = 2.0
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------
+# statistics
+# --------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def latency_stats(ms: list[float], failed: int = 0) -> dict[str, Any]:
+    return {
+        "n": len(ms),
+        "failed": failed,
+        "p50_ms": percentile(ms, 0.50),
+        "p99_ms": percentile(ms, 0.99),
+        "mean_ms": sum(ms) / len(ms) if ms else float("nan"),
+    }
+
+
+# --------------------------------------------------------------------------------------
+# cleanup registry: runs in reverse order at exit, also after Ctrl-C / SIGTERM
+# --------------------------------------------------------------------------------------
+
+
+class Cleanup:
+    def __init__(self) -> None:
+        self._items: list[tuple[str, Callable[[], None]]] = []
+        self._lock = threading.Lock()
+
+    def push(self, what: str, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._items.append((what, fn))
+
+    def run(self) -> None:
+        # A second Ctrl-C during clean-up would leave things behind: ignore it.
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            while True:
+                with self._lock:
+                    if not self._items:
+                        break
+                    what, fn = self._items.pop()
+                try:
+                    fn()
+                except Exception as e:  # clean-up is best effort
+                    log(f"cleanup of {what} failed: {e}")
+        finally:
+            signal.signal(signal.SIGINT, old)
+
+
+CLEANUP = Cleanup()
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run_cmd(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, **kw)
+
+
+def mounts_under(path: Path) -> list[str]:
+    """Mount points at or below path, deepest first."""
+    prefix = str(path.resolve())
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].replace("\\040", " ")
+            if mp == prefix or mp.startswith(prefix + "/"):
+                found.append(mp)
+    return sorted(found, key=len, reverse=True)
+
+
+def remove_tree(path: Path) -> None:
+    if not path.exists():
+        return
+    for mp in mounts_under(path):
+        run_cmd(["umount", "-l", mp])
+    if mounts_under(path):
+        log(f"leaving {path}: mounts remain under it")
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def make_tempdir(what: str) -> Path:
+    d = Path(tempfile.mkdtemp(prefix=f"{TAG}-{what}-"))
+    CLEANUP.push(f"temp dir {d}", lambda: remove_tree(d))
+    return d
+
+
+# --------------------------------------------------------------------------------------
+# the rootfs
+# --------------------------------------------------------------------------------------
+
+
+def prepare_rootfs(arg: str | None) -> Path:
+    if arg:
+        p = Path(arg).resolve()
+        if not (p / "bin" / "true").exists() and not (p / "bin" / "true").is_symlink():
+            sys.exit(f"--rootfs {p}: no bin/true in it")
+        return p
+    d = make_tempdir("rootfs") / "rootfs"
+    script = REPO / "scripts" / "make-busybox-rootfs.sh"
+    if script.exists():
+        log(f"building the busybox rootfs with {script.relative_to(REPO)}")
+        r = run_cmd(["bash", str(script), str(d)])
+        if r.returncode == 0 and (
+            (d / "bin" / "true").exists() or (d / "bin" / "true").is_symlink()
+        ):
+            return d
+        log(f"{script.name} failed ({r.returncode}): {r.stderr.strip()[-300:]}; building it here")
+        remove_tree(d)
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    if not os.path.exists(busybox):
+        sys.exit("busybox not found: apt-get install busybox-static (or run scripts/setup.sh)")
+    log("building the busybox rootfs (busybox --install -s)")
+    for sub in ["bin", "sbin", "usr/bin", "usr/sbin", "proc", "sys", "dev", "tmp", "etc", "root"]:
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    shutil.copy2(busybox, d / "bin" / "busybox")
+    r = run_cmd(["chroot", str(d), "/bin/busybox", "--install", "-s"])
+    if r.returncode != 0:
+        sys.exit(f"busybox --install failed: {r.stderr}")
+    (d / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (d / "etc" / "group").write_text("root:x:0:\n")
+    return d
+
+
+# --------------------------------------------------------------------------------------
+# floor
+# --------------------------------------------------------------------------------------
+
+
+def build_floor() -> Path:
+    src = BENCH_DIR / "floor.c"
+    exe = OUT_DIR / "floor"
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
+        log("gcc -O2 bench/floor.c -> bench/out/floor")
+        r = run_cmd(["gcc", "-O2", "-Wall", "-Wextra", "-o", str(exe), str(src)])
+        if r.returncode != 0:
+            raise RuntimeError(f"gcc failed:\n{r.stderr}")
+    return exe
+
+
+def bench_floor(rootfs: Path, n: int, concurrencies: list[int]) -> dict[str, Any]:
+    exe = build_floor()
+    scratch = make_tempdir("floor")
+    res: dict[str, Any] = {}
+
+    def go(p: int, count: int) -> dict[str, Any]:
+        r = run_cmd(
+            [str(exe), "-r", str(rootfs), "-n", str(count), "-p", str(p), "-d", str(scratch)]
+        )
+        if not r.stdout.strip():
+            raise RuntimeError(f"floor failed ({r.returncode}): {r.stderr.strip()}")
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        if out["failed"]:
+            log(f"floor: {out['failed']} of {count} failed: {r.stderr.strip()[:300]}")
+        return out
+
+    log(f"floor: {n} sequential")
+    seq = go(1, n)
+    res["seq"] = {
+        "n": seq["n"],
+        "failed": seq["failed"],
+        "p50_ms": seq["p50_ms"],
+        "p99_ms": seq["p99_ms"],
+        "mean_ms": seq["mean_ms"],
+    }
+    for c in concurrencies:
+        count = max(n, 8 * c)
+        log(f"floor: {count} at concurrency {c}")
+        out = go(c, count)
+        res[f"c{c}"] = {
+            "per_s": out["per_s"],
+            "n": out["n"],
+            "failed": out["failed"],
+            "p50_ms": out["p50_ms"],
+        }
+    return res
+
+
+# --------------------------------------------------------------------------------------
+# runc and docker: both "run /bin/true in a fresh container" command lines
+# --------------------------------------------------------------------------------------
+
+
+def timed_runs(
+    make_cmd: Callable[[int], list[str]], n: int, concurrency: int, label: str
+) -> tuple[list[float], int, float]:
+    """Run make_cmd(i) for i in range(n), `concurrency` at a time.
+
+    Returns (latencies in ms of the successful runs, failures, wall seconds)."""
+    lat: list[float] = []
+    failed = 0
+    first_err: list[str] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        nonlocal failed
+        t0 = time.perf_counter()
+        r = subprocess.run(
+            make_cmd(i), check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        dt = (time.perf_counter() - t0) * 1e3
+        with lock:
+            if r.returncode == 0:
+                lat.append(dt)
+            else:
+                failed += 1
+                if not first_err:
+                    first_err.append(r.stderr.strip()[:400])
+
+    t0 = time.perf_counter()
+    if concurrency <= 1:
+        for i in range(n):
+            one(i)
+    else:
+        ex = concurrent.futures.ThreadPoolExecutor(concurrency)
+        try:
+            for f in [ex.submit(one, i) for i in range(n)]:
+                f.result()
+        finally:
+            # On Ctrl-C, drop what has not started instead of running it all.
+            ex.shutdown(wait=True, cancel_futures=True)
+    wall = time.perf_counter() - t0
+    if first_err:
+        log(f"{label}: {failed}/{n} failed; first error: {first_err[0]}")
+    return lat, failed, wall
+
+
+def bench_runc(rootfs: Path, n: int, concurrencies: list[int]) -> dict[str, Any]:
+    runc = shutil.which("runc")
+    if not runc:
+        raise RuntimeError("runc not found (apt-get install runc)")
+    base = make_tempdir("runc")
+    state = base / "state"  # a private runc --root: only our containers live there
+    bundle = base / "bundle"
+    state.mkdir()
+    bundle.mkdir()
+
+    def cleanup_runc() -> None:
+        r = run_cmd([runc, "--root", str(state), "list", "-q"])
+        for cid in r.stdout.split():
+            if cid.startswith(TAG):
+                run_cmd([runc, "--root", str(state), "delete", "--force", cid])
+
+    CLEANUP.push("runc containers", cleanup_runc)
+
+    r = run_cmd([runc, "spec"], cwd=bundle)
+    if r.returncode != 0:
+        raise RuntimeError(f"runc spec failed: {r.stderr}")
+    cfg_path = bundle / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["process"]["terminal"] = False
+    cfg["process"]["args"] = ["/bin/true"]
+    cfg["root"] = {"path": str(rootfs), "readonly": True}
+    cfg["hostname"] = "bench"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+    counter = iter(range(10**9))
+    counter_lock = threading.Lock()
+
+    def cmd(_i: int) -> list[str]:
+        with counter_lock:
+            k = next(counter)
+        return [runc, "--root", str(state), "run", "--bundle", str(bundle), f"{TAG}-{k}"]
+
+    res: dict[str, Any] = {}
+    timed_runs(cmd, 5, 1, "runc warm-up")
+    log(f"runc: {n} sequential")
+    lat, failed, _ = timed_runs(cmd, n, 1, "runc")
+    res["seq"] = latency_stats(lat, failed)
+    for c in concurrencies:
+        count = max(n, 8 * c)
+        log(f"runc: {count} at concurrency {c}")
+        lat, failed, wall = timed_runs(cmd, count, c, "runc")
+        res[f"c{c}"] = {
+            "per_s": len(lat) / wall,
+            "n": count,
+            "failed": failed,
+            "p50_ms": percentile(lat, 0.5),
+        }
+    return res
+
+
+def docker_available() -> bool:
+    if not shutil.which("docker"):
+        return False
+    try:
+        return run_cmd(["docker", "info"], timeout=20).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def bench_docker(rootfs: Path, n: int, concurrencies: list[int]) -> dict[str, Any] | None:
+    if not docker_available():
+        print("docker: no daemon", flush=True)
+        log("docker: no daemon, skipped")
+        return None
+    image = f"{TAG}:latest"
+    log(f"docker import {rootfs} -> {image}")
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+    r = subprocess.run(
+        ["docker", "import", "-", image],
+        stdin=tar.stdout,
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    tar.wait()
+    if r.returncode != 0:
+        raise RuntimeError(f"docker import failed: {r.stderr}")
+    names: list[str] = []
+    names_lock = threading.Lock()
+
+    def cleanup_docker() -> None:
+        with names_lock:
+            todo = list(names)
+        existing = set(
+            run_cmd(
+                ["docker", "ps", "-aq", "--filter", f"name={TAG}", "--format", "{{.Names}}"]
+            ).stdout.split()
+        )
+        for name in todo:
+            if name in existing:
+                run_cmd(["docker", "rm", "-f", name])
+        run_cmd(["docker", "rmi", "-f", image])
+
+    CLEANUP.push("docker containers and image", cleanup_docker)
+    counter = iter(range(10**9))
+
+    def cmd(_i: int) -> list[str]:
+        with names_lock:
+            name = f"{TAG}-{next(counter)}"
+            names.append(name)
+        return ["docker", "run", "--rm", "--network", "none", "--name", name, image, "/bin/true"]
+
+    res: dict[str, Any] = {}
+    timed_runs(cmd, 3, 1, "docker warm-up")
+    log(f"docker: {n} sequential")
+    lat, failed, _ = timed_runs(cmd, n, 1, "docker")
+    res["seq"] = latency_stats(lat, failed)
+    for c in concurrencies:
+        count = max(n, 8 * c)
+        log(f"docker: {count} at concurrency {c}")
+        lat, failed, wall = timed_runs(cmd, count, c, "docker")
+        res[f"c{c}"] = {
+            "per_s": len(lat) / wall,
+            "n": count,
+            "failed": failed,
+            "p50_ms": percentile(lat, 0.5),
+        }
+    return res
+
+
+# --------------------------------------------------------------------------------------
+# dsec
+# --------------------------------------------------------------------------------------
+
+
+class Dsec:
+    """The server under test (started here unless $DSEC_URL is set) and the test image."""
+
+    def __init__(self, args: argparse.Namespace, rootfs: Path) -> None:
+        if importlib.util.find_spec("dsec") is None:
+            sys.exit("the dsec Python SDK is not installed: python3 -m pip install -e python/")
+        self.args = args
+        self.rootfs = rootfs
+        self.proc: subprocess.Popen | None = None
+        self.url = os.environ.get("DSEC_URL") or self._start_server()
+        self.image = f"{TAG}-busybox"
+        self.labels = {"dsec-bench": TAG}  # finds sandboxes whose create was interrupted
+        self.live: set[str] = set()  # sandboxes created and not yet stopped
+        self.live_lock = threading.Lock()
+        self.client = self._client()
+        CLEANUP.push("dsec sandboxes", self._stop_leftovers)
+        log(f"dsec: importing {rootfs} as image {self.image}")
+        self.client.import_image(str(rootfs), name=self.image)
+        CLEANUP.push("dsec image", self._delete_image)
+
+    def _client(self) -> Any:
+        import dsec
+
+        return dsec.Client(url=self.url, token=os.environ.get("DSEC_TOKEN"))
+
+    def async_client(self) -> Any:
+        import dsec
+
+        return dsec.AsyncClient(url=self.url, token=os.environ.get("DSEC_TOKEN"))
+
+    def _start_server(self) -> str:
+        exe = (
+            Path(self.args.dsec_bin) if self.args.dsec_bin else REPO / "target" / "release" / "dsec"
+        )
+        if not exe.exists():
+            debug = REPO / "target" / "debug" / "dsec"
+            if self.args.dsec_bin or not debug.exists():
+                sys.exit(f"{exe} not found: cargo build --release (or set DSEC_URL / --dsec-bin)")
+            log("WARNING: no target/release/dsec, using the DEBUG build: not representative")
+            exe = debug
+        self.server_exe = exe
+        state = make_tempdir("state")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        logf = open(state.parent / f"{state.name}.log", "wb")  # closed at cleanup
+        self.server_log = Path(logf.name)
+        CLEANUP.push("server log", lambda: self.server_log.unlink(missing_ok=True))
+        log(f"starting {exe} serve on {url}, state {state}")
+        self.proc = subprocess.Popen(
+            [str(exe), "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state)],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # our Ctrl-C must not kill it before it cleans up
+        )
+        CLEANUP.push("dsec server", lambda: self._stop_server(logf))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                sys.exit(f"dsec serve exited with {self.proc.returncode}:\n{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{url}/healthz", timeout=1) as r:
+                    if r.status == 200:
+                        return url
+            except OSError:
+                time.sleep(0.05)
+        sys.exit(f"dsec serve did not answer /healthz within 60 s:\n{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        try:
+            return self.server_log.read_text(errors="replace")[-3000:]
+        except OSError:
+            return ""
+
+    def _stop_server(self, logf: Any) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                log("dsec serve did not stop within 60 s after SIGTERM: killing it")
+                self.proc.kill()
+                self.proc.wait()
+        logf.close()
+
+    def server_rss_kib(self) -> int | None:
+        if not self.proc:
+            return None
+        try:
+            for line in open(f"/proc/{self.proc.pid}/status"):
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        except OSError:
+            pass
+        return None
+
+    def track(self, sid: str) -> None:
+        with self.live_lock:
+            self.live.add(sid)
+
+    def untrack(self, sid: str) -> None:
+        with self.live_lock:
+            self.live.discard(sid)
+
+    def _stop_leftovers(self) -> None:
+        with self.live_lock:
+            todo = list(self.live)
+        if todo:
+            log(f"dsec: stopping {len(todo)} leftover sandboxes")
+        client = self._client()
+        for sid in todo:
+            with contextlib.suppress(Exception):
+                client.get(sid).stop()
+            self.untrack(sid)
+        with contextlib.suppress(Exception):
+            for sb in client.list(labels=self.labels):
+                with contextlib.suppress(Exception):
+                    sb.stop()
+
+    def _delete_image(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.delete_image(self.image)
+
+
+async def _aclose(client: Any) -> None:
+    for name in ("aclose", "close"):
+        fn = getattr(client, name, None)
+        if fn is not None:
+            r = fn()
+            if asyncio.iscoroutine(r):
+                await r
+            return
+
+
+def bench_dsec_create(d: Dsec, n: int, concurrencies: list[int]) -> dict[str, Any]:
+    client = d.client
+    first_exec: list[float] = []
+    lifecycle: list[float] = []
+    stop_ms: list[float] = []
+    failed = 0
+    first_err = ""
+
+    def once(record: bool) -> None:
+        nonlocal failed, first_err
+        t0 = time.perf_counter()
+        sb = None
+        try:
+            sb = client.create(image=d.image, labels=d.labels)
+            d.track(sb.id)
+            r = sb.run(["/bin/true"])
+            t1 = time.perf_counter()
+            if r.exit_code != 0:
+                raise RuntimeError(f"exit code {r.exit_code}: {r.stderr[:200]}")
+            sb.stop()
+            d.untrack(sb.id)
+            t2 = time.perf_counter()
+            if record:
+                first_exec.append((t1 - t0) * 1e3)
+                stop_ms.append((t2 - t1) * 1e3)
+                lifecycle.append((t2 - t0) * 1e3)
+        except Exception as e:  # counted and reported
+            failed += 1
+            first_err = first_err or f"{type(e).__name__}: {e}"
+            if sb is not None:
+                with contextlib.suppress(Exception):
+                    sb.stop()
+                d.untrack(sb.id)
+
+    for _ in range(5):
+        once(False)
+    log(f"dsec: {n} sequential create -> exec -> stop")
+    for _ in range(n):
+        once(True)
+    if failed:
+        log(f"dsec create: {failed} failed; first: {first_err}")
+    res: dict[str, Any] = {
+        "seq": latency_stats(first_exec, failed),
+        "lifecycle": latency_stats(lifecycle),
+        "stop": latency_stats(stop_ms),
+    }
+    if not first_exec:
+        raise RuntimeError(f"every dsec create failed: {first_err}")
+
+    async def concurrent_run(c: int, count: int) -> dict[str, Any]:
+        aclient = d.async_client()
+        sem = asyncio.Semaphore(c)
+        lat: list[float] = []
+        errors: list[str] = []
+
+        async def one() -> None:
+            async with sem:
+                t0 = time.perf_counter()
+                sb = None
+                try:
+                    sb = await aclient.create(image=d.image, labels=d.labels)
+                    d.track(sb.id)
+                    r = await sb.run(["/bin/true"])
+                    if r.exit_code != 0:
+                        raise RuntimeError(f"exit code {r.exit_code}")
+                    lat.append((time.perf_counter() - t0) * 1e3)
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                finally:
+                    if sb is not None:
+                        with contextlib.suppress(Exception):
+                            await sb.stop()
+                        d.untrack(sb.id)
+
+        try:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(count)))
+            wall = time.perf_counter() - t0
+        finally:
+            await _aclose(aclient)
+        if errors:
+            log(f"dsec c={c}: {len(errors)}/{count} failed; first: {errors[0]}")
+        return {
+            "per_s": len(lat) / wall,
+            "n": count,
+            "failed": len(errors),
+            "p50_ms": percentile(lat, 0.5),
+        }
+
+    for c in concurrencies:
+        count = max(n, 8 * c)
+        log(f"dsec: {count} create -> exec -> stop at concurrency {c} (AsyncClient)")
+        res[f"c{c}"] = asyncio.run(concurrent_run(c, count))
+    return res
+
+
+def bench_dsec_exec(d: Dsec, n: int) -> dict[str, Any]:
+    sb = d.client.create(image=d.image, labels=d.labels)
+    d.track(sb.id)
+    try:
+        for _ in range(20):
+            sb.run(["/bin/true"])
+        log(f"dsec: {n} exec round trips")
+        rtt: list[float] = []
+        server: list[float] = []
+        failed = 0
+        for _ in range(n):
+            t0 = time.perf_counter()
+            r = sb.run(["/bin/true"])
+            dt = (time.perf_counter() - t0) * 1e3
+            if r.exit_code == 0:
+                rtt.append(dt)
+                server.append(float(r.duration_ms))
+            else:
+                failed += 1
+        res = latency_stats(rtt, failed)
+        res["server_p50_ms"] = percentile(server, 0.5)
+        return res
+    finally:
+        sb.stop()
+        d.untrack(sb.id)
+
+
+def mem_available_kib() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1])
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def settled_mem_available_kib() -> float:
+    """MemAvailable averaged over a second, after letting the system settle."""
+    time.sleep(2)
+    samples = []
+    for _ in range(10):
+        samples.append(mem_available_kib())
+        time.sleep(0.1)
+    return sum(samples) / len(samples)
+
+
+def bench_dsec_idle(d: Dsec, count: int) -> dict[str, Any]:
+    rss0 = d.server_rss_kib()
+    before = settled_mem_available_kib()
+    log(f"dsec: creating {count} idle sandboxes")
+
+    async def create_all() -> tuple[list[str], list[str]]:
+        aclient = d.async_client()
+        sem = asyncio.Semaphore(16)
+        ids: list[str] = []
+        errors: list[str] = []
+
+        async def one() -> None:
+            async with sem:
+                try:
+                    sb = await aclient.create(image=d.image, labels=d.labels)
+                    d.track(sb.id)
+                    ids.append(sb.id)
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+
+        try:
+            await asyncio.gather(*(one() for _ in range(count)))
+        finally:
+            await _aclose(aclient)
+        return ids, errors
+
+    t0 = time.perf_counter()
+    ids, errors = asyncio.run(create_all())
+    create_s = time.perf_counter() - t0
+    if errors:
+        log(f"dsec idle: {len(errors)}/{count} creations failed; first: {errors[0]}")
+    if not ids:
+        raise RuntimeError(f"no idle sandbox could be created: {errors[:1]}")
+    after = settled_mem_available_kib()
+    rss1 = d.server_rss_kib()
+    usage_sum = 0
+    with contextlib.suppress(Exception):
+        for sb in d.client.list():
+            if sb.id in ids:
+                info = sb.info()
+                usage = getattr(info, "usage", None) or {}
+                mb = (
+                    usage.get("memory_bytes")
+                    if isinstance(usage, dict)
+                    else getattr(usage, "memory_bytes", None)
+                )
+                usage_sum += int(mb or 0)
+    res = {
+        "n": len(ids),
+        "failed": len(errors),
+        "create_s": create_s,
+        "mib_per_sandbox": (before - after) / len(ids) / 1024,
+        "cgroup_usage_mib_per_sandbox": usage_sum / len(ids) / 2**20 if usage_sum else None,
+        "server_rss_mib_per_sandbox": (rss1 - rss0) / len(ids) / 1024 if rss0 and rss1 else None,
+    }
+    log(f"dsec: stopping {len(ids)} idle sandboxes")
+
+    async def stop_all() -> None:
+        aclient = d.async_client()
+        sem = asyncio.Semaphore(16)
+
+        async def one(sid: str) -> None:
+            async with sem:
+                with contextlib.suppress(Exception):
+                    sb = await aclient.get(sid)
+                    await sb.stop()
+                d.untrack(sid)
+
+        try:
+            await asyncio.gather(*(one(s) for s in ids))
+        finally:
+            await _aclose(aclient)
+
+    asyncio.run(stop_all())
+    return res
+
+
+# --------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------
+
+
+def fmt(x: Any, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def ratio(a: Any, b: Any) -> str:
+    if a is None or b is None or not b or a != a or b != b:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def get(res: dict[str, Any], part: str, *keys: str) -> Any:
+    cur: Any = res.get(part)
+    for k in keys:
+        if not isinstance(cur, dict) or k not in cur:
+            return None
+        cur = cur[k]
+    return cur
+
+
+def met(value: Any, target: float, higher_is_better: bool) -> str:
+    if value is None or value != value:
+        return "-"
+    ok = value >= target if higher_is_better else value <= target
+    return "✅" if ok else "❌"
+
+
+def host_description() -> str:
+    cg = "v2" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "v1/hybrid"
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_gib = 0.0
+    with contextlib.suppress(OSError):
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal:"):
+                mem_gib = int(line.split()[1]) / 2**20
+    return (
+        f"{platform.node()}: Linux {platform.release()}, {os.cpu_count()} CPUs ({cpu}), "
+        f"{mem_gib:.0f} GiB, cgroup {cg}"
+    )
+
+
+def rounded(x: Any) -> Any:
+    if isinstance(x, float):
+        return round(x, 3)
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [rounded(v) for v in x]
+    return x
+
+
+def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: list[str]) -> str:
+    out = []
+    git = (
+        run_cmd(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]).stdout.strip()
+        or "uncommitted"
+    )
+    out.append(f"### dsec bench — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} ({git})")
+    out.append("")
+    out.append(
+        f"Host: {host_description()}. Rootfs: busybox. n={args.n} sequential; "
+        f"concurrent runs of max(n, 8*c). Command: `python3 bench/bench.py "
+        f"{' '.join(sys.argv[1:])}`".rstrip()
+    )
+    out.append("")
+    out.append(
+        "| metric | dsec | runc | docker | floor | dsec/floor | dsec/runc | dsec/docker | target |"
+    )
+    out.append("|---|---|---|---|---|---|---|---|---|")
+
+    def row(
+        name: str,
+        key: tuple[str, ...],
+        dkey: tuple[str, ...] | None = None,
+        target: str = "",
+        digits: int = 2,
+    ) -> None:
+        dv = get(res, "create", *(dkey or key))
+        rv = get(res, "runc", *key)
+        ov = get(res, "docker", *key)
+        fv = get(res, "floor", *key)
+        out.append(
+            f"| {name} | {fmt(dv, digits)} | {fmt(rv, digits)} | {fmt(ov, digits)} | "
+            f"{fmt(fv, digits)} | {ratio(dv, fv)} | {ratio(dv, rv)} | {ratio(dv, ov)} | {target} |"
+        )
+
+    p50 = get(res, "create", "seq", "p50_ms")
+    row(
+        "create → first exec, p50 ms ¹",
+        ("seq", "p50_ms"),
+        target=f"≤ {TARGET_CREATE_P50_MS:g} ms {met(p50, TARGET_CREATE_P50_MS, False)}",
+    )
+    row("create → first exec, p99 ms ¹", ("seq", "p99_ms"))
+    row("whole lifecycle, p50 ms ²", ("seq", "p50_ms"), dkey=("lifecycle", "p50_ms"))
+    row("whole lifecycle, p99 ms ²", ("seq", "p99_ms"), dkey=("lifecycle", "p99_ms"))
+    for c in cs:
+        v = get(res, "create", f"c{c}", "per_s")
+        row(
+            f"containers/s at concurrency {c} ³",
+            (f"c{c}", "per_s"),
+            digits=0,
+            target=f"≥ {TARGET_CREATIONS_PER_S:g}/s {met(v, TARGET_CREATIONS_PER_S, True)}",
+        )
+
+    def drow(name: str, value: Any, target: str = "") -> None:
+        """A dsec-only row."""
+        out.append(f"| {name} | {fmt(value)} | | | | | | | {target} |")
+
+    if "exec" in res:
+        e = res["exec"]
+        ok = met(e["p50_ms"], TARGET_EXEC_P50_MS, False)
+        drow(
+            "exec round trip `/bin/true`, p50 ms", e["p50_ms"], f"≤ {TARGET_EXEC_P50_MS:g} ms {ok}"
+        )
+        drow("exec round trip `/bin/true`, p99 ms", e["p99_ms"])
+        drow("exec, server-side duration p50 ms", e["server_p50_ms"])
+    if "idle" in res:
+        i = res["idle"]
+        ok = met(i["mib_per_sandbox"], TARGET_IDLE_MIB, False)
+        drow(
+            f"idle sandbox, host MiB (MemAvailable Δ / {i['n']})",
+            i["mib_per_sandbox"],
+            f"≤ {TARGET_IDLE_MIB:g} MiB {ok}",
+        )
+        if i.get("cgroup_usage_mib_per_sandbox") is not None:
+            drow("idle sandbox, cgroup memory usage MiB", i["cgroup_usage_mib_per_sandbox"])
+        if i.get("server_rss_mib_per_sandbox") is not None:
+            drow("idle sandbox, server RSS growth MiB", i["server_rss_mib_per_sandbox"])
+        drow(f"{i['n']} idle sandboxes created in, s", i["create_s"])
+    out.append("")
+    out.append(
+        "¹ dsec: `create` → first `run(['/bin/true'])` returns, via the SDK over HTTP. "
+        "runc/docker/floor have no separate first exec: their number is a whole run of "
+        "`/bin/true` (create, start, exit, delete): more work, so there the ratio flatters "
+        "dsec; the lifecycle rows compare equal work.  "
+    )
+    out.append("² dsec: create → exec → stop, the same work as one runc/docker/floor run.  ")
+    out.append(
+        "³ create → exec `/bin/true` → stop cycles completed per second with c in flight "
+        "(dsec: AsyncClient; runc/docker: c parallel command lines; floor: c worker "
+        "processes)."
+    )
+    failures = []
+    for part, r in res.items():
+        if isinstance(r, dict):
+            if isinstance(r.get("failed"), int) and r["failed"]:
+                failures.append(f"{part}: {r['failed']} failed")
+            for k, v in r.items():
+                if isinstance(v, dict) and v.get("failed"):
+                    failures.append(f"{part}/{k}: {v['failed']} failed")
+    if failures:
+        notes.append("failures: " + "; ".join(failures))
+    for n in notes:
+        out.append("")
+        out.append(f"Note: {n}")
+    out.append("")
+    out.append(
+        "<details><summary>raw</summary>\n\n```json\n"
+        + json.dumps(rounded(res), indent=1, default=str)
+        + "\n```\n</details>"
+    )
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--only",
+        default=",".join(PARTS),
+        help=f"comma-separated parts to run, of: {','.join(PARTS)} (default: all)",
+    )
+    ap.add_argument(
+        "--n", type=int, default=200, help="sequential runs per measurement (default 200)"
+    )
+    ap.add_argument("--concurrency", default="16,32", help="concurrency levels (default 16,32)")
+    ap.add_argument("--exec-n", type=int, default=500, help="exec round trips (default 500)")
+    ap.add_argument("--idle-n", type=int, default=500, help="idle sandboxes (default 500)")
+    ap.add_argument("--rootfs", help="use this busybox rootfs instead of building one")
+    ap.add_argument("--dsec-bin", help="dsec binary to start (default target/release/dsec)")
+    ap.add_argument(
+        "--json", action="store_true", help="also print the raw results as one JSON line"
+    )
+    args = ap.parse_args()
+
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        ap.error(f"unknown part(s) {unknown}; choose from {PARTS}")
+    cs = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if os.geteuid() != 0:
+        sys.exit("bench.py needs root (containers)")
+
+    signal.signal(signal.SIGTERM, _sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    res: dict[str, Any] = {}
+    notes: list[str] = []
+    rc = 0
+    try:
+        rootfs = prepare_rootfs(args.rootfs)
+        dsec_parts = [p for p in parts if p in ("create", "exec", "idle")]
+        d = Dsec(args, rootfs) if dsec_parts else None
+        if d is not None and getattr(d, "server_exe", None) and "debug" in str(d.server_exe):
+            notes.append("dsec ran from the DEBUG build (target/debug/dsec): not representative.")
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            ("floor", lambda: bench_floor(rootfs, args.n, cs)),
+            ("runc", lambda: bench_runc(rootfs, args.n, cs)),
+            ("docker", lambda: bench_docker(rootfs, args.n, cs)),
+            ("create", lambda: bench_dsec_create(d, args.n, cs)),
+            ("exec", lambda: bench_dsec_exec(d, args.exec_n)),
+            ("idle", lambda: bench_dsec_idle(d, args.idle_n)),
+        ]
+        for name, fn in steps:
+            if name not in parts:
+                continue
+            try:
+                r = fn()
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # one part failing must not hide the others
+                log(f"{name}: FAILED: {type(e).__name__}: {e}")
+                notes.append(f"{name} failed: {type(e).__name__}: {e}")
+                rc = 1
+                continue
+            if r is None:
+                if name == "docker":
+                    notes.append("docker: no daemon (skipped).")
+                continue
+            res[name] = r
+            log(f"{name}: {json.dumps(r, default=str)}")
+    except KeyboardInterrupt:
+        log("interrupted: cleaning up")
+        rc = 130
+    finally:
+        CLEANUP.run()
+    if res:
+        print(report(res, args, cs, notes))
+        if args.json:
+            print(json.dumps(rounded(res), default=str))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+//! Errors of the image store.
+
+use std::io;
+
+/// Why an image operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    /// No image of that name is stored.
+    #[error("image {name:?} not found; import it first")]
+    NotFound {
+        /// The name that was looked up.
+        name: String,
+    },
+    /// The source is neither a usable path nor a registry reference, or the name is invalid.
+    #[error("cannot import {input:?}: {reason}")]
+    InvalidSource {
+        /// The source string as given.
+        input: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The source is damaged: truncated or corrupt archive, bad digest, missing blob, unsafe entry.
+    #[error("{input:?} is corrupt: {reason}")]
+    Corrupt {
+        /// The source string as given (or the image name, for damaged metadata).
+        input: String,
+        /// What is damaged.
+        reason: String,
+    },
+    /// The registry could not be reached or refused the pull.
+    #[error("cannot pull {reference:?}: {reason}")]
+    Registry {
+        /// The reference being pulled.
+        reference: String,
+        /// What the registry or the transport said.
+        reason: String,
+    },
+    /// A filesystem operation of the store itself failed.
+    #[error("{context}")]
+    Io {
+        /// What the store was doing.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Returns a mapper from an I/O error to [`ImageError::Io`] with the given context.
+pub(crate) fn io_error(context: impl Into<String>) -> impl FnOnce(io::Error) -> ImageError {
+    let context = context.into();
+    move |source| ImageError::Io { context, source }
+}
+
+/// A failure deep inside an import, before it is known which source it concerns.
+#[derive(Debug)]
+pub(crate) enum Fault {
+    /// The input is damaged.
+    Corrupt(String),
+    /// The store's own filesystem failed.
+    Io(String, io::Error),
+}
+
+impl Fault {
+    /// Returns a mapper from an I/O error to [`Fault::Io`] with the given context.
+    pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(io::Error) -> Fault {
+        let context = context.into();
+        move |source| Fault::Io(context, source)
+    }
+
+    /// Attaches the source string the import was given.
+    pub(crate) fn into_error(self, input: &str) -> ImageError {
+        match self {
+            Fault::Corrupt(reason) => ImageError::Corrupt {
+                input: input.to_owned(),
+                reason,
+            },
+            Fault::Io(context, source) => ImageError::Io { context, source },
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! Pulling images from OCI registries.
+//!
+//! Only the manifest, the config and the layers not already in the store are
+//! downloaded, into a staging directory; the layers then go through the same
+//! unpacking as any other source.
+
+use std::net::Ipv4Addr;
+use std::path::Path;
+
+use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::errors::OciDistributionError;
+use oci_client::manifest::ImageIndexEntry;
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference};
+use tempfile::TempDir;
+use tokio::io::AsyncWriteExt;
+
+use crate::digest::sha256;
+use crate::error::{io_error, ImageError};
+use crate::oci::{parse_config, Plan, PlannedLayer};
+use crate::store::Pins;
+
+/// Registries reached over plain HTTP besides loopback ones (comma separated `host[:port]`).
+const INSECURE_ENV: &str = "DSEC_INSECURE_REGISTRIES";
+
+/// File name endings that mark a source as a path, never a reference.
+pub(crate) const ARCHIVE_SUFFIXES: [&str; 4] = [".tar.gz", ".tar.zst", ".tgz", ".tar"];
+
+/// Parses `source` as a registry reference, unless it can only be meant as a path.
+pub(crate) fn parse_reference(source: &str) -> Option<Reference> {
+    let path_like =
+        source.starts_with(['/', '.', '~']) || ARCHIVE_SUFFIXES.iter().any(|s| source.ends_with(s));
+    if path_like {
+        return None;
+    }
+    source.parse().ok()
+}
+
+/// Downloads what the store lacks of the image `reference` into a staging
+/// directory and returns the plan to import it; layers already stored are
+/// pinned in `pins` instead.
+pub(crate) async fn fetch(
+    pins: &mut Pins,
+    staging: &Path,
+    reference: &Reference,
+    input: &str,
+) -> Result<(Plan, TempDir), ImageError> {
+    let registry_error = |e: OciDistributionError| ImageError::Registry {
+        reference: input.to_owned(),
+        reason: e.to_string(),
+    };
+    let client = client_for(reference);
+    let (manifest, digest, config) = client
+        .pull_manifest_and_config(reference, &RegistryAuth::Anonymous)
+        .await
+        .map_err(registry_error)?;
+    tracing::debug!(reference = %input, manifest = %digest, "pulled manifest");
+    let id = sha256(config.as_bytes());
+    if id != manifest.config.digest {
+        return Err(ImageError::Corrupt {
+            input: input.to_owned(),
+            reason: "the image config does not match its digest".into(),
+        });
+    }
+    let (config, diff_ids) =
+        parse_config(config.as_bytes(), manifest.layers.len()).map_err(|f| f.into_error(input))?;
+    let downloads = tempfile::Builder::new()
+        .prefix("pull-")
+        .tempdir_in(staging)
+        .map_err(io_error("cannot create a staging directory"))?;
+    let mut layers = Vec::with_capacity(diff_ids.len());
+    for (index, (layer, diff_id)) in manifest.layers.iter().zip(diff_ids).enumerate() {
+        let blob = downloads.path().join(format!("layer-{index}"));
+        if pins.pin_if_stored(&diff_id) {
+            tracing::debug!(reference = %input, layer = %diff_id, "layer already stored");
+        } else {
+            let mut file = tokio::fs::File::create(&blob)
+                .await
+                .map_err(io_error("cannot create a download file"))?;
+            client
+                .pull_blob(reference, layer, &mut file)
+                .await
+                .map_err(registry_error)?;
+            file.flush()
+                .await
+                .map_err(io_error("cannot write a download file"))?;
+            tracing::debug!(reference = %input, blob = %layer.digest, "pulled layer");
+        }
+        layers.push(PlannedLayer {
+            diff_id,
+            blob,
+            // pull_blob has checked it already.
+            blob_digest: None,
+        });
+    }
+    Ok((Plan { id, config, layers }, downloads))
+}
+
+fn client_for(reference: &Reference) -> Client {
+    let registry = reference.resolve_registry();
+    let insecure = std::env::var(INSECURE_ENV).unwrap_or_default();
+    let protocol = if is_insecure(registry, &insecure) {
+        ClientProtocol::Http
+    } else {
+        ClientProtocol::Https
+    };
+    Client::new(ClientConfig {
+        protocol,
+        platform_resolver: Some(Box::new(pick_platform)),
+        ..ClientConfig::default()
+    })
+}
+
+/// linux/amd64 if the index offers it, else its first entry.
+fn pick_platform(manifests: &[ImageIndexEntry]) -> Option<String> {
+    manifests
+        .iter()
+        .find(|m| {
+            m.platform
+                .as_ref()
+                .is_some_and(|p| p.os == "linux" && p.architecture == "amd64")
+        })
+        .or_else(|| manifests.first())
+        .map(|m| m.digest.clone())
+}
+
+/// Loopback registries and those listed in `extra` speak plain HTTP.
+fn is_insecure(registry: &str, extra: &str) -> bool {
+    let host = host_of(registry);
+    let loopback = host == "localhost"
+        || host == "::1"
+        || host.parse::<Ipv4Addr>().is_ok_and(|ip| ip.is_loopback());
+    loopback
+        || extra
+            .split(',')
+            .map(str::trim)
+            .any(|r| !r.is_empty() && (r == registry || r == host))
+}
+
+/// The host part of `host[:port]` or `[v6]:port`.
+fn host_of(registry: &str) -> &str {
+    match registry.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(rest),
+        None => registry.rsplit_once(':').map_or(registry, |(host, _)| host),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_and_listed_registries_are_plain_http() {
+        assert!(is_insecure("localhost:5000", ""));
+        assert!(is_insecure("127.0.0.1:5000", ""));
+        assert!(is_insecure("[::1]:5000", ""));
+        assert!(!is_insecure("registry-1.docker.io", ""));
+        assert!(is_insecure("reg.lan:5000", "other, reg.lan:5000"));
+        assert!(is_insecure("reg.lan:5000", "reg.lan"));
+        assert!(!is_insecure("reg.lan:5000", "reg.lan:6000"));
+    }
+
+    #[test]
+    fn paths_are_not_references() {
+        assert!(parse_reference("/nonexistent/rootfs").is_none());
+        assert!(parse_reference("./rootfs").is_none());
+        assert!(parse_reference("image.tar.gz").is_none());
+        assert!(parse_reference("not a reference").is_none());
+        let reference = parse_reference("127.0.0.1:5000/test/img:v1").unwrap();
+        assert_eq!(reference.registry(), "127.0.0.1:5000");
+        assert!(parse_reference("busybox").is_some());
+    }
+}

@@ -1,0 +1,462 @@
+//! The edge's side of a native container: create, exec, files, stop.
+//!
+//! A [`Container`] owns its init through a pidfd (so a recycled pid can never be
+//! signalled by mistake), its cgroups, its directory under the state dir, and the control
+//! channel, whose reader task routes output frames to the exec that asked for them.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::OwnedWriteHalf;
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, watch};
+
+use crate::cgroup::{CgroupError, CgroupLayout, CgroupLimits, SandboxCgroup};
+use crate::files::SandboxRoot;
+use crate::proto::{self, ExecExit, ExecSpec, Frame, FrameKind, InitError};
+use crate::spec::SandboxSpec;
+use crate::zygote::{Zygote, ZygoteError};
+
+/// How long a sandbox may take to report ready before create gives up.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A container operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// Host filesystem work for the sandbox failed.
+    #[error("{action} {path}: {source}")]
+    Io {
+        /// What was being done.
+        action: &'static str,
+        /// Where.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A cgroup operation failed.
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    /// The zygote failed.
+    #[error(transparent)]
+    Zygote(#[from] ZygoteError),
+    /// init could not build the sandbox.
+    #[error("sandbox setup failed at {}: {}", .0.stage, .0.message)]
+    Setup(InitError),
+    /// init could not start a command.
+    #[error("{}: {}", .0.stage, .0.message)]
+    Exec(InitError),
+    /// The sandbox's init is gone (killed, or the sandbox was stopped).
+    #[error("the sandbox's init exited")]
+    Gone,
+    /// The control channel broke or misbehaved.
+    #[error("control channel: {0}")]
+    Channel(String),
+}
+
+fn io_err<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> RuntimeError + 'a {
+    move |source| RuntimeError::Io {
+        action,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// What the runtime writes to `<state>/sandboxes/<id>/record.json` before creating
+/// anything else, so that a restart after a crash finds and removes it all.
+#[derive(Debug, Serialize, Deserialize)]
+struct Record {
+    id: String,
+    cgroup: SandboxCgroup,
+}
+
+/// Parameters of a new container.
+#[derive(Clone, Debug)]
+pub struct CreateOptions {
+    /// Sandbox id, also its hostname.
+    pub id: String,
+    /// Image layer directories, topmost first.
+    pub layers: Vec<PathBuf>,
+    /// cgroup limits.
+    pub limits: CgroupLimits,
+    /// Size of the writable layer.
+    pub disk_bytes: u64,
+}
+
+/// Creates containers on this host.
+pub struct ContainerRuntime {
+    zygote: Zygote,
+    layout: CgroupLayout,
+    sandboxes_dir: PathBuf,
+}
+
+/// One event of a running command.
+#[derive(Debug)]
+pub enum ExecEvent {
+    /// A chunk of standard output.
+    Stdout(Vec<u8>),
+    /// A chunk of standard error.
+    Stderr(Vec<u8>),
+    /// The command ended.
+    Exit(ExecExit),
+}
+
+type Routes = Arc<Mutex<HashMap<u32, mpsc::UnboundedSender<Result<ExecEvent, RuntimeError>>>>>;
+
+/// A running native container.
+pub struct Container {
+    id: String,
+    pidfd: OwnedFd,
+    cgroup: SandboxCgroup,
+    dir: PathBuf,
+    root: SandboxRoot,
+    writer: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
+    routes: Routes,
+    next_exec: AtomicU32,
+    alive: watch::Receiver<bool>,
+    oom_kills_seen: AtomicU64,
+}
+
+impl ContainerRuntime {
+    /// A runtime that clones through `zygote` and puts cgroups where `layout` says.
+    pub fn new(zygote: Zygote, layout: CgroupLayout, sandboxes_dir: PathBuf) -> Self {
+        ContainerRuntime {
+            zygote,
+            layout,
+            sandboxes_dir,
+        }
+    }
+
+    /// Builds a container and waits until its init reports ready.
+    pub async fn create(self: &Arc<Self>, opts: CreateOptions) -> Result<Container, RuntimeError> {
+        let this = Arc::clone(self);
+        let id = opts.id.clone();
+        let (pid, channel, cgroup, dir) =
+            tokio::task::spawn_blocking(move || this.create_blocking(&opts))
+                .await
+                .map_err(|e| RuntimeError::Channel(e.to_string()))??;
+        let pidfd = match rustix::process::pidfd_open(
+            rustix::process::Pid::from_raw(pid).expect("positive pid"),
+            rustix::process::PidfdFlags::empty(),
+        ) {
+            Ok(fd) => fd,
+            Err(e) => {
+                self.discard(&cgroup, &dir).await;
+                return Err(RuntimeError::Channel(format!("pidfd_open: {e}")));
+            }
+        };
+        let ready = match wait_ready(channel).await {
+            Ok(stream) => stream,
+            Err(e) => {
+                let _ = rustix::process::pidfd_send_signal(&pidfd, rustix::process::Signal::KILL);
+                self.discard(&cgroup, &dir).await;
+                return Err(e);
+            }
+        };
+        let (reader, writer) = ready.into_split();
+        let routes: Routes = Arc::default();
+        let (alive_tx, alive) = watch::channel(true);
+        tokio::spawn(read_frames(reader, Arc::clone(&routes), alive_tx));
+        Ok(Container {
+            id,
+            pidfd,
+            cgroup,
+            dir,
+            root: SandboxRoot::of_pid(pid),
+            writer: Arc::new(tokio::sync::Mutex::new(writer)),
+            routes,
+            next_exec: AtomicU32::new(1),
+            alive,
+            oom_kills_seen: AtomicU64::new(0),
+        })
+    }
+
+    fn create_blocking(
+        &self,
+        opts: &CreateOptions,
+    ) -> Result<(i32, OwnedFd, SandboxCgroup, PathBuf), RuntimeError> {
+        let dir = self.sandboxes_dir.join(&opts.id);
+        let cgroup = self.layout.sandbox(&opts.id);
+        let result = (|| {
+            std::fs::create_dir(&dir).map_err(io_err("create", &dir))?;
+            for sub in ["rootfs", "rw"] {
+                let p = dir.join(sub);
+                std::fs::create_dir(&p).map_err(io_err("create", &p))?;
+            }
+            let record = Record {
+                id: opts.id.clone(),
+                cgroup: cgroup.clone(),
+            };
+            let record_path = dir.join("record.json");
+            std::fs::write(
+                &record_path,
+                serde_json::to_vec(&record).expect("serializes"),
+            )
+            .map_err(io_err("write", &record_path))?;
+            cgroup.create(&opts.limits)?;
+            let spec = SandboxSpec {
+                id: opts.id.clone(),
+                dir: dir.clone(),
+                layers: opts.layers.clone(),
+                disk_bytes: opts.disk_bytes,
+                cgroup_dirs: cgroup.dirs().to_vec(),
+                tracking_cgroup: cgroup.tracking().to_owned(),
+                cgroup_version: cgroup.version(),
+            };
+            Ok(self.zygote.create(&spec)?)
+        })();
+        match result {
+            Ok((pid, fd)) => Ok((pid, fd, cgroup, dir)),
+            Err(e) => {
+                remove_sandbox(&cgroup, &dir);
+                Err(e)
+            }
+        }
+    }
+
+    async fn discard(&self, cgroup: &SandboxCgroup, dir: &Path) {
+        let (cgroup, dir) = (cgroup.clone(), dir.to_owned());
+        let _ = tokio::task::spawn_blocking(move || remove_sandbox(&cgroup, &dir)).await;
+    }
+
+    /// Removes what an earlier run of the server left: the processes, cgroups and
+    /// directories of every sandbox recorded under the state dir, and cgroups in this
+    /// server's own `dsec-<tag>` parents. Returns the ids cleaned.
+    pub fn clean_leftovers(&self) -> Vec<String> {
+        let mut cleaned = Vec::new();
+        if let Ok(entries) = std::fs::read_dir(&self.sandboxes_dir) {
+            for entry in entries.flatten() {
+                let dir = entry.path();
+                let record: Option<Record> = std::fs::read(dir.join("record.json"))
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok());
+                let id = entry.file_name().to_string_lossy().into_owned();
+                let cgroup = record.map_or_else(|| self.layout.sandbox(&id), |r| r.cgroup);
+                remove_sandbox(&cgroup, &dir);
+                cleaned.push(id);
+            }
+        }
+        for id in self.layout.existing_sandboxes() {
+            let _ = self.layout.sandbox(&id).destroy();
+            if !cleaned.contains(&id) {
+                cleaned.push(id);
+            }
+        }
+        cleaned
+    }
+}
+
+/// Kills and removes everything of a sandbox that the host can see. Mounts need no
+/// work: they lived in the sandbox's mount namespace, which died with its processes.
+fn remove_sandbox(cgroup: &SandboxCgroup, dir: &Path) {
+    if let Err(e) = cgroup.destroy() {
+        tracing::warn!(error = %e, "removing sandbox cgroup");
+    }
+    if let Err(e) = std::fs::remove_dir_all(dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(error = %e, dir = %dir.display(), "removing sandbox directory");
+        }
+    }
+}
+
+async fn wait_ready(channel: OwnedFd) -> Result<UnixStream, RuntimeError> {
+    let std_stream = std::os::unix::net::UnixStream::from(channel);
+    std_stream
+        .set_nonblocking(true)
+        .map_err(|e| RuntimeError::Channel(e.to_string()))?;
+    let mut stream =
+        UnixStream::from_std(std_stream).map_err(|e| RuntimeError::Channel(e.to_string()))?;
+    let mut buf = Vec::new();
+    let frame = tokio::time::timeout(READY_TIMEOUT, read_frame(&mut stream, &mut buf))
+        .await
+        .map_err(|_| RuntimeError::Channel("sandbox did not become ready in time".into()))??
+        .ok_or(RuntimeError::Gone)?;
+    match frame.kind {
+        FrameKind::Ready => {
+            let ready: proto::Ready = frame
+                .json()
+                .map_err(|e| RuntimeError::Channel(e.to_string()))?;
+            if ready.version != proto::VERSION {
+                return Err(RuntimeError::Channel(format!(
+                    "init speaks protocol {}, the edge {}",
+                    ready.version,
+                    proto::VERSION
+                )));
+            }
+            Ok(stream)
+        }
+        FrameKind::Error => Err(RuntimeError::Setup(
+            frame
+                .json()
+                .map_err(|e| RuntimeError::Channel(e.to_string()))?,
+        )),
+        other => Err(RuntimeError::Channel(format!(
+            "unexpected {other:?} before ready"
+        ))),
+    }
+}
+
+async fn read_frame<R: AsyncReadExt + Unpin>(
+    reader: &mut R,
+    buf: &mut Vec<u8>,
+) -> Result<Option<Frame>, RuntimeError> {
+    loop {
+        if let Some(frame) = proto::decode(buf).map_err(|e| RuntimeError::Channel(e.to_string()))? {
+            return Ok(Some(frame));
+        }
+        let mut chunk = [0u8; 64 << 10];
+        let n = reader
+            .read(&mut chunk)
+            .await
+            .map_err(|e| RuntimeError::Channel(e.to_string()))?;
+        if n == 0 {
+            return Ok(None);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Routes frames from init to the exec they belong to; when the channel ends, every
+/// exec still waiting learns that the sandbox is gone.
+async fn read_frames(
+    mut reader: tokio::net::unix::OwnedReadHalf,
+    routes: Routes,
+    alive: watch::Sender<bool>,
+) {
+    let mut buf = Vec::new();
+    while let Ok(Some(frame)) = read_frame(&mut reader, &mut buf).await {
+        let id = frame.exec_id;
+        let event = match frame.kind {
+            FrameKind::Stdout => Ok(ExecEvent::Stdout(frame.payload)),
+            FrameKind::Stderr => Ok(ExecEvent::Stderr(frame.payload)),
+            FrameKind::Exit => match frame.json() {
+                Ok(exit) => Ok(ExecEvent::Exit(exit)),
+                Err(e) => Err(RuntimeError::Channel(e.to_string())),
+            },
+            FrameKind::Error => match frame.json() {
+                Ok(err) => Err(RuntimeError::Exec(err)),
+                Err(e) => Err(RuntimeError::Channel(e.to_string())),
+            },
+            _ => continue,
+        };
+        let last = !matches!(event, Ok(ExecEvent::Stdout(_)) | Ok(ExecEvent::Stderr(_)));
+        let mut routes = routes.lock().expect("routes lock");
+        if let Some(tx) = routes.get(&id) {
+            let _ = tx.send(event);
+        }
+        if last {
+            routes.remove(&id);
+        }
+    }
+    let _ = alive.send(false);
+    for (_, tx) in routes.lock().expect("routes lock").drain() {
+        let _ = tx.send(Err(RuntimeError::Gone));
+    }
+}
+
+/// A command running in a container: its events, in order, ending with `Exit`.
+pub struct ExecHandle {
+    id: u32,
+    events: mpsc::UnboundedReceiver<Result<ExecEvent, RuntimeError>>,
+    writer: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
+    done: bool,
+}
+
+impl ExecHandle {
+    /// The next event; `None` after `Exit` or an error.
+    pub async fn next(&mut self) -> Option<Result<ExecEvent, RuntimeError>> {
+        if self.done {
+            return None;
+        }
+        let event = self.events.recv().await.unwrap_or(Err(RuntimeError::Gone));
+        self.done = !matches!(event, Ok(ExecEvent::Stdout(_)) | Ok(ExecEvent::Stderr(_)));
+        Some(event)
+    }
+}
+
+impl Drop for ExecHandle {
+    /// A caller that stops listening (a client that disconnected mid-stream) must not
+    /// leave the command running: tell init to kill its tree.
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut frame = Vec::new();
+        proto::encode(&mut frame, FrameKind::Kill, self.id, &[]);
+        let writer = Arc::clone(&self.writer);
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                let _ = writer.lock().await.write_all(&frame).await;
+            });
+        }
+    }
+}
+
+impl Container {
+    /// The sandbox id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Whether init is still there.
+    pub fn is_alive(&self) -> bool {
+        *self.alive.borrow()
+    }
+
+    /// Confined file access.
+    pub fn root(&self) -> &SandboxRoot {
+        &self.root
+    }
+
+    /// The sandbox's cgroups (usage, freezing).
+    pub fn cgroup(&self) -> &SandboxCgroup {
+        &self.cgroup
+    }
+
+    /// Starts a command.
+    pub async fn exec(&self, spec: &ExecSpec, stdin: &[u8]) -> Result<ExecHandle, RuntimeError> {
+        if !self.is_alive() {
+            return Err(RuntimeError::Gone);
+        }
+        let id = self.next_exec.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.routes.lock().expect("routes lock").insert(id, tx);
+        let mut frame = Vec::new();
+        proto::encode_exec(&mut frame, id, spec, stdin);
+        let sent = self.writer.lock().await.write_all(&frame).await;
+        if sent.is_err() {
+            self.routes.lock().expect("routes lock").remove(&id);
+            return Err(RuntimeError::Gone);
+        }
+        Ok(ExecHandle {
+            id,
+            events: rx,
+            writer: Arc::clone(&self.writer),
+            done: false,
+        })
+    }
+
+    /// Whether the memory limit killed something since the last call.
+    pub fn take_oom_kill(&self) -> bool {
+        let now = self.cgroup.oom_kills();
+        self.oom_kills_seen.swap(now, Ordering::AcqRel) < now
+    }
+
+    /// Kills everything in the sandbox and removes all it made. Idempotent.
+    pub async fn stop(&self) {
+        let _ = rustix::process::pidfd_send_signal(&self.pidfd, rustix::process::Signal::KILL);
+        // The channel closes when init's descriptors do, i.e. once it has exited.
+        let mut alive = self.alive.clone();
+        let _ = tokio::time::timeout(Duration::from_secs(5), alive.wait_for(|a| !*a)).await;
+        let (cgroup, dir) = (self.cgroup.clone(), self.dir.clone());
+        let _ = tokio::task::spawn_blocking(move || remove_sandbox(&cgroup, &dir)).await;
+    }
+}

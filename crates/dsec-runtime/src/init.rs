@@ -1,0 +1,948 @@
+//! The sandbox's PID 1: builds the sandbox, then runs commands for the edge.
+//!
+//! init is a fork of the zygote, so it starts without `execve` and without a Rust
+//! runtime to initialise; it stays single-threaded, which is what makes `fork` for each
+//! command safe. One `poll(2)` loop serves the control channel, the output pipes of every
+//! running command, `SIGCHLD` (through a signalfd) and the commands' deadlines.
+//!
+//! Invariants:
+//! - init never blocks on a pipe or on the channel: everything is non-blocking, and output
+//!   pipes are not read while the channel's send queue is over [`MAX_QUEUED`], so a slow
+//!   edge throttles the commands instead of growing init's memory;
+//! - each command runs in its own cgroup `e<id>` below the tracking cgroup, so a timeout
+//!   kills the whole tree, including children that ignore SIGTERM or double-fork;
+//! - every descriptor init holds is close-on-exec and init is non-dumpable, so commands
+//!   cannot reach the channel through `/proc/1/fd`; signals from inside the pid
+//!   namespace cannot kill init either (the kernel protects a namespace's PID 1).
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{SigSet, SigmaskHow, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+
+use crate::cgroup::CgroupVersion;
+use crate::proto::{self, ExecExit, ExecSpec, Frame, FrameKind, InitError};
+use crate::seccomp::SeccompProfile;
+use crate::spec::SandboxSpec;
+
+/// Output init keeps queued for the edge before it stops reading command pipes.
+const MAX_QUEUED: usize = 8 << 20;
+/// Bytes read from a pipe at a time (and the largest output frame).
+const CHUNK: usize = 64 << 10;
+/// Pipe reads after a command's exit, to collect what it wrote just before exiting,
+/// without waiting on background processes that keep the pipe open.
+const DRAIN_READS: usize = 32;
+
+/// Sets up the sandbox and serves commands until the edge closes the channel; never
+/// returns. Runs in the child the zygote cloned into fresh namespaces.
+pub fn run(spec: &SandboxSpec, control: OwnedFd, seccomp: &SeccompProfile) -> ! {
+    let mut out = Vec::new();
+    let code = match prepare(spec) {
+        Ok(prepared) => {
+            proto::encode_json(
+                &mut out,
+                FrameKind::Ready,
+                0,
+                &proto::Ready {
+                    version: proto::VERSION,
+                },
+            );
+            let mut init = Init::new(control, prepared, seccomp, spec.cgroup_version, out);
+            init.serve();
+            0
+        }
+        Err(err) => {
+            proto::encode_json(&mut out, FrameKind::Error, 0, &err);
+            let _ = write_all_blocking(control.as_raw_fd(), &out);
+            1
+        }
+    };
+    // SAFETY: _exit(2) ends the process without running destructors of a forked image.
+    unsafe { libc::_exit(code) }
+}
+
+struct Prepared {
+    tracking: OwnedFd,
+    signals: SignalFd,
+    devnull: OwnedFd,
+}
+
+fn setup_error(stage: &str, err: impl std::fmt::Display, errno: Option<i32>) -> InitError {
+    InitError {
+        stage: stage.to_owned(),
+        errno,
+        message: err.to_string(),
+    }
+}
+
+fn io_setup_error(stage: &str, err: std::io::Error) -> InitError {
+    let errno = err.raw_os_error();
+    setup_error(stage, err, errno)
+}
+
+fn prepare(spec: &SandboxSpec) -> Result<Prepared, InitError> {
+    let io = io_setup_error;
+    // SAFETY: prctl(PR_SET_PDEATHSIG) takes integer arguments only.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+    // The zygote ignores SIGCHLD to auto-reap; init must see its children's status.
+    // SAFETY: restoring default dispositions; no handler code is involved.
+    unsafe {
+        libc::signal(libc::SIGCHLD, libc::SIG_DFL);
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
+    let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
+    for dir in &spec.cgroup_dirs {
+        std::fs::write(dir.join("cgroup.procs"), "0").map_err(|e| io("join cgroup", e))?;
+    }
+    let tracking = open_dir(&spec.tracking_cgroup).map_err(|e| io("open cgroup", e))?;
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWCGROUP)
+        .map_err(|e| setup_error("unshare cgroup namespace", e, Some(e as i32)))?;
+    crate::rootfs::setup(spec).map_err(|e| setup_error("rootfs", &e, None))?;
+    crate::rootfs::set_hostname(&spec.id).map_err(|e| io("sethostname", e))?;
+    crate::rootfs::loopback_up().map_err(|e| io("loopback", e))?;
+    let devnull = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+        .map_err(|e| io("open /dev/null", e))?;
+    for fd in 0..3 {
+        // SAFETY: dup2 onto the standard descriptors, which init owns.
+        unsafe { libc::dup2(devnull.as_raw_fd(), fd) };
+    }
+    // SAFETY: prctl(PR_SET_DUMPABLE) takes integer arguments only.
+    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGCHLD);
+    mask.thread_block()
+        .map_err(|e| setup_error("block SIGCHLD", e, Some(e as i32)))?;
+    let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .map_err(|e| setup_error("signalfd", e, Some(e as i32)))?;
+    Ok(Prepared {
+        tracking,
+        signals,
+        devnull: devnull.into(),
+    })
+}
+
+fn open_dir(path: &std::path::Path) -> std::io::Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    // SAFETY: c is a valid NUL-terminated path; the returned fd is checked.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_DIRECTORY | libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn write_all_blocking(fd: RawFd, mut data: &[u8]) -> std::io::Result<()> {
+    while !data.is_empty() {
+        // SAFETY: data points to data.len() initialised bytes.
+        let n = unsafe { libc::send(fd, data.as_ptr().cast(), data.len(), libc::MSG_NOSIGNAL) };
+        if n < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        data = &data[n as usize..];
+    }
+    Ok(())
+}
+
+/// Result of a non-blocking read.
+enum Read {
+    Data(usize),
+    WouldBlock,
+    Eof,
+}
+
+fn read_nonblocking(fd: RawFd, buf: &mut [u8]) -> Read {
+    loop {
+        // SAFETY: buf is a valid, writable buffer of buf.len() bytes.
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        if n > 0 {
+            return Read::Data(n as usize);
+        }
+        if n == 0 {
+            return Read::Eof;
+        }
+        match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EAGAIN) => return Read::WouldBlock,
+            _ => return Read::Eof,
+        }
+    }
+}
+
+fn set_nonblocking(fd: RawFd) {
+    // SAFETY: fcntl on a descriptor this process owns, integer arguments only.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+    }
+}
+
+fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    Ok(nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?)
+}
+
+/// One running command.
+struct Exec {
+    pid: i32,
+    cgroup: CString,
+    stdout: Option<OwnedFd>,
+    stderr: Option<OwnedFd>,
+    stdin: Option<OwnedFd>,
+    stdin_data: Vec<u8>,
+    stdin_sent: usize,
+    started: Instant,
+    deadline: Option<Instant>,
+    max_output: u64,
+    sent: [u64; 2],
+    truncated: bool,
+    timed_out: bool,
+    status: Option<WaitStatus>,
+}
+
+struct Init<'a> {
+    control: OwnedFd,
+    inbuf: Vec<u8>,
+    outbuf: Vec<u8>,
+    prepared: Prepared,
+    seccomp: &'a SeccompProfile,
+    cgroup_version: CgroupVersion,
+    execs: HashMap<u32, Exec>,
+    by_pid: HashMap<i32, u32>,
+    lingering: Vec<CString>,
+    scratch: Vec<u8>,
+}
+
+/// What a poll slot stands for.
+#[derive(Clone, Copy)]
+enum Slot {
+    Control,
+    Signals,
+    Stdout(u32),
+    Stderr(u32),
+    Stdin(u32),
+}
+
+impl<'a> Init<'a> {
+    fn new(
+        control: OwnedFd,
+        prepared: Prepared,
+        seccomp: &'a SeccompProfile,
+        cgroup_version: CgroupVersion,
+        outbuf: Vec<u8>,
+    ) -> Self {
+        set_nonblocking(control.as_raw_fd());
+        Init {
+            control,
+            inbuf: Vec::new(),
+            outbuf,
+            prepared,
+            seccomp,
+            cgroup_version,
+            execs: HashMap::new(),
+            by_pid: HashMap::new(),
+            lingering: Vec::new(),
+            scratch: vec![0; CHUNK],
+        }
+    }
+
+    fn serve(&mut self) {
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut slots: Vec<Slot> = Vec::new();
+        loop {
+            fds.clear();
+            slots.clear();
+            let mut add = |fd: RawFd, events: libc::c_short, slot: Slot| {
+                fds.push(libc::pollfd {
+                    fd,
+                    events,
+                    revents: 0,
+                });
+                slots.push(slot);
+            };
+            let control_events = if self.outbuf.is_empty() {
+                libc::POLLIN
+            } else {
+                libc::POLLIN | libc::POLLOUT
+            };
+            add(self.control.as_raw_fd(), control_events, Slot::Control);
+            add(
+                self.prepared.signals.as_raw_fd(),
+                libc::POLLIN,
+                Slot::Signals,
+            );
+            let reading = self.outbuf.len() < MAX_QUEUED;
+            for (id, ex) in &self.execs {
+                if reading {
+                    if let Some(fd) = &ex.stdout {
+                        add(fd.as_raw_fd(), libc::POLLIN, Slot::Stdout(*id));
+                    }
+                    if let Some(fd) = &ex.stderr {
+                        add(fd.as_raw_fd(), libc::POLLIN, Slot::Stderr(*id));
+                    }
+                }
+                if let Some(fd) = &ex.stdin {
+                    add(fd.as_raw_fd(), libc::POLLOUT, Slot::Stdin(*id));
+                }
+            }
+            let timeout = self.next_deadline().map_or(-1, |d| {
+                d.saturating_duration_since(Instant::now())
+                    .as_millis()
+                    .min(i32::MAX as u128) as i32
+                    + 1
+            });
+            // SAFETY: fds is a valid array of fds.len() pollfd structs.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+            if n < 0 {
+                continue;
+            }
+            for i in 0..fds.len() {
+                let revents = fds[i].revents;
+                if revents == 0 {
+                    continue;
+                }
+                match slots[i] {
+                    Slot::Control => {
+                        if revents & libc::POLLOUT != 0 {
+                            self.flush();
+                        }
+                        if revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+                            && !self.read_control()
+                        {
+                            return;
+                        }
+                    }
+                    Slot::Signals => self.reap(),
+                    Slot::Stdout(id) => self.pump_output(id, 0),
+                    Slot::Stderr(id) => self.pump_output(id, 1),
+                    Slot::Stdin(id) => self.pump_stdin(id),
+                }
+            }
+            self.expire_deadlines();
+            self.flush();
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.execs.values().filter_map(|e| e.deadline).min()
+    }
+
+    /// Reads and handles requests; false when the edge has gone.
+    fn read_control(&mut self) -> bool {
+        loop {
+            match read_nonblocking(self.control.as_raw_fd(), &mut self.scratch) {
+                Read::Data(n) => self.inbuf.extend_from_slice(&self.scratch[..n]),
+                Read::WouldBlock => break,
+                Read::Eof => return false,
+            }
+        }
+        loop {
+            match proto::decode(&mut self.inbuf) {
+                Ok(Some(frame)) => self.handle(frame),
+                Ok(None) => return true,
+                Err(_) => return false,
+            }
+        }
+    }
+
+    fn handle(&mut self, frame: Frame) {
+        match frame.kind {
+            FrameKind::Exec => match proto::decode_exec(&frame) {
+                Ok((spec, stdin)) => {
+                    let stdin = stdin.to_vec();
+                    self.start(frame.exec_id, spec, stdin);
+                }
+                Err(e) => self.send_error(frame.exec_id, "decode", None, e.to_string()),
+            },
+            FrameKind::Kill => {
+                if let Some(ex) = self.execs.get(&frame.exec_id) {
+                    kill_tree(
+                        &self.prepared.tracking,
+                        self.cgroup_version,
+                        &ex.cgroup,
+                        ex.pid,
+                    );
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn send_error(&mut self, exec_id: u32, stage: &str, errno: Option<i32>, message: String) {
+        proto::encode_json(
+            &mut self.outbuf,
+            FrameKind::Error,
+            exec_id,
+            &InitError {
+                stage: stage.to_owned(),
+                errno,
+                message,
+            },
+        );
+    }
+
+    fn start(&mut self, id: u32, spec: ExecSpec, stdin: Vec<u8>) {
+        match self.spawn(id, &spec, stdin) {
+            Ok(()) => {}
+            Err(Spawn::Setup(stage, errno, message)) => self.send_error(id, stage, errno, message),
+            Err(Spawn::Exec(errno)) => {
+                let err = std::io::Error::from_raw_os_error(errno);
+                let msg = format!(
+                    "dsec: cannot execute {:?}: {err}\n",
+                    spec.argv.first().map(String::as_str).unwrap_or_default()
+                );
+                proto::encode(&mut self.outbuf, FrameKind::Stderr, id, msg.as_bytes());
+                let code = if errno == libc::ENOENT { 127 } else { 126 };
+                proto::encode_json(
+                    &mut self.outbuf,
+                    FrameKind::Exit,
+                    id,
+                    &ExecExit {
+                        exit_code: Some(code),
+                        ..Default::default()
+                    },
+                );
+            }
+        }
+    }
+
+    fn spawn(&mut self, id: u32, spec: &ExecSpec, stdin: Vec<u8>) -> Result<(), Spawn> {
+        let launch = Launch::new(id, spec).map_err(|m| Spawn::Setup("spec", None, m))?;
+        let errno = |stage: &'static str| {
+            move |e: std::io::Error| Spawn::Setup(stage, e.raw_os_error(), e.to_string())
+        };
+        let cgroup = CString::new(format!("e{id}")).expect("no NUL");
+        // SAFETY: mkdirat with a directory fd init owns and a NUL-terminated name.
+        let rc =
+            unsafe { libc::mkdirat(self.prepared.tracking.as_raw_fd(), cgroup.as_ptr(), 0o755) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EEXIST) {
+                return Err(errno("create command cgroup")(e));
+            }
+        }
+        let (out_r, out_w) = pipe().map_err(errno("pipe"))?;
+        let (err_r, err_w) = pipe().map_err(errno("pipe"))?;
+        let (report_r, report_w) = pipe().map_err(errno("pipe"))?;
+        let stdin_pipe = if stdin.is_empty() {
+            None
+        } else {
+            Some(pipe().map_err(errno("pipe"))?)
+        };
+        let stdin_child = stdin_pipe
+            .as_ref()
+            .map_or(self.prepared.devnull.as_raw_fd(), |(r, _)| r.as_raw_fd());
+        let started = Instant::now();
+        // SAFETY: init is single-threaded, so the child may run arbitrary code.
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            return Err(errno("fork")(std::io::Error::last_os_error()));
+        }
+        if pid == 0 {
+            let fds = ChildFds {
+                stdin: stdin_child,
+                stdout: out_w.as_raw_fd(),
+                stderr: err_w.as_raw_fd(),
+                report: report_w.as_raw_fd(),
+                tracking: self.prepared.tracking.as_raw_fd(),
+            };
+            launch.exec_child(&fds, self.seccomp);
+        }
+        drop((out_w, err_w, report_w));
+        let stdin_w = stdin_pipe.map(|(r, w)| {
+            drop(r);
+            set_nonblocking(w.as_raw_fd());
+            w
+        });
+        // The report pipe closes on a successful execve (close-on-exec); otherwise the
+        // child wrote why it failed.
+        let mut report = [0u8; 8];
+        let mut got = 0;
+        while got < report.len() {
+            // SAFETY: reading into the remaining part of a local buffer.
+            let n = unsafe {
+                libc::read(
+                    report_r.as_raw_fd(),
+                    report[got..].as_mut_ptr().cast(),
+                    report.len() - got,
+                )
+            };
+            if n > 0 {
+                got += n as usize;
+            } else if n == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR)
+            {
+                break;
+            }
+        }
+        if got == report.len() {
+            let _ = waitpid(Pid::from_raw(pid), None);
+            self.remove_cgroup(cgroup);
+            let stage = u32::from_le_bytes(report[..4].try_into().expect("4 bytes"));
+            let err = i32::from_le_bytes(report[4..].try_into().expect("4 bytes"));
+            return Err(match ChildStage::from_u32(stage) {
+                ChildStage::Exec => Spawn::Exec(err),
+                other => Spawn::Setup(
+                    other.name(),
+                    Some(err),
+                    match other {
+                        ChildStage::Chdir => format!(
+                            "working directory {:?}: {}",
+                            spec.cwd,
+                            std::io::Error::from_raw_os_error(err)
+                        ),
+                        _ => std::io::Error::from_raw_os_error(err).to_string(),
+                    },
+                ),
+            });
+        }
+        set_nonblocking(out_r.as_raw_fd());
+        set_nonblocking(err_r.as_raw_fd());
+        self.by_pid.insert(pid, id);
+        self.execs.insert(
+            id,
+            Exec {
+                pid,
+                cgroup,
+                stdout: Some(out_r),
+                stderr: Some(err_r),
+                stdin: stdin_w,
+                stdin_data: stdin,
+                stdin_sent: 0,
+                started,
+                deadline: spec
+                    .timeout_ms
+                    .map(|ms| started + Duration::from_millis(ms)),
+                max_output: spec.max_output_bytes,
+                sent: [0, 0],
+                truncated: false,
+                timed_out: false,
+                status: None,
+            },
+        );
+        Ok(())
+    }
+
+    fn pump_output(&mut self, id: u32, stream: usize) {
+        let Some(ex) = self.execs.get_mut(&id) else {
+            return;
+        };
+        let pipe = if stream == 0 {
+            &mut ex.stdout
+        } else {
+            &mut ex.stderr
+        };
+        let Some(fd) = pipe.as_ref().map(AsRawFd::as_raw_fd) else {
+            return;
+        };
+        match read_nonblocking(fd, &mut self.scratch) {
+            Read::Data(n) => forward(&mut self.outbuf, id, ex, stream, &self.scratch[..n]),
+            Read::WouldBlock => {}
+            Read::Eof => *pipe = None,
+        }
+    }
+
+    fn pump_stdin(&mut self, id: u32) {
+        let Some(ex) = self.execs.get_mut(&id) else {
+            return;
+        };
+        let Some(fd) = ex.stdin.as_ref().map(AsRawFd::as_raw_fd) else {
+            return;
+        };
+        let rest = &ex.stdin_data[ex.stdin_sent..];
+        // SAFETY: rest points to rest.len() initialised bytes.
+        let n = unsafe { libc::write(fd, rest.as_ptr().cast(), rest.len()) };
+        if n > 0 {
+            ex.stdin_sent += n as usize;
+        }
+        let failed = n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EAGAIN);
+        if failed || ex.stdin_sent == ex.stdin_data.len() {
+            ex.stdin = None;
+            ex.stdin_data = Vec::new();
+        }
+    }
+
+    fn reap(&mut self) {
+        while let Ok(Some(_)) = self.prepared.signals.read_signal() {}
+        loop {
+            match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) | Err(_) => break,
+                Ok(status) => {
+                    let Some(pid) = status.pid() else { break };
+                    if let Some(id) = self.by_pid.remove(&pid.as_raw()) {
+                        if let Some(ex) = self.execs.get_mut(&id) {
+                            ex.status = Some(status);
+                        }
+                        self.finish(id);
+                    }
+                }
+            }
+        }
+        let lingering = std::mem::take(&mut self.lingering);
+        for cgroup in lingering {
+            self.remove_cgroup(cgroup);
+        }
+    }
+
+    /// Collects what the command wrote before exiting and reports its end.
+    fn finish(&mut self, id: u32) {
+        let Some(mut ex) = self.execs.remove(&id) else {
+            return;
+        };
+        for stream in 0..2 {
+            for _ in 0..DRAIN_READS {
+                let pipe = if stream == 0 { &ex.stdout } else { &ex.stderr };
+                let Some(fd) = pipe.as_ref().map(AsRawFd::as_raw_fd) else {
+                    break;
+                };
+                match read_nonblocking(fd, &mut self.scratch) {
+                    Read::Data(n) => {
+                        forward(&mut self.outbuf, id, &mut ex, stream, &self.scratch[..n])
+                    }
+                    Read::WouldBlock | Read::Eof => break,
+                }
+            }
+        }
+        let (exit_code, signal) = match ex.status {
+            Some(WaitStatus::Exited(_, code)) => (Some(code), None),
+            Some(WaitStatus::Signaled(_, sig, _)) => (Some(128 + sig as i32), Some(sig as i32)),
+            _ => (None, None),
+        };
+        let exit = ExecExit {
+            exit_code: if ex.timed_out { None } else { exit_code },
+            signal,
+            timed_out: ex.timed_out,
+            truncated: ex.truncated,
+            duration_us: ex.started.elapsed().as_micros() as u64,
+        };
+        proto::encode_json(&mut self.outbuf, FrameKind::Exit, id, &exit);
+        self.remove_cgroup(ex.cgroup);
+    }
+
+    /// Removes a command's cgroup, or keeps it for later while background processes it
+    /// started are still alive.
+    fn remove_cgroup(&mut self, cgroup: CString) {
+        // SAFETY: unlinkat with a directory fd init owns and a NUL-terminated name.
+        let rc = unsafe {
+            libc::unlinkat(
+                self.prepared.tracking.as_raw_fd(),
+                cgroup.as_ptr(),
+                libc::AT_REMOVEDIR,
+            )
+        };
+        if rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EBUSY) {
+            self.lingering.push(cgroup);
+        }
+    }
+
+    fn expire_deadlines(&mut self) {
+        let now = Instant::now();
+        for ex in self.execs.values_mut() {
+            if ex.deadline.is_some_and(|d| d <= now) {
+                ex.deadline = None;
+                ex.timed_out = true;
+                kill_tree(
+                    &self.prepared.tracking,
+                    self.cgroup_version,
+                    &ex.cgroup,
+                    ex.pid,
+                );
+            }
+        }
+    }
+
+    fn flush(&mut self) {
+        while !self.outbuf.is_empty() {
+            // SAFETY: outbuf holds outbuf.len() initialised bytes.
+            let n = unsafe {
+                libc::send(
+                    self.control.as_raw_fd(),
+                    self.outbuf.as_ptr().cast(),
+                    self.outbuf.len(),
+                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                )
+            };
+            if n <= 0 {
+                return;
+            }
+            self.outbuf.drain(..n as usize);
+        }
+    }
+}
+
+/// Queues output for the edge, up to the command's bound; the rest is dropped.
+fn forward(outbuf: &mut Vec<u8>, id: u32, ex: &mut Exec, stream: usize, data: &[u8]) {
+    let room = ex.max_output.saturating_sub(ex.sent[stream]) as usize;
+    let n = room.min(data.len());
+    if n < data.len() {
+        ex.truncated = true;
+    }
+    if n > 0 {
+        let kind = if stream == 0 {
+            FrameKind::Stdout
+        } else {
+            FrameKind::Stderr
+        };
+        proto::encode(outbuf, kind, id, &data[..n]);
+        ex.sent[stream] += n as u64;
+    }
+}
+
+/// Kills every process of a command: its cgroup (v2 `cgroup.kill`; v1 freeze, kill each
+/// member, thaw), and its process group as a first, cheap shot.
+fn kill_tree(tracking: &OwnedFd, version: CgroupVersion, cgroup: &CString, pid: i32) {
+    // SAFETY: kill(2) with integer arguments; -pid names the command's own process group.
+    unsafe { libc::kill(-pid, libc::SIGKILL) };
+    let dir = tracking.as_raw_fd();
+    let name = cgroup.to_string_lossy();
+    match version {
+        CgroupVersion::V2 => {
+            write_at(dir, &format!("{name}/cgroup.kill"), b"1");
+        }
+        CgroupVersion::V1 => {
+            write_at(dir, &format!("{name}/freezer.state"), b"FROZEN");
+            for _ in 0..100 {
+                let state = read_at(dir, &format!("{name}/freezer.state"));
+                if state.starts_with(b"FROZEN") || state.is_empty() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            let procs = read_at(dir, &format!("{name}/cgroup.procs"));
+            for pid in String::from_utf8_lossy(&procs)
+                .lines()
+                .filter_map(|l| l.trim().parse::<i32>().ok())
+            {
+                // SAFETY: kill(2) with integer arguments, on members of the command's cgroup.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            write_at(dir, &format!("{name}/freezer.state"), b"THAWED");
+        }
+    }
+}
+
+fn open_at(dir: RawFd, path: &str, flags: libc::c_int) -> Option<OwnedFd> {
+    let c = CString::new(path).ok()?;
+    // SAFETY: openat with a directory fd init owns and a NUL-terminated relative path.
+    let fd = unsafe { libc::openat(dir, c.as_ptr(), flags | libc::O_CLOEXEC) };
+    // SAFETY: a non-negative fd was just returned to us and has no other owner.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn write_at(dir: RawFd, path: &str, data: &[u8]) {
+    if let Some(fd) = open_at(dir, path, libc::O_WRONLY) {
+        // SAFETY: data points to data.len() initialised bytes.
+        unsafe { libc::write(fd.as_raw_fd(), data.as_ptr().cast(), data.len()) };
+    }
+}
+
+fn read_at(dir: RawFd, path: &str) -> Vec<u8> {
+    let Some(fd) = open_at(dir, path, libc::O_RDONLY) else {
+        return Vec::new();
+    };
+    let mut buf = vec![0u8; 4096];
+    let mut len = 0;
+    loop {
+        if len == buf.len() {
+            buf.resize(len * 2, 0);
+        }
+        // SAFETY: reading into the unused tail of buf.
+        let n = unsafe {
+            libc::read(
+                fd.as_raw_fd(),
+                buf[len..].as_mut_ptr().cast(),
+                buf.len() - len,
+            )
+        };
+        if n <= 0 {
+            break;
+        }
+        len += n as usize;
+    }
+    buf.truncate(len);
+    buf
+}
+
+/// Why a command could not be started.
+enum Spawn {
+    /// Before execve: bad spec, cgroup, chdir...; reported as an error.
+    Setup(&'static str, Option<i32>, String),
+    /// execve failed: reported like a shell does, exit 127 or 126.
+    Exec(i32),
+}
+
+/// The step of the child's preparation that failed, as written to the report pipe.
+#[derive(Clone, Copy)]
+#[repr(u32)]
+enum ChildStage {
+    Cgroup = 1,
+    Stdio = 2,
+    Chdir = 3,
+    Capabilities = 4,
+    Seccomp = 5,
+    Exec = 6,
+}
+
+impl ChildStage {
+    fn from_u32(v: u32) -> ChildStage {
+        match v {
+            1 => ChildStage::Cgroup,
+            2 => ChildStage::Stdio,
+            3 => ChildStage::Chdir,
+            4 => ChildStage::Capabilities,
+            5 => ChildStage::Seccomp,
+            _ => ChildStage::Exec,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            ChildStage::Cgroup => "join command cgroup",
+            ChildStage::Stdio => "set up stdio",
+            ChildStage::Chdir => "chdir",
+            ChildStage::Capabilities => "drop capabilities",
+            ChildStage::Seccomp => "install seccomp filter",
+            ChildStage::Exec => "exec",
+        }
+    }
+}
+
+struct ChildFds {
+    stdin: RawFd,
+    stdout: RawFd,
+    stderr: RawFd,
+    report: RawFd,
+    tracking: RawFd,
+}
+
+/// Everything the child needs, converted before `fork` so that the child only makes
+/// syscalls.
+struct Launch {
+    argv: Vec<CString>,
+    env: Vec<CString>,
+    candidates: Vec<CString>,
+    cwd: CString,
+    cgroup_procs: CString,
+}
+
+fn cstring(s: &str, what: &str) -> Result<CString, String> {
+    CString::new(s).map_err(|_| format!("{what} contains a NUL byte"))
+}
+
+impl Launch {
+    fn new(id: u32, spec: &ExecSpec) -> Result<Launch, String> {
+        let argv = spec
+            .argv
+            .iter()
+            .map(|a| cstring(a, "argument"))
+            .collect::<Result<Vec<_>, _>>()?;
+        let program = spec.argv.first().ok_or("empty command")?;
+        let env = spec
+            .env
+            .iter()
+            .map(|e| cstring(e, "environment"))
+            .collect::<Result<Vec<_>, _>>()?;
+        let candidates = if program.contains('/') {
+            vec![cstring(program, "program")?]
+        } else {
+            let path = spec
+                .env
+                .iter()
+                .find_map(|e| e.strip_prefix("PATH="))
+                .unwrap_or("/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin");
+            path.split(':')
+                .filter(|d| !d.is_empty())
+                .map(|d| cstring(&format!("{d}/{program}"), "program"))
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        Ok(Launch {
+            argv,
+            env,
+            candidates,
+            cwd: cstring(&spec.cwd, "working directory")?,
+            cgroup_procs: CString::new(format!("e{id}/cgroup.procs")).expect("no NUL"),
+        })
+    }
+
+    /// Runs in the forked child: joins the command's cgroup, wires stdio, enters the
+    /// working directory, drops privileges and execs. Reports a failing step through
+    /// the report pipe and exits.
+    fn exec_child(&self, fds: &ChildFds, seccomp: &SeccompProfile) -> ! {
+        let fail = |stage: ChildStage, errno: i32| -> ! {
+            let mut msg = [0u8; 8];
+            msg[..4].copy_from_slice(&(stage as u32).to_le_bytes());
+            msg[4..].copy_from_slice(&errno.to_le_bytes());
+            // SAFETY: writing a local buffer to our pipe, then leaving without unwinding.
+            unsafe {
+                libc::write(fds.report, msg.as_ptr().cast(), msg.len());
+                libc::_exit(127)
+            }
+        };
+        let last_errno = || std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+        let _ = nix::sys::signal::pthread_sigmask(
+            SigmaskHow::SIG_SETMASK,
+            Some(&SigSet::empty()),
+            None,
+        );
+        // SAFETY: restoring the default disposition before exec.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        // SAFETY: setsid(2) has no arguments.
+        unsafe { libc::setsid() };
+        match open_at(
+            fds.tracking,
+            &self.cgroup_procs.to_string_lossy(),
+            libc::O_WRONLY,
+        ) {
+            // SAFETY: writing two bytes from a static buffer.
+            Some(fd) if unsafe { libc::write(fd.as_raw_fd(), c"0".as_ptr().cast(), 1) } == 1 => {}
+            _ => fail(ChildStage::Cgroup, last_errno()),
+        }
+        let _ = std::fs::write("/proc/self/oom_score_adj", "0");
+        for (from, to) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
+            // SAFETY: dup2 between descriptors this process owns.
+            if unsafe { libc::dup2(from, to) } < 0 {
+                fail(ChildStage::Stdio, last_errno());
+            }
+        }
+        // SAFETY: cwd is a valid NUL-terminated string.
+        if unsafe { libc::chdir(self.cwd.as_ptr()) } < 0 {
+            fail(ChildStage::Chdir, last_errno());
+        }
+        if crate::caps::drop_to_default().is_err() {
+            fail(ChildStage::Capabilities, libc::EPERM);
+        }
+        if seccomp.apply().is_err() {
+            fail(ChildStage::Seccomp, last_errno());
+        }
+        let mut argv: Vec<*const libc::c_char> = self.argv.iter().map(|a| a.as_ptr()).collect();
+        argv.push(std::ptr::null());
+        let mut envp: Vec<*const libc::c_char> = self.env.iter().map(|e| e.as_ptr()).collect();
+        envp.push(std::ptr::null());
+        let mut errno = libc::ENOENT;
+        for path in &self.candidates {
+            // SAFETY: path, argv and envp are NUL-terminated and outlive the call.
+            unsafe { libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
+            let e = last_errno();
+            if e != libc::ENOENT && e != libc::ENOTDIR {
+                errno = e;
+            }
+        }
+        fail(ChildStage::Exec, errno)
+    }
+}

@@ -1,0 +1,22 @@
+//! dsec's native container runtime.
+//!
+//! The pieces, in the order a sandbox meets them:
+//! - [`zygote`]: a single-threaded helper process that `clone(2)`s each sandbox into new
+//!   mount, pid, uts, ipc and network namespaces — no `execve` on the create path;
+//! - [`init`]: the sandbox's PID 1 (a fork of the zygote): joins its [`cgroup`]s, builds
+//!   the [`rootfs`], then runs commands for the edge over the [`proto`] channel, with
+//!   [`caps`] dropped and the [`seccomp`] filter installed in each command;
+//! - [`container`]: the edge's async handle on a sandbox; [`files`]: confined file access
+//!   from the host side.
+#![warn(missing_docs)]
+
+pub mod caps;
+pub mod cgroup;
+pub mod container;
+pub mod files;
+pub mod init;
+pub mod proto;
+pub mod rootfs;
+pub mod seccomp;
+pub mod spec;
+pub mod zygote;

@@ -1,0 +1,254 @@
+//! The control protocol between the edge and a sandbox's init.
+//!
+//! The channel is one end of a `socketpair(AF_UNIX, SOCK_STREAM)` that init inherited at
+//! clone time. It has no name in any filesystem, init marks itself non-dumpable so
+//! `/proc/1/fd` is closed to the sandbox's processes, and every descriptor init holds is
+//! close-on-exec: nothing inside the sandbox can open, reach or forge it.
+//!
+//! Each frame is a 9-byte header — payload length (`u32` LE), kind (`u8`), exec id
+//! (`u32` LE) — followed by the payload. Output travels as raw bytes (no JSON escaping on
+//! the hot path); the few structured messages are JSON.
+
+use serde::{Deserialize, Serialize};
+
+/// Bumped on any incompatible change; init refuses a mismatching edge.
+pub const VERSION: u32 = 1;
+
+/// Bytes in a frame header.
+pub const HEADER_LEN: usize = 9;
+
+/// Largest payload a peer accepts; bounds memory against a corrupt stream.
+pub const MAX_PAYLOAD: usize = 256 << 20;
+
+/// What a frame carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// init → edge: setup finished; payload: JSON [`Ready`].
+    Ready = 1,
+    /// edge → init: run a command; payload: `u32` LE JSON length, JSON [`ExecSpec`], stdin.
+    Exec = 2,
+    /// edge → init: kill an exec's process tree (client went away).
+    Kill = 3,
+    /// init → edge: a chunk of standard output.
+    Stdout = 4,
+    /// init → edge: a chunk of standard error.
+    Stderr = 5,
+    /// init → edge: the command ended; payload: JSON [`ExecExit`].
+    Exit = 6,
+    /// init → edge: the command or the setup failed; payload: JSON [`InitError`].
+    Error = 7,
+}
+
+impl FrameKind {
+    fn from_u8(v: u8) -> Option<FrameKind> {
+        Some(match v {
+            1 => FrameKind::Ready,
+            2 => FrameKind::Exec,
+            3 => FrameKind::Kill,
+            4 => FrameKind::Stdout,
+            5 => FrameKind::Stderr,
+            6 => FrameKind::Exit,
+            7 => FrameKind::Error,
+            _ => return None,
+        })
+    }
+}
+
+/// A malformed frame: the peer is broken, the channel must be dropped.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtoError {
+    /// Unknown kind byte.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    /// Length over [`MAX_PAYLOAD`].
+    #[error("frame of {0} bytes exceeds the protocol limit")]
+    TooLarge(usize),
+    /// Structured payload did not parse.
+    #[error("malformed {kind:?} payload: {reason}")]
+    Payload {
+        /// Frame kind.
+        kind: FrameKind,
+        /// Parser message.
+        reason: String,
+    },
+}
+
+/// A decoded frame.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Frame {
+    /// What it carries.
+    pub kind: FrameKind,
+    /// Which exec it belongs to (0 for sandbox-wide frames).
+    pub exec_id: u32,
+    /// Raw payload.
+    pub payload: Vec<u8>,
+}
+
+/// Appends one frame to `out`.
+pub fn encode(out: &mut Vec<u8>, kind: FrameKind, exec_id: u32, payload: &[u8]) {
+    out.reserve(HEADER_LEN + payload.len());
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.push(kind as u8);
+    out.extend_from_slice(&exec_id.to_le_bytes());
+    out.extend_from_slice(payload);
+}
+
+/// Appends a frame whose payload is `value` as JSON.
+pub fn encode_json<T: Serialize>(out: &mut Vec<u8>, kind: FrameKind, exec_id: u32, value: &T) {
+    let json = serde_json::to_vec(value).expect("protocol types serialize");
+    encode(out, kind, exec_id, &json);
+}
+
+/// Removes and returns the first complete frame of `buf`, if there is one.
+pub fn decode(buf: &mut Vec<u8>) -> Result<Option<Frame>, ProtoError> {
+    if buf.len() < HEADER_LEN {
+        return Ok(None);
+    }
+    let len = u32::from_le_bytes(buf[0..4].try_into().expect("4 bytes")) as usize;
+    if len > MAX_PAYLOAD {
+        return Err(ProtoError::TooLarge(len));
+    }
+    let kind = FrameKind::from_u8(buf[4]).ok_or(ProtoError::UnknownKind(buf[4]))?;
+    if buf.len() < HEADER_LEN + len {
+        return Ok(None);
+    }
+    let exec_id = u32::from_le_bytes(buf[5..9].try_into().expect("4 bytes"));
+    let payload = buf[HEADER_LEN..HEADER_LEN + len].to_vec();
+    buf.drain(..HEADER_LEN + len);
+    Ok(Some(Frame {
+        kind,
+        exec_id,
+        payload,
+    }))
+}
+
+impl Frame {
+    /// Parses a JSON payload.
+    pub fn json<T: for<'de> Deserialize<'de>>(&self) -> Result<T, ProtoError> {
+        serde_json::from_slice(&self.payload).map_err(|e| ProtoError::Payload {
+            kind: self.kind,
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// Sent once by init when the sandbox can take commands.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ready {
+    /// [`VERSION`] of the init.
+    pub version: u32,
+}
+
+/// A command for init to run.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecSpec {
+    /// argv; `argv[0]` is looked up in the `PATH` of `env` when it has no `/`.
+    pub argv: Vec<String>,
+    /// The complete environment, `K=V`.
+    pub env: Vec<String>,
+    /// Working directory inside the sandbox.
+    pub cwd: String,
+    /// Kill the tree after this long.
+    pub timeout_ms: Option<u64>,
+    /// Bound on each output stream.
+    pub max_output_bytes: u64,
+}
+
+/// How a command ended.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecExit {
+    /// Exit status, or `128 + signal`; `None` when the timeout fired.
+    pub exit_code: Option<i32>,
+    /// The signal that killed the main process, if any.
+    pub signal: Option<i32>,
+    /// The timeout fired.
+    pub timed_out: bool,
+    /// Some output was discarded.
+    pub truncated: bool,
+    /// Wall time from fork to exit.
+    pub duration_us: u64,
+}
+
+/// Why init could not do what it was asked.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InitError {
+    /// Which step failed (`chdir`, `exec`, `setup`, ...).
+    pub stage: String,
+    /// `errno`, when a syscall failed.
+    pub errno: Option<i32>,
+    /// Human-readable explanation.
+    pub message: String,
+}
+
+/// Builds the payload of an [`FrameKind::Exec`] frame.
+pub fn encode_exec(out: &mut Vec<u8>, exec_id: u32, spec: &ExecSpec, stdin: &[u8]) {
+    let json = serde_json::to_vec(spec).expect("protocol types serialize");
+    let mut payload = Vec::with_capacity(4 + json.len() + stdin.len());
+    payload.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    payload.extend_from_slice(&json);
+    payload.extend_from_slice(stdin);
+    encode(out, FrameKind::Exec, exec_id, &payload);
+}
+
+/// Splits an [`FrameKind::Exec`] payload into the spec and stdin.
+pub fn decode_exec(frame: &Frame) -> Result<(ExecSpec, &[u8]), ProtoError> {
+    let bad = |reason: &str| ProtoError::Payload {
+        kind: FrameKind::Exec,
+        reason: reason.to_owned(),
+    };
+    let p = &frame.payload;
+    if p.len() < 4 {
+        return Err(bad("missing spec length"));
+    }
+    let n = u32::from_le_bytes(p[0..4].try_into().expect("4 bytes")) as usize;
+    let json = p.get(4..4 + n).ok_or_else(|| bad("spec past the end"))?;
+    let spec = serde_json::from_slice(json).map_err(|e| bad(&e.to_string()))?;
+    Ok((spec, &p[4 + n..]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_wait_for_completeness() {
+        let mut buf = Vec::new();
+        encode(&mut buf, FrameKind::Stdout, 7, b"hello");
+        encode_json(&mut buf, FrameKind::Ready, 0, &Ready { version: VERSION });
+        let mut partial = buf[..HEADER_LEN + 2].to_vec();
+        assert_eq!(decode(&mut partial).unwrap(), None);
+
+        let first = decode(&mut buf).unwrap().unwrap();
+        assert_eq!(first.kind, FrameKind::Stdout);
+        assert_eq!(first.exec_id, 7);
+        assert_eq!(first.payload, b"hello");
+        let second = decode(&mut buf).unwrap().unwrap();
+        assert_eq!(second.json::<Ready>().unwrap().version, VERSION);
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn exec_payload_carries_spec_and_stdin() {
+        let spec = ExecSpec {
+            argv: vec!["cat".into()],
+            cwd: "/".into(),
+            max_output_bytes: 10,
+            ..Default::default()
+        };
+        let mut buf = Vec::new();
+        encode_exec(&mut buf, 3, &spec, b"input");
+        let frame = decode(&mut buf).unwrap().unwrap();
+        let (got, stdin) = decode_exec(&frame).unwrap();
+        assert_eq!(got, spec);
+        assert_eq!(stdin, b"input");
+    }
+
+    #[test]
+    fn garbage_is_rejected() {
+        let mut buf = vec![0, 0, 0, 0, 99, 0, 0, 0, 0];
+        assert!(matches!(decode(&mut buf), Err(ProtoError::UnknownKind(99))));
+        let mut huge = vec![0xff, 0xff, 0xff, 0x7f, 4, 0, 0, 0, 0];
+        assert!(matches!(decode(&mut huge), Err(ProtoError::TooLarge(_))));
+    }
+}

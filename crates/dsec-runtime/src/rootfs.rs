@@ -1,0 +1,323 @@
+//! The sandbox's filesystem view, built by init inside its fresh mount namespace.
+//!
+//! Every mount made here belongs to the sandbox's mount namespace alone: the host never
+//! sees them, and the kernel drops them all when the sandbox's last process exits, so no
+//! crash of the server can leak a mount.
+//!
+//! Layout: a size-limited tmpfs holds the writable layer (`disk_mb` is its size, and its
+//! pages are charged to the sandbox's memory cgroup), an overlay stacks it over the
+//! image's read-only layers, then `/proc`, a minimal `/dev` and a read-only `/sys` go on
+//! top, with runc's masked and read-only paths, and `pivot_root` makes it `/`.
+
+use std::fs;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+
+use crate::spec::SandboxSpec;
+
+/// A step of the root filesystem setup failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{step} {path}: {source}")]
+pub struct RootfsError {
+    step: &'static str,
+    path: PathBuf,
+    source: std::io::Error,
+}
+
+trait Step<T> {
+    fn step(self, step: &'static str, path: &Path) -> Result<T, RootfsError>;
+}
+
+impl<T, E: Into<std::io::Error>> Step<T> for Result<T, E> {
+    fn step(self, step: &'static str, path: &Path) -> Result<T, RootfsError> {
+        self.map_err(|e| RootfsError {
+            step,
+            path: path.to_owned(),
+            source: e.into(),
+        })
+    }
+}
+
+/// Paths hidden from the sandbox (runc's defaults, plus the kpage* files that expose
+/// host physical memory layout).
+const MASKED_PATHS: &[&str] = &[
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/interrupts",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/kpagecgroup",
+    "/proc/kpagecount",
+    "/proc/kpageflags",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+];
+
+/// Paths the sandbox may read but not write (runc's defaults).
+const READONLY_PATHS: &[&str] = &[
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+];
+
+/// Device nodes of the minimal `/dev`: name, major, minor.
+const DEVICES: &[(&str, u64, u64)] = &[
+    ("null", 1, 3),
+    ("zero", 1, 5),
+    ("full", 1, 7),
+    ("random", 1, 8),
+    ("urandom", 1, 9),
+    ("tty", 5, 0),
+];
+
+const NOSUID_NODEV_NOEXEC: MsFlags = MsFlags::MS_NOSUID
+    .union(MsFlags::MS_NODEV)
+    .union(MsFlags::MS_NOEXEC);
+
+/// Builds the sandbox's root and pivots into it. Runs in init, in the new namespaces.
+pub fn setup(spec: &SandboxSpec) -> Result<(), RootfsError> {
+    let root = Path::new("/");
+    mount(
+        None::<&str>,
+        root,
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .step("make private", root)?;
+
+    let rw = spec.dir.join("rw");
+    let rootfs = spec.dir.join("rootfs");
+    let size = format!("size={},mode=0755", spec.disk_bytes);
+    mount(
+        Some("tmpfs"),
+        &rw,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some(size.as_str()),
+    )
+    .step("mount writable layer on", &rw)?;
+    let (upper, work) = (rw.join("upper"), rw.join("work"));
+    fs::create_dir(&upper).step("mkdir", &upper)?;
+    fs::create_dir(&work).step("mkdir", &work)?;
+    let lower: Vec<String> = spec
+        .layers
+        .iter()
+        .map(|l| l.to_string_lossy().into_owned())
+        .collect();
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.join(":"),
+        upper.display(),
+        work.display()
+    );
+    mount(
+        Some("overlay"),
+        &rootfs,
+        Some("overlay"),
+        MsFlags::empty(),
+        Some(opts.as_str()),
+    )
+    .step("mount overlay on", &rootfs)?;
+
+    mount_proc_dev_sys(&rootfs)?;
+    for path in MASKED_PATHS {
+        mask(&rootfs, path)?;
+    }
+    for path in READONLY_PATHS {
+        make_readonly(&rootfs.join(&path[1..]))?;
+    }
+    pivot(&rootfs)
+}
+
+fn mount_proc_dev_sys(rootfs: &Path) -> Result<(), RootfsError> {
+    let proc_dir = ensure_dir(&rootfs.join("proc"))?;
+    mount(
+        Some("proc"),
+        &proc_dir,
+        Some("proc"),
+        NOSUID_NODEV_NOEXEC,
+        None::<&str>,
+    )
+    .step("mount proc on", &proc_dir)?;
+
+    let dev = ensure_dir(&rootfs.join("dev"))?;
+    mount(
+        Some("tmpfs"),
+        &dev,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME,
+        Some("mode=755,size=65536"),
+    )
+    .step("mount tmpfs on", &dev)?;
+    for (name, major, minor) in DEVICES {
+        let node = dev.join(name);
+        mknod(
+            &node,
+            SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o666),
+            makedev(*major, *minor),
+        )
+        .step("mknod", &node)?;
+        // mknod honours the umask; the nodes must be usable by every uid.
+        nix::sys::stat::fchmodat(
+            nix::fcntl::AT_FDCWD,
+            &node,
+            Mode::from_bits_truncate(0o666),
+            nix::sys::stat::FchmodatFlags::FollowSymlink,
+        )
+        .step("chmod", &node)?;
+    }
+    for (link, target) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+    ] {
+        let path = dev.join(link);
+        symlink(target, &path).step("symlink", &path)?;
+    }
+    let pts = ensure_dir(&dev.join("pts"))?;
+    mount(
+        Some("devpts"),
+        &pts,
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620"),
+    )
+    .step("mount devpts on", &pts)?;
+    let shm = ensure_dir(&dev.join("shm"))?;
+    mount(
+        Some("shm"),
+        &shm,
+        Some("tmpfs"),
+        NOSUID_NODEV_NOEXEC,
+        Some("mode=1777,size=67108864"),
+    )
+    .step("mount tmpfs on", &shm)?;
+
+    let sys = ensure_dir(&rootfs.join("sys"))?;
+    mount(
+        Some("sysfs"),
+        &sys,
+        Some("sysfs"),
+        NOSUID_NODEV_NOEXEC | MsFlags::MS_RDONLY,
+        None::<&str>,
+    )
+    .step("mount sysfs on", &sys)?;
+    Ok(())
+}
+
+/// Creates a mount point the image may lack; the write lands in the sandbox's upper
+/// layer, never in the shared image.
+fn ensure_dir(path: &Path) -> Result<PathBuf, RootfsError> {
+    match fs::create_dir(path) {
+        Ok(()) => Ok(path.to_owned()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(path.to_owned()),
+        Err(e) => Err(e).step("mkdir", path),
+    }
+}
+
+fn mask(rootfs: &Path, path: &str) -> Result<(), RootfsError> {
+    let target = rootfs.join(&path[1..]);
+    let Ok(meta) = fs::symlink_metadata(&target) else {
+        return Ok(());
+    };
+    if meta.is_dir() {
+        mount(
+            Some("tmpfs"),
+            &target,
+            Some("tmpfs"),
+            MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC,
+            Some("size=0"),
+        )
+        .step("mask", &target)
+    } else {
+        mount(
+            Some(&rootfs.join("dev/null")),
+            &target,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .step("mask", &target)
+    }
+}
+
+fn make_readonly(target: &Path) -> Result<(), RootfsError> {
+    if fs::symlink_metadata(target).is_err() {
+        return Ok(());
+    }
+    mount(
+        Some(target),
+        target,
+        None::<&str>,
+        MsFlags::MS_BIND | MsFlags::MS_REC,
+        None::<&str>,
+    )
+    .step("bind", target)?;
+    mount(
+        None::<&str>,
+        target,
+        None::<&str>,
+        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC,
+        None::<&str>,
+    )
+    .step("remount read-only", target)
+}
+
+/// `pivot_root(".", ".")` then detaching the old root, as runc does: no temporary
+/// directory is needed inside the image.
+fn pivot(rootfs: &Path) -> Result<(), RootfsError> {
+    nix::unistd::chdir(rootfs).step("chdir", rootfs)?;
+    nix::unistd::pivot_root(".", ".").step("pivot_root", rootfs)?;
+    umount2(".", MntFlags::MNT_DETACH).step("detach old root", rootfs)?;
+    nix::unistd::chdir("/").step("chdir", Path::new("/"))?;
+    Ok(())
+}
+
+/// Brings up `lo` in the sandbox's new network namespace.
+pub fn loopback_up() -> std::io::Result<()> {
+    // SAFETY: socket(2) with constant arguments; the result is checked below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd was just returned by socket(2) and nothing else owns it.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain old data; all-zeroes is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in ifr.ifr_name.iter_mut().zip(c"lo".to_bytes_with_nul()) {
+        *dst = *src as libc::c_char;
+    }
+    ifr.ifr_ifru.ifru_flags = (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+    // SAFETY: SIOCSIFFLAGS reads a valid, initialised ifreq that outlives the call.
+    let rc = unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            libc::SIOCSIFFLAGS,
+            &ifr,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sets the hostname inside the sandbox's UTS namespace.
+pub fn set_hostname(name: &str) -> std::io::Result<()> {
+    nix::unistd::sethostname(name)?;
+    Ok(())
+}

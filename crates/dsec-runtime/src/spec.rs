@@ -1,0 +1,27 @@
+//! What the edge tells the zygote about a sandbox to create.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::cgroup::CgroupVersion;
+
+/// Everything init needs to build a sandbox; sent to the zygote as JSON.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SandboxSpec {
+    /// Sandbox id; also its hostname.
+    pub id: String,
+    /// `<state>/sandboxes/<id>`: `rootfs/` (overlay mount point) and `rw/` (writable
+    /// layer tmpfs) live here. Both mounts exist only in the sandbox's mount namespace.
+    pub dir: PathBuf,
+    /// Image layer directories, topmost first (overlayfs `lowerdir` order).
+    pub layers: Vec<PathBuf>,
+    /// Size of the writable layer.
+    pub disk_bytes: u64,
+    /// Cgroup directories init joins before anything else.
+    pub cgroup_dirs: Vec<PathBuf>,
+    /// Cgroup directory under which each command gets its own child.
+    pub tracking_cgroup: PathBuf,
+    /// How to kill a command's cgroup.
+    pub cgroup_version: CgroupVersion,
+}

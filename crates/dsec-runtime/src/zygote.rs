@@ -1,0 +1,262 @@
+//! The zygote: a small single-threaded process that clones sandboxes.
+//!
+//! The server is multi-threaded (tokio), and a fork of a multi-threaded process may only
+//! call async-signal-safe functions until it execs — far too little to build a sandbox.
+//! runc pays for that with a fresh `execve` of itself per container. dsec instead starts
+//! one zygote at server start (`dsec __zygote`, a re-exec of the server binary) whose only
+//! job is to `clone(2)` a child into new namespaces on request: the child is a copy of a
+//! single-threaded process, so it can run ordinary Rust code as the sandbox's init, with
+//! the seccomp program already compiled, and no `execve` on the create path at all.
+//!
+//! Requests travel over a `SOCK_SEQPACKET` socketpair (one JSON [`SandboxSpec`] per
+//! message); each reply carries the init's host pid and, as `SCM_RIGHTS`, the edge's end of
+//! the new sandbox's control channel. The zygote dies with the server (`PDEATHSIG`), and
+//! each init dies with the zygote, so a killed server takes its sandboxes along.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+
+use nix::sys::socket::{
+    recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags,
+    SockFlag, SockType,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::seccomp::SeccompProfile;
+use crate::spec::SandboxSpec;
+
+/// The hidden argument that turns the `dsec` binary into a zygote.
+pub const ZYGOTE_ARG: &str = "__zygote";
+
+/// The descriptor number the zygote finds its socket at.
+const ZYGOTE_FD: RawFd = 3;
+
+/// Largest request or reply.
+const MAX_MESSAGE: usize = 1 << 20;
+
+/// Talking to the zygote failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ZygoteError {
+    /// Starting the zygote process failed.
+    #[error("starting the zygote: {0}")]
+    Spawn(#[source] std::io::Error),
+    /// The socket to the zygote failed: the zygote died.
+    #[error("zygote channel: {0}")]
+    Channel(#[source] nix::Error),
+    /// The zygote could not clone the sandbox.
+    #[error("cloning the sandbox: {0}")]
+    Clone(String),
+    /// A reply did not parse.
+    #[error("malformed reply from the zygote")]
+    Malformed,
+}
+
+#[derive(Serialize, Deserialize)]
+enum Reply {
+    Created { pid: i32 },
+    Failed { message: String },
+}
+
+/// The server's handle on its zygote.
+pub struct Zygote {
+    socket: Mutex<OwnedFd>,
+    child: Mutex<Child>,
+}
+
+impl Zygote {
+    /// Starts `exe __zygote`. Call it from the thread that lives as long as the server
+    /// (the main thread): `PDEATHSIG` fires when the *thread* that forked exits.
+    pub fn spawn(exe: &Path) -> Result<Zygote, ZygoteError> {
+        let (ours, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(|e| ZygoteError::Spawn(e.into()))?;
+        let theirs_raw = theirs.as_raw_fd();
+        let mut cmd = Command::new(exe);
+        cmd.arg(ZYGOTE_ARG).stdin(Stdio::null());
+        // SAFETY: the closure runs between fork and exec and only makes syscalls.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::dup2(theirs_raw, ZYGOTE_FD) < 0
+                    || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) < 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().map_err(ZygoteError::Spawn)?;
+        drop(theirs);
+        Ok(Zygote {
+            socket: Mutex::new(ours),
+            child: Mutex::new(child),
+        })
+    }
+
+    /// Clones a sandbox. Returns init's host pid and the edge's end of the control
+    /// channel. Blocking; the zygote answers in well under a millisecond.
+    pub fn create(&self, spec: &SandboxSpec) -> Result<(i32, OwnedFd), ZygoteError> {
+        let request = serde_json::to_vec(spec).expect("spec serializes");
+        let socket = self.socket.lock().expect("zygote lock");
+        sendmsg::<()>(
+            socket.as_raw_fd(),
+            &[IoSlice::new(&request)],
+            &[],
+            MsgFlags::empty(),
+            None,
+        )
+        .map_err(ZygoteError::Channel)?;
+        let mut buf = vec![0u8; 4096];
+        let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let msg = recvmsg::<()>(
+            socket.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )
+        .map_err(ZygoteError::Channel)?;
+        let mut fd = None;
+        for c in msg.cmsgs().map_err(ZygoteError::Channel)? {
+            if let ControlMessageOwned::ScmRights(fds) = c {
+                // SAFETY: SCM_RIGHTS installed these descriptors in this process for us.
+                fd = fds.first().map(|f| unsafe { OwnedFd::from_raw_fd(*f) });
+            }
+        }
+        let len = msg.bytes;
+        if len == 0 {
+            return Err(ZygoteError::Channel(nix::Error::EPIPE));
+        }
+        match serde_json::from_slice(&buf[..len]).map_err(|_| ZygoteError::Malformed)? {
+            Reply::Created { pid } => Ok((pid, fd.ok_or(ZygoteError::Malformed)?)),
+            Reply::Failed { message } => Err(ZygoteError::Clone(message)),
+        }
+    }
+}
+
+impl Drop for Zygote {
+    fn drop(&mut self) {
+        if let Ok(mut child) = self.child.lock() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The namespaces every sandbox gets at clone time; the cgroup namespace follows once
+/// init has joined its cgroups.
+const CLONE_FLAGS: libc::c_int = libc::CLONE_NEWNS
+    | libc::CLONE_NEWPID
+    | libc::CLONE_NEWUTS
+    | libc::CLONE_NEWIPC
+    | libc::CLONE_NEWNET;
+
+/// The zygote's main loop, entered by `dsec __zygote`. Never returns: exits when the
+/// server closes its end.
+pub fn serve() -> ! {
+    // SAFETY: fd 3 was placed there by `Zygote::spawn` for this process alone.
+    let socket = unsafe { OwnedFd::from_raw_fd(ZYGOTE_FD) };
+    // SAFETY: fcntl with integer arguments on our own descriptor.
+    unsafe { libc::fcntl(ZYGOTE_FD, libc::F_SETFD, libc::FD_CLOEXEC) };
+    let seccomp = match SeccompProfile::docker_default() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("dsec zygote: {e}");
+            std::process::exit(1)
+        }
+    };
+    // Inits are reaped by the kernel: the edge learns of their end from the channel.
+    // SAFETY: setting a disposition, no handler code involved.
+    unsafe { libc::signal(libc::SIGCHLD, libc::SIG_IGN) };
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    loop {
+        // SAFETY: buf is a writable buffer of buf.len() bytes.
+        let n = unsafe { libc::recv(socket.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+            continue;
+        }
+        if n <= 0 {
+            std::process::exit(0);
+        }
+        let (reply, fd) = match serde_json::from_slice::<SandboxSpec>(&buf[..n as usize]) {
+            Ok(spec) => match clone_sandbox(&spec, &socket, &seccomp) {
+                Ok((pid, fd)) => (Reply::Created { pid }, Some(fd)),
+                Err(e) => (
+                    Reply::Failed {
+                        message: e.to_string(),
+                    },
+                    None,
+                ),
+            },
+            Err(e) => (
+                Reply::Failed {
+                    message: format!("bad request: {e}"),
+                },
+                None,
+            ),
+        };
+        let json = serde_json::to_vec(&reply).expect("reply serializes");
+        let fds: Vec<RawFd> = fd.iter().map(AsRawFd::as_raw_fd).collect();
+        let cmsgs = if fds.is_empty() {
+            vec![]
+        } else {
+            vec![ControlMessage::ScmRights(&fds)]
+        };
+        if sendmsg::<()>(
+            socket.as_raw_fd(),
+            &[IoSlice::new(&json)],
+            &cmsgs,
+            MsgFlags::empty(),
+            None,
+        )
+        .is_err()
+        {
+            std::process::exit(0);
+        }
+    }
+}
+
+fn clone_sandbox(
+    spec: &SandboxSpec,
+    zygote_socket: &OwnedFd,
+    seccomp: &SeccompProfile,
+) -> std::io::Result<(i32, OwnedFd)> {
+    let (edge_end, init_end) = socketpair(
+        AddressFamily::Unix,
+        SockType::Stream,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )?;
+    // SAFETY: clone(2) without CLONE_VM and with a null stack behaves like fork(2): the
+    // child gets a private copy of this single-threaded process and continues on it.
+    let pid = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            (CLONE_FLAGS | libc::SIGCHLD) as libc::c_ulong,
+            std::ptr::null_mut::<libc::c_void>(),
+            std::ptr::null_mut::<libc::c_int>(),
+            std::ptr::null_mut::<libc::c_int>(),
+            0 as libc::c_ulong,
+        )
+    };
+    if pid < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if pid == 0 {
+        // SAFETY: the child owns copies of these descriptors; closing them is local.
+        unsafe {
+            libc::close(zygote_socket.as_raw_fd());
+            libc::close(edge_end.as_raw_fd());
+        }
+        std::mem::forget(edge_end);
+        crate::init::run(spec, init_end, seccomp);
+    }
+    Ok((pid as i32, edge_end))
+}

@@ -1,0 +1,540 @@
+//! HTTP routes under `/v1`, plus `/healthz`, `/metrics` and `/openapi.json`.
+//!
+//! Handlers are thin: they parse (through [`ApiJson`], which turns every body rejection
+//! into a JSON error naming the field), call the [`Edge`], and encode.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::{BytesRejection, JsonRejection};
+use axum::extract::{FromRequest, Path, Query, RawQuery, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use dsec_api::{
+    CommandResult, CreateSandboxRequest, ErrorBody, ErrorKind, ExecRequest, FileInfo, ImageInfo,
+    ImportImageRequest, SandboxInfo, StreamEvent,
+};
+use futures::StreamExt;
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::Deserialize;
+use utoipa::OpenApi;
+
+use crate::backend::{Output, OutputStream};
+use crate::edge::Edge;
+use crate::error::ApiError;
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    /// The sandboxes.
+    pub edge: Arc<Edge>,
+    /// Renders `/metrics`.
+    pub metrics: PrometheusHandle,
+    /// Bearer token, when the server requires one.
+    pub token: Option<Arc<str>>,
+}
+
+/// `Json<T>` whose rejections are dsec errors: 400 naming the field, 413 when too large.
+pub struct ApiJson<T>(pub T);
+
+fn body_error(status: StatusCode, text: String) -> ApiError {
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::new(
+            ErrorKind::PayloadTooLarge,
+            "request body exceeds the server's upload limit (dsec serve --max-upload-mb)",
+        )
+    } else {
+        ApiError::invalid(text)
+    }
+}
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(v)) => Ok(ApiJson(v)),
+            Err(rejection) => {
+                let rejection: JsonRejection = rejection;
+                Err(body_error(rejection.status(), rejection.body_text()))
+            }
+        }
+    }
+}
+
+/// A raw body whose rejections are dsec errors.
+pub struct ApiBytes(pub Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for ApiBytes {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        Bytes::from_request(req, state)
+            .await
+            .map(ApiBytes)
+            .map_err(|r: BytesRejection| body_error(r.status(), r.body_text()))
+    }
+}
+
+/// Builds the router.
+pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
+    let v1 = Router::new()
+        .route("/sandboxes", post(create_sandbox).get(list_sandboxes))
+        .route("/sandboxes/{id}", get(get_sandbox).delete(delete_sandbox))
+        .route("/sandboxes/{id}/exec", post(exec))
+        .route("/sandboxes/{id}/exec/stream", post(exec_stream))
+        .route("/sandboxes/{id}/files", get(read_file).put(write_file))
+        .route("/sandboxes/{id}/files/list", get(list_files))
+        .route("/images", post(import_image).get(list_images))
+        .route("/images/{*name}", get(get_image).delete(delete_image))
+        .fallback(|| async { ApiError::not_found("no such API route") });
+    Router::new()
+        .nest("/v1", v1)
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate))
+        .route("/healthz", get(healthz))
+        .layer(axum::extract::DefaultBodyLimit::max(max_upload_bytes))
+        .with_state(state)
+}
+
+async fn authenticate(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    request: Request,
+    next: Next,
+) -> Response {
+    if let Some(token) = &state.token {
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or_default();
+        if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
+            return ApiError::new(
+                ErrorKind::Unauthorized,
+                "missing or wrong bearer token (set DSEC_TOKEN or pass token=)",
+            )
+            .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// Compares without an early exit, so response timing does not reveal the token.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[utoipa::path(get, path = "/healthz", responses((status = 200, description = "The server is up")))]
+async fn healthz() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"status": "ok"}))
+}
+
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    state.edge.publish_gauges();
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+}
+
+async fn openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandboxRequest,
+    responses((status = 201, body = SandboxInfo), (status = 400, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
+async fn create_sandbox(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<CreateSandboxRequest>,
+) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
+    Ok((StatusCode::CREATED, Json(state.edge.create(req).await?)))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes",
+    params(("label" = Option<Vec<String>>, Query, description = "k=v; repeatable; all must match")),
+    responses((status = 200, body = [SandboxInfo])))]
+async fn list_sandboxes(
+    State(state): State<AppState>,
+    RawQuery(query): RawQuery,
+) -> Result<Json<Vec<SandboxInfo>>, ApiError> {
+    let mut labels = Vec::new();
+    for (key, value) in form_pairs(query.as_deref().unwrap_or_default()) {
+        if key != "label" {
+            continue;
+        }
+        let (k, v) = value.split_once('=').ok_or_else(|| {
+            ApiError::invalid(format!("label filter {value:?} must look like key=value"))
+        })?;
+        labels.push((k.to_owned(), v.to_owned()));
+    }
+    Ok(Json(state.edge.list(&labels)))
+}
+
+/// Decodes `a=1&b=2`, keeping repeated keys.
+fn form_pairs(query: &str) -> Vec<(String, String)> {
+    form_urlencoded::parse(query.as_bytes())
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect()
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}",
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorBody)))]
+async fn get_sandbox(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    Ok(Json(state.edge.get(&id)?))
+}
+
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}",
+    responses((status = 204), (status = 404, body = ErrorBody)))]
+async fn delete_sandbox(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    state.edge.stop(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Turns output chunks into UTF-8 text without splitting a character across chunks.
+#[derive(Default)]
+struct Utf8Decoder {
+    pending: Vec<u8>,
+}
+
+impl Utf8Decoder {
+    fn push(&mut self, data: &[u8]) -> String {
+        self.pending.extend_from_slice(data);
+        let keep = incomplete_tail(&self.pending);
+        let rest = self.pending.split_off(self.pending.len() - keep);
+        let text = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending = rest;
+        text
+    }
+
+    fn finish(&mut self) -> String {
+        let text = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        text
+    }
+}
+
+/// Length of a trailing, possibly incomplete UTF-8 sequence.
+fn incomplete_tail(bytes: &[u8]) -> usize {
+    for back in 1..=3.min(bytes.len()) {
+        let b = bytes[bytes.len() - back];
+        if b & 0xC0 != 0x80 {
+            let need = match b {
+                0xC0..=0xDF => 2,
+                0xE0..=0xEF => 3,
+                0xF0..=0xF7 => 4,
+                _ => 1,
+            };
+            return if need > back { back } else { 0 };
+        }
+    }
+    0
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", request_body = ExecRequest,
+    responses((status = 200, body = CommandResult), (status = 400, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 413, body = ErrorBody)))]
+async fn exec(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<ExecRequest>,
+) -> Result<Json<CommandResult>, ApiError> {
+    let started = Instant::now();
+    let mut stream = state.edge.exec(&id, req).await?;
+    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+    let mut result = CommandResult::default();
+    while let Some(event) = stream.next().await {
+        match event? {
+            Output::Stdout(d) => stdout.extend_from_slice(&d),
+            Output::Stderr(d) => stderr.extend_from_slice(&d),
+            Output::Exit(exit) => {
+                result.exit_code = exit.exit_code;
+                result.timed_out = exit.timed_out;
+                result.truncated = exit.truncated;
+                result.oom_killed = exit.oom_killed;
+                result.duration_ms = exit.duration_ms;
+            }
+        }
+    }
+    result.stdout = String::from_utf8_lossy(&stdout).into_owned();
+    result.stderr = String::from_utf8_lossy(&stderr).into_owned();
+    state.edge.record_exec(&id, started.elapsed().as_secs_f64());
+    Ok(Json(result))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec/stream", request_body = ExecRequest,
+    responses((status = 200, description = "NDJSON (or SSE) of StreamEvent", body = StreamEvent),
+              (status = 404, body = ErrorBody)))]
+async fn exec_stream(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<ExecRequest>,
+) -> Result<Response, ApiError> {
+    let sse = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("text/event-stream"));
+    let stream = state.edge.exec(&id, req).await?;
+    let decoders = (Utf8Decoder::default(), Utf8Decoder::default());
+    let events = futures::stream::unfold(
+        (Some(stream), decoders),
+        |(stream, mut dec): (Option<Box<dyn OutputStream>>, (Utf8Decoder, Utf8Decoder))| async move {
+            let mut stream = stream?;
+            let event = match stream.next().await? {
+                Ok(Output::Stdout(d)) => StreamEvent::Stdout { data: dec.0.push(&d) },
+                Ok(Output::Stderr(d)) => StreamEvent::Stderr { data: dec.1.push(&d) },
+                Ok(Output::Exit(exit)) => {
+                    let mut tail = Vec::new();
+                    for (text, is_out) in [(dec.0.finish(), true), (dec.1.finish(), false)] {
+                        if !text.is_empty() {
+                            tail.push(if is_out {
+                                StreamEvent::Stdout { data: text }
+                            } else {
+                                StreamEvent::Stderr { data: text }
+                            });
+                        }
+                    }
+                    tail.push(StreamEvent::Exit {
+                        exit_code: exit.exit_code,
+                        timed_out: exit.timed_out,
+                        truncated: exit.truncated,
+                        oom_killed: exit.oom_killed,
+                        duration_ms: exit.duration_ms,
+                    });
+                    return Some((tail, (None, dec)));
+                }
+                Err(e) => {
+                    return Some((
+                        vec![StreamEvent::Stderr {
+                            data: format!("dsec: {}\n", e.message),
+                        }],
+                        (None, dec),
+                    ))
+                }
+            };
+            Some((vec![event], (Some(stream), dec)))
+        },
+    )
+    .flat_map(futures::stream::iter)
+    .map(move |event| {
+        let json = serde_json::to_string(&event).expect("events serialize");
+        let line = if sse {
+            format!("data: {json}\n\n")
+        } else {
+            format!("{json}\n")
+        };
+        Ok::<_, Infallible>(Bytes::from(line))
+    });
+    let content_type = if sse {
+        "text/event-stream"
+    } else {
+        "application/x-ndjson"
+    };
+    Ok((
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(events),
+    )
+        .into_response())
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+struct PathQuery {
+    /// Absolute path inside the sandbox.
+    path: String,
+    /// Permission bits for a written file (decimal, e.g. 420 for 0644).
+    mode: Option<u32>,
+}
+
+fn path_query(
+    query: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<PathQuery, ApiError> {
+    query
+        .map(|Query(q)| q)
+        .map_err(|e| ApiError::invalid(e.body_text()))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(PathQuery),
+    responses((status = 200, description = "The file's bytes", content_type = "application/octet-stream"),
+              (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+async fn read_file(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    query: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let q = path_query(query)?;
+    let file = state.edge.read_file(&id, &q.path).await?;
+    let len = file.metadata().map(|m| m.len()).ok();
+    let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::from_std(file));
+    let mut response = Response::new(Body::from_stream(stream));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/octet-stream"),
+    );
+    if let Some(len) = len {
+        response
+            .headers_mut()
+            .insert(header::CONTENT_LENGTH, header::HeaderValue::from(len));
+    }
+    Ok(response)
+}
+
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/files", params(PathQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 204), (status = 400, body = ErrorBody), (status = 413, body = ErrorBody)))]
+async fn write_file(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    query: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    ApiBytes(body): ApiBytes,
+) -> Result<StatusCode, ApiError> {
+    let q = path_query(query)?;
+    state
+        .edge
+        .write_file(&id, &q.path, body.to_vec(), q.mode.unwrap_or(0o644))
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files/list", params(PathQuery),
+    responses((status = 200, body = [FileInfo]), (status = 404, body = ErrorBody)))]
+async fn list_files(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    query: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Vec<FileInfo>>, ApiError> {
+    let q = path_query(query)?;
+    Ok(Json(state.edge.list_files(&id, &q.path).await?))
+}
+
+#[utoipa::path(post, path = "/v1/images", request_body = ImportImageRequest,
+    responses((status = 201, body = ImageInfo), (status = 400, body = ErrorBody)))]
+async fn import_image(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<ImportImageRequest>,
+) -> Result<(StatusCode, Json<ImageInfo>), ApiError> {
+    let image = state
+        .edge
+        .import_image(&req.source, req.name.as_deref())
+        .await?;
+    Ok((StatusCode::CREATED, Json(image)))
+}
+
+#[utoipa::path(get, path = "/v1/images", responses((status = 200, body = [ImageInfo])))]
+async fn list_images(State(state): State<AppState>) -> Result<Json<Vec<ImageInfo>>, ApiError> {
+    Ok(Json(state.edge.images()?))
+}
+
+#[utoipa::path(get, path = "/v1/images/{name}",
+    responses((status = 200, body = ImageInfo), (status = 404, body = ErrorBody)))]
+async fn get_image(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<ImageInfo>, ApiError> {
+    Ok(Json(state.edge.image(&name)?))
+}
+
+#[utoipa::path(delete, path = "/v1/images/{name}",
+    responses((status = 204), (status = 404, body = ErrorBody)))]
+async fn delete_image(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    state.edge.delete_image(&name)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "dsec",
+        description = "Elastic sandboxes for training and evaluating AI agents"
+    ),
+    paths(
+        healthz,
+        create_sandbox,
+        list_sandboxes,
+        get_sandbox,
+        delete_sandbox,
+        exec,
+        exec_stream,
+        read_file,
+        write_file,
+        list_files,
+        import_image,
+        list_images,
+        get_image,
+        delete_image
+    )
+)]
+struct ApiDoc;
+
+/// The OpenAPI document, for `dsec` tooling and tests.
+pub fn openapi_json() -> String {
+    ApiDoc::openapi()
+        .to_pretty_json()
+        .expect("openapi serializes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utf8_decoder_never_splits_a_character() {
+        let text = "héllo wörld €";
+        let bytes = text.as_bytes();
+        for cut in 0..bytes.len() {
+            let mut d = Utf8Decoder::default();
+            let joined = d.push(&bytes[..cut]) + &d.push(&bytes[cut..]) + &d.finish();
+            assert_eq!(joined, text, "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn query_pairs_keep_repeats_and_decode() {
+        assert_eq!(
+            form_pairs("label=a%3D1&label=b=2&x"),
+            vec![
+                ("label".into(), "a=1".into()),
+                ("label".into(), "b=2".into()),
+                ("x".into(), "".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn openapi_lists_every_route() {
+        let doc = openapi_json();
+        for route in [
+            "/v1/sandboxes/{id}/exec/stream",
+            "/v1/images/{name}",
+            "/healthz",
+        ] {
+            assert!(doc.contains(route), "{route} missing");
+        }
+    }
+
+    #[test]
+    fn token_comparison() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+    }
+}

@@ -1,0 +1,155 @@
+//! `backend="container"`: dsec's native runtime.
+
+use std::fs::File;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use dsec_api::{FileInfo, Usage};
+use dsec_image::ImageStore;
+use dsec_runtime::cgroup::CgroupLimits;
+use dsec_runtime::container::{Container, ContainerRuntime, CreateOptions, ExecEvent, ExecHandle};
+use dsec_runtime::proto::ExecSpec;
+
+use super::{Backend, CommandSpec, ExitStatus, Output, OutputStream, Sandbox, SandboxRequest};
+use crate::error::ApiError;
+
+const MIB: u64 = 1 << 20;
+
+/// Creates native containers.
+pub struct ContainerBackend {
+    runtime: Arc<ContainerRuntime>,
+    images: ImageStore,
+}
+
+impl ContainerBackend {
+    /// A backend over `runtime`, taking image layers from `images`.
+    pub fn new(runtime: Arc<ContainerRuntime>, images: ImageStore) -> Self {
+        ContainerBackend { runtime, images }
+    }
+}
+
+#[async_trait]
+impl Backend for ContainerBackend {
+    async fn create(&self, req: SandboxRequest) -> Result<Box<dyn Sandbox>, ApiError> {
+        let opts = CreateOptions {
+            id: req.id,
+            layers: self.images.layer_dirs(&req.image),
+            limits: CgroupLimits {
+                cpus: req.cpus,
+                memory_bytes: req.memory_mb * MIB,
+                pids: req.pids,
+            },
+            disk_bytes: req.disk_mb * MIB,
+        };
+        let container = self
+            .runtime
+            .create(opts)
+            .await
+            .map_err(|e| ApiError::internal(format!("creating the container: {e}")))?;
+        Ok(Box::new(ContainerSandbox(Arc::new(container))))
+    }
+}
+
+struct ContainerSandbox(Arc<Container>);
+
+struct ContainerOutput {
+    handle: ExecHandle,
+    container: Arc<Container>,
+}
+
+#[async_trait]
+impl OutputStream for ContainerOutput {
+    async fn next(&mut self) -> Option<Result<Output, ApiError>> {
+        let event = self.handle.next().await?;
+        Some(match event {
+            Ok(ExecEvent::Stdout(data)) => Ok(Output::Stdout(data)),
+            Ok(ExecEvent::Stderr(data)) => Ok(Output::Stderr(data)),
+            Ok(ExecEvent::Exit(exit)) => {
+                let killed = exit.signal == Some(libc::SIGKILL);
+                Ok(Output::Exit(ExitStatus {
+                    exit_code: exit.exit_code,
+                    timed_out: exit.timed_out,
+                    truncated: exit.truncated,
+                    oom_killed: killed && self.container.take_oom_kill(),
+                    duration_ms: exit.duration_us as f64 / 1000.0,
+                }))
+            }
+            Err(e) => Err(e.into()),
+        })
+    }
+}
+
+impl ContainerSandbox {
+    async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Container) -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let c = Arc::clone(&self.0);
+        tokio::task::spawn_blocking(move || f(&c))
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))?
+    }
+}
+
+#[async_trait]
+impl Sandbox for ContainerSandbox {
+    async fn exec(&self, cmd: CommandSpec) -> Result<Box<dyn OutputStream>, ApiError> {
+        let spec = ExecSpec {
+            argv: cmd.argv,
+            env: cmd.env,
+            cwd: cmd.cwd,
+            timeout_ms: Some(cmd.timeout_ms),
+            max_output_bytes: cmd.max_output_bytes,
+        };
+        let handle = self.0.exec(&spec, &cmd.stdin).await?;
+        Ok(Box::new(ContainerOutput {
+            handle,
+            container: Arc::clone(&self.0),
+        }))
+    }
+
+    async fn read_file(&self, path: &str) -> Result<File, ApiError> {
+        let path = path.to_owned();
+        self.blocking(move |c| Ok(c.root().open_read(&path)?)).await
+    }
+
+    async fn write_file(&self, path: &str, data: Vec<u8>, mode: u32) -> Result<(), ApiError> {
+        let path = path.to_owned();
+        self.blocking(move |c| Ok(c.root().write(&path, &data, mode)?))
+            .await
+    }
+
+    async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError> {
+        let path = path.to_owned();
+        self.blocking(move |c| {
+            Ok(c.root()
+                .list(&path)?
+                .into_iter()
+                .map(|e| FileInfo {
+                    name: e.name,
+                    size: e.size,
+                    is_dir: e.is_dir,
+                    mode: e.mode,
+                })
+                .collect())
+        })
+        .await
+    }
+
+    fn usage(&self) -> Usage {
+        let u = self.0.cgroup().usage();
+        Usage {
+            memory_bytes: u.memory_bytes,
+            pids: u.pids,
+            cpu_ms: u.cpu_ns as f64 / 1e6,
+        }
+    }
+
+    fn is_alive(&self) -> bool {
+        self.0.is_alive()
+    }
+
+    async fn stop(&self) {
+        self.0.stop().await;
+    }
+}

@@ -1,0 +1,134 @@
+//! Isolation backends behind one trait.
+//!
+//! The edge validates a request, fills in defaults and resolves the image; a [`Backend`]
+//! turns that into a running [`Sandbox`]. Everything the API offers on a sandbox (exec,
+//! streamed exec, files, usage, stop) is a method here, so a new backend is one module
+//! implementing these two traits and one arm in [`Backends::get`].
+
+pub mod container;
+
+use std::fs::File;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use dsec_api::{FileInfo, Usage};
+use dsec_image::Image;
+
+use crate::error::ApiError;
+
+/// A validated request for a new sandbox, defaults filled in.
+#[derive(Clone, Debug)]
+pub struct SandboxRequest {
+    /// The new sandbox's id.
+    pub id: String,
+    /// The image, resolved.
+    pub image: Image,
+    /// CPU bandwidth in cores.
+    pub cpus: f64,
+    /// Memory limit in MiB.
+    pub memory_mb: u64,
+    /// Process limit.
+    pub pids: u64,
+    /// Writable layer size in MiB.
+    pub disk_mb: u64,
+}
+
+/// A command, ready to run: argv, complete environment, working directory.
+#[derive(Clone, Debug)]
+pub struct CommandSpec {
+    /// Program and arguments.
+    pub argv: Vec<String>,
+    /// `K=V` pairs: the image's, the sandbox's, then the command's.
+    pub env: Vec<String>,
+    /// Absolute working directory.
+    pub cwd: String,
+    /// Standard input.
+    pub stdin: Vec<u8>,
+    /// Kill the tree after this many milliseconds.
+    pub timeout_ms: u64,
+    /// Bound on each output stream.
+    pub max_output_bytes: u64,
+}
+
+/// One event of a running command.
+#[derive(Debug)]
+pub enum Output {
+    /// A chunk of standard output.
+    Stdout(Vec<u8>),
+    /// A chunk of standard error.
+    Stderr(Vec<u8>),
+    /// The end; always last.
+    Exit(ExitStatus),
+}
+
+/// How a command ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ExitStatus {
+    /// Exit code, `128 + signal`, or `None` after a timeout.
+    pub exit_code: Option<i32>,
+    /// The timeout fired.
+    pub timed_out: bool,
+    /// Output was discarded beyond the bound.
+    pub truncated: bool,
+    /// The memory limit killed a process of this command.
+    pub oom_killed: bool,
+    /// Wall time of the command.
+    pub duration_ms: f64,
+}
+
+/// The events of one running command. Dropping it before the end kills the command.
+#[async_trait]
+pub trait OutputStream: Send {
+    /// The next event; `None` after [`Output::Exit`].
+    async fn next(&mut self) -> Option<Result<Output, ApiError>>;
+}
+
+/// A running sandbox of any backend.
+#[async_trait]
+pub trait Sandbox: Send + Sync {
+    /// Starts a command.
+    async fn exec(&self, cmd: CommandSpec) -> Result<Box<dyn OutputStream>, ApiError>;
+    /// Opens a file for reading.
+    async fn read_file(&self, path: &str) -> Result<File, ApiError>;
+    /// Writes a file, creating parent directories.
+    async fn write_file(&self, path: &str, data: Vec<u8>, mode: u32) -> Result<(), ApiError>;
+    /// Lists a directory.
+    async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError>;
+    /// Resource usage now.
+    fn usage(&self) -> Usage;
+    /// False once the sandbox died on its own.
+    fn is_alive(&self) -> bool;
+    /// Kills it and removes everything it made; idempotent.
+    async fn stop(&self);
+}
+
+/// A way of making sandboxes.
+#[async_trait]
+pub trait Backend: Send + Sync {
+    /// Creates and starts a sandbox.
+    async fn create(&self, req: SandboxRequest) -> Result<Box<dyn Sandbox>, ApiError>;
+}
+
+/// The backends this server can run, by name.
+pub struct Backends {
+    /// The native container runtime.
+    pub container: Arc<container::ContainerBackend>,
+}
+
+impl Backends {
+    /// The backend called `name`: `InvalidArgument` for names dsec does not know,
+    /// `Unavailable` (with the reason) for known ones this server cannot run.
+    pub fn get(&self, name: &str) -> Result<Arc<dyn Backend>, ApiError> {
+        match name {
+            "container" => Ok(self.container.clone()),
+            "fncall" | "docker" | "microvm" | "vm" => Err(ApiError::unavailable(format!(
+                "backend {name:?} is not available on this server yet: this build runs \
+                 the native \"container\" backend only"
+            ))),
+            _ => Err(ApiError::invalid(format!(
+                "unknown backend {name:?}; valid backends are: {}",
+                dsec_api::BACKENDS.join(", ")
+            ))),
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! The one place where failures become HTTP responses.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use dsec_api::{ErrorBody, ErrorDetail, ErrorKind};
+use dsec_image::ImageError;
+use dsec_runtime::container::RuntimeError;
+use dsec_runtime::files::FileError;
+
+/// An error as the API reports it: a kind (the SDK's exception) and a message a user can
+/// act on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// Class of the error.
+    pub kind: ErrorKind,
+    /// What went wrong, for humans.
+    pub message: String,
+}
+
+impl ApiError {
+    /// An error of `kind`.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> ApiError {
+        ApiError {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// Bad input.
+    pub fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorKind::InvalidArgument, message)
+    }
+
+    /// No such thing.
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorKind::NotFound, message)
+    }
+
+    /// Cannot be done on this host.
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorKind::Unavailable, message)
+    }
+
+    /// Wrong state.
+    pub fn conflict(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorKind::Conflict, message)
+    }
+
+    /// A host failure or a bug.
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorKind::Internal, message)
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.kind.as_str(), self.message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        metrics::counter!("dsec_errors_total", "kind" => self.kind.as_str()).increment(1);
+        if self.kind == ErrorKind::Internal {
+            tracing::error!(message = %self.message, "internal error");
+        }
+        let status =
+            StatusCode::from_u16(self.kind.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let body = ErrorBody {
+            error: ErrorDetail {
+                kind: self.kind,
+                message: self.message,
+            },
+        };
+        (status, Json(body)).into_response()
+    }
+}
+
+impl From<ImageError> for ApiError {
+    fn from(e: ImageError) -> ApiError {
+        let kind = match &e {
+            ImageError::NotFound { .. } => ErrorKind::NotFound,
+            ImageError::InvalidSource { .. } | ImageError::Corrupt { .. } => {
+                ErrorKind::InvalidArgument
+            }
+            ImageError::Registry { .. } => ErrorKind::Unavailable,
+            ImageError::Io { .. } => ErrorKind::Internal,
+        };
+        let mut message = e.to_string();
+        if let ImageError::Io { source, .. } = &e {
+            message = format!("{message}: {source}");
+        }
+        ApiError::new(kind, message)
+    }
+}
+
+impl From<FileError> for ApiError {
+    fn from(e: FileError) -> ApiError {
+        let kind = match &e {
+            FileError::NotFound(_) => ErrorKind::NotFound,
+            FileError::Io { .. } => ErrorKind::Internal,
+            _ => ErrorKind::InvalidArgument,
+        };
+        ApiError::new(kind, e.to_string())
+    }
+}
+
+impl From<RuntimeError> for ApiError {
+    fn from(e: RuntimeError) -> ApiError {
+        match &e {
+            RuntimeError::Exec(err) if err.stage == "chdir" || err.stage == "spec" => {
+                ApiError::invalid(err.message.clone())
+            }
+            RuntimeError::Gone => {
+                ApiError::conflict("the sandbox's init exited; the sandbox has failed")
+            }
+            _ => ApiError::internal(e.to_string()),
+        }
+    }
+}

@@ -1,0 +1,49 @@
+"""dsec: elastic sandboxes for training and evaluating AI agents — the Python SDK.
+
+>>> import dsec
+>>> with dsec.Client() as client, client.create(image="busybox") as sb:
+...     print(sb.run("echo hi").stdout)
+"""
+
+from ._protocol import __version__
+from .aio import AsyncClient, AsyncSandbox, PendingSandbox
+from .client import Client, Sandbox
+from .errors import (
+    Conflict,
+    ConnectionFailed,
+    DsecError,
+    InvalidArgument,
+    NotFound,
+    PayloadTooLarge,
+    RequestTimeout,
+    TrajectoryDiverged,
+    Unauthorized,
+    Unavailable,
+)
+from .types import CommandResult, FileInfo, Image, Limits, SandboxInfo, StreamEvent, Usage
+
+__all__ = [
+    "AsyncClient",
+    "AsyncSandbox",
+    "Client",
+    "CommandResult",
+    "Conflict",
+    "ConnectionFailed",
+    "DsecError",
+    "FileInfo",
+    "Image",
+    "InvalidArgument",
+    "Limits",
+    "NotFound",
+    "PayloadTooLarge",
+    "PendingSandbox",
+    "RequestTimeout",
+    "Sandbox",
+    "SandboxInfo",
+    "StreamEvent",
+    "TrajectoryDiverged",
+    "Unauthorized",
+    "Unavailable",
+    "Usage",
+    "__version__",
+]

@@ -1,0 +1,317 @@
+"""The asyncio client: :class:`AsyncClient` and :class:`AsyncSandbox`.
+
+One :class:`AsyncClient` drives thousands of sandboxes from one event loop; requests
+share one connection pool (see ``max_connections``).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterator, Coroutine, Generator, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+
+from . import _protocol as p
+from ._protocol import Command, Data, Files, Labels, Network, PathLike
+from .types import CommandResult, FileInfo, Image, SandboxInfo, StreamEvent
+
+T = TypeVar("T")
+
+__all__ = ["AsyncClient", "AsyncSandbox"]
+
+
+def _default_max_connections() -> int:
+    """As many connections as open files allow (leaving some), between 256 and 10000."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1000
+    if soft == resource.RLIM_INFINITY:
+        return 10000
+    return max(256, min(10000, soft - 128))
+
+
+class AsyncClient:
+    """The asyncio twin of :class:`dsec.Client`: the same methods, as coroutines.
+
+    ``max_connections`` bounds concurrent HTTP requests (further ones wait for a free
+    connection); by default it follows the open-file limit (``ulimit -n``).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        max_connections: int | None = None,
+    ) -> None:
+        self.url = p.resolve_url(url)
+        n = max_connections if max_connections is not None else _default_max_connections()
+        self._http = httpx.AsyncClient(
+            **p.http_options(self.url, p.resolve_token(token), n, asynchronous=True)
+        )
+
+    # -- transport
+
+    async def _do(self, call: p.Call[T]) -> T:
+        req = call.build(self._http)
+        try:
+            resp = await self._http.send(req)
+        except httpx.TransportError as e:
+            raise p.transport_error(self.url, e) from e
+        return call.finish(resp)
+
+    async def _stream(self, call: p.Call[None]) -> AsyncIterator[StreamEvent]:
+        req = call.build(self._http)
+        try:
+            resp = await self._http.send(req, stream=True)
+        except httpx.TransportError as e:
+            raise p.transport_error(self.url, e) from e
+        try:
+            if not resp.is_success:
+                await resp.aread()
+                call.finish(resp)
+                return
+            async for line in resp.aiter_lines():
+                ev = p.parse_event(line)
+                if ev is not None:
+                    yield ev
+        except httpx.TransportError as e:
+            raise p.transport_error(self.url, e) from e
+        finally:
+            await resp.aclose()
+
+    # -- sandboxes
+
+    def create(
+        self,
+        backend: str = "container",
+        image: str | None = None,
+        cpus: float | None = None,
+        memory_mb: int | None = None,
+        pids: int | None = None,
+        disk_mb: int | None = None,
+        ttl_s: float | None = None,
+        idle_ttl_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        network: Network = False,
+        labels: Labels | None = None,
+        trajectory_id: str | None = None,
+    ) -> PendingSandbox:
+        """Create a sandbox: ``sb = await client.create(...)``, or
+        ``async with client.create(...) as sb:`` to stop it on exit."""
+        call = p.create_call(
+            backend=backend,
+            image=image,
+            cpus=cpus,
+            memory_mb=memory_mb,
+            pids=pids,
+            disk_mb=disk_mb,
+            ttl_s=ttl_s,
+            idle_ttl_s=idle_ttl_s,
+            env=env,
+            workdir=workdir,
+            network=network,
+            labels=labels,
+            trajectory_id=trajectory_id,
+        )
+        return PendingSandbox(self._create(call))
+
+    async def _create(self, call: p.Call[SandboxInfo]) -> AsyncSandbox:
+        return AsyncSandbox(self, await self._do(call))
+
+    async def get(self, id: str) -> AsyncSandbox:
+        """Reconnect to a sandbox by id (its step count starts at 0 again)."""
+        return AsyncSandbox(self, await self._do(p.get_call(id)))
+
+    async def list(self, labels: Labels | None = None) -> builtins.list[AsyncSandbox]:
+        return [AsyncSandbox(self, i) for i in await self._do(p.list_call(labels))]
+
+    async def call(
+        self,
+        cmd: Command,
+        image: str | None = None,
+        timeout: float | None = None,
+        files: Files | None = None,
+        stdin: Data | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> CommandResult:
+        """Run one command in a fresh ``fncall`` sandbox and return its result."""
+        async with self.create(backend="fncall", image=image) as sb:
+            return await sb.run(cmd, timeout=timeout, files=files, stdin=stdin, env=env)
+
+    # -- images
+
+    async def import_image(self, source: PathLike, name: str | None = None) -> Image:
+        return await self._do(p.import_image_call(source, name))
+
+    async def images(self) -> builtins.list[Image]:
+        return await self._do(p.images_call())
+
+    async def get_image(self, name: str) -> Image:
+        return await self._do(p.get_image_call(name))
+
+    async def delete_image(self, name: str) -> None:
+        await self._do(p.delete_image_call(name))
+
+    # -- misc
+
+    async def health(self) -> Any:
+        return await self._do(p.health_call())
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncClient(url={self.url!r})"
+
+
+class PendingSandbox:
+    """What :meth:`AsyncClient.create` returns: await it, or use it with ``async with``."""
+
+    def __init__(self, coro: Coroutine[Any, Any, AsyncSandbox]) -> None:
+        self._coro = coro
+        self._sandbox: AsyncSandbox | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncSandbox]:
+        return self._coro.__await__()
+
+    async def __aenter__(self) -> AsyncSandbox:
+        self._sandbox = await self._coro
+        return self._sandbox
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._sandbox is not None:
+            await self._sandbox.stop()
+
+
+class AsyncSandbox(p.SandboxBase):
+    """The asyncio twin of :class:`dsec.Sandbox`."""
+
+    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
+        super().__init__(info)
+        self.client = client
+
+    async def run(
+        self,
+        cmd: Command,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: Data | None = None,
+        files: Files | None = None,
+        step: int | None = None,
+        max_output_bytes: int | None = None,
+    ) -> CommandResult:
+        s = self._steps.take(step)
+        body = p.exec_body(
+            cmd,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            files=files,
+            step=s,
+            max_output_bytes=max_output_bytes,
+        )
+        try:
+            return await self.client._do(p.exec_call(self.id, body))
+        except BaseException:
+            self._steps.give_back(s)
+            raise
+
+    async def stream(
+        self,
+        cmd: Command,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: Data | None = None,
+        files: Files | None = None,
+        step: int | None = None,
+        max_output_bytes: int | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        """``async for ev in sb.stream(cmd):`` output as it comes, then the ``exit`` event."""
+        s = self._steps.take(step)
+        body = p.exec_body(
+            cmd,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            files=files,
+            step=s,
+            max_output_bytes=max_output_bytes,
+        )
+        started = False
+        try:
+            async for ev in self.client._stream(p.stream_call(self.id, body)):
+                started = True
+                yield ev
+        except BaseException:
+            if not started:
+                self._steps.give_back(s)
+            raise
+
+    async def write_file(self, path: str, data: Data, mode: int | None = None) -> None:
+        await self.client._do(p.write_file_call(self.id, path, data, mode))
+
+    async def read_file(self, path: str) -> bytes:
+        return await self.client._do(p.read_file_call(self.id, path))
+
+    async def list_files(self, path: str) -> list[FileInfo]:
+        return await self.client._do(p.list_files_call(self.id, path))
+
+    async def set_network(self, network: Network) -> None:
+        await self.client._do(p.set_network_call(self.id, network))
+
+    async def pause(self) -> None:
+        await self.client._do(p.pause_call(self.id))
+
+    async def resume(self) -> None:
+        await self.client._do(p.resume_call(self.id))
+
+    async def snapshot(self, name: str | None = None) -> Image:
+        return await self.client._do(p.snapshot_call(self.id, name))
+
+    async def fork(self, n: int) -> list[AsyncSandbox]:
+        infos = await self.client._do(p.fork_call(self.id, n))
+        return [AsyncSandbox(self.client, i) for i in infos]
+
+    async def info(self) -> SandboxInfo:
+        return await self.client._do(p.get_call(self.id))
+
+    async def stop(self) -> None:
+        await self.client._do(p.stop_call(self.id))
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()

@@ -1,0 +1,277 @@
+"""The synchronous client: :class:`Client` and :class:`Sandbox`."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterator, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+
+from . import _protocol as p
+from ._protocol import Command, Data, Files, Labels, Network, PathLike
+from .types import CommandResult, FileInfo, Image, SandboxInfo, StreamEvent
+
+T = TypeVar("T")
+
+__all__ = ["Client", "Sandbox"]
+
+
+class Client:
+    """A connection to a dsec server.
+
+    ``url`` defaults to ``$DSEC_URL``, else ``http://127.0.0.1:7700``; ``token`` to
+    ``$DSEC_TOKEN`` (sent as ``Authorization: Bearer``).
+    """
+
+    def __init__(
+        self, url: str | None = None, token: str | None = None, *, max_connections: int = 100
+    ) -> None:
+        self.url = p.resolve_url(url)
+        self._http = httpx.Client(
+            **p.http_options(self.url, p.resolve_token(token), max_connections, asynchronous=False)
+        )
+
+    # -- transport
+
+    def _do(self, call: p.Call[T]) -> T:
+        req = call.build(self._http)
+        try:
+            resp = self._http.send(req)
+        except httpx.TransportError as e:
+            raise p.transport_error(self.url, e) from e
+        return call.finish(resp)
+
+    def _stream(self, call: p.Call[None]) -> Iterator[StreamEvent]:
+        req = call.build(self._http)
+        try:
+            resp = self._http.send(req, stream=True)
+        except httpx.TransportError as e:
+            raise p.transport_error(self.url, e) from e
+        try:
+            if not resp.is_success:
+                resp.read()
+                call.finish(resp)
+                return
+            for line in resp.iter_lines():
+                ev = p.parse_event(line)
+                if ev is not None:
+                    yield ev
+        except httpx.TransportError as e:
+            raise p.transport_error(self.url, e) from e
+        finally:
+            resp.close()
+
+    # -- sandboxes
+
+    def create(
+        self,
+        backend: str = "container",
+        image: str | None = None,
+        cpus: float | None = None,
+        memory_mb: int | None = None,
+        pids: int | None = None,
+        disk_mb: int | None = None,
+        ttl_s: float | None = None,
+        idle_ttl_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        network: Network = False,
+        labels: Labels | None = None,
+        trajectory_id: str | None = None,
+    ) -> Sandbox:
+        """Create a sandbox. ``with client.create(...) as sb:`` stops it on exit."""
+        info = self._do(
+            p.create_call(
+                backend=backend,
+                image=image,
+                cpus=cpus,
+                memory_mb=memory_mb,
+                pids=pids,
+                disk_mb=disk_mb,
+                ttl_s=ttl_s,
+                idle_ttl_s=idle_ttl_s,
+                env=env,
+                workdir=workdir,
+                network=network,
+                labels=labels,
+                trajectory_id=trajectory_id,
+            )
+        )
+        return Sandbox(self, info)
+
+    def get(self, id: str) -> Sandbox:
+        """Reconnect to a sandbox by id (its step count starts at 0 again)."""
+        return Sandbox(self, self._do(p.get_call(id)))
+
+    def list(self, labels: Labels | None = None) -> builtins.list[Sandbox]:
+        """The sandboxes having all the given labels."""
+        return [Sandbox(self, i) for i in self._do(p.list_call(labels))]
+
+    def call(
+        self,
+        cmd: Command,
+        image: str | None = None,
+        timeout: float | None = None,
+        files: Files | None = None,
+        stdin: Data | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> CommandResult:
+        """Run one command in a fresh ``fncall`` sandbox and return its result."""
+        with self.create(backend="fncall", image=image) as sb:
+            return sb.run(cmd, timeout=timeout, files=files, stdin=stdin, env=env)
+
+    # -- images
+
+    def import_image(self, source: PathLike, name: str | None = None) -> Image:
+        """Import an image from a path on the server's host or a registry reference."""
+        return self._do(p.import_image_call(source, name))
+
+    def images(self) -> builtins.list[Image]:
+        return self._do(p.images_call())
+
+    def get_image(self, name: str) -> Image:
+        return self._do(p.get_image_call(name))
+
+    def delete_image(self, name: str) -> None:
+        self._do(p.delete_image_call(name))
+
+    # -- misc
+
+    def health(self) -> Any:
+        """``GET /healthz``."""
+        return self._do(p.health_call())
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client(url={self.url!r})"
+
+
+class Sandbox(p.SandboxBase):
+    """A sandbox on a dsec server. Get one from :meth:`Client.create` or :meth:`Client.get`."""
+
+    def __init__(self, client: Client, info: SandboxInfo) -> None:
+        super().__init__(info)
+        self.client = client
+
+    def run(
+        self,
+        cmd: Command,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: Data | None = None,
+        files: Files | None = None,
+        step: int | None = None,
+        max_output_bytes: int | None = None,
+    ) -> CommandResult:
+        """Run ``cmd`` (a str for ``/bin/sh -c``, or an argv list) and wait for it."""
+        s = self._steps.take(step)
+        body = p.exec_body(
+            cmd,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            files=files,
+            step=s,
+            max_output_bytes=max_output_bytes,
+        )
+        try:
+            return self.client._do(p.exec_call(self.id, body))
+        except BaseException:
+            self._steps.give_back(s)
+            raise
+
+    def stream(
+        self,
+        cmd: Command,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: Data | None = None,
+        files: Files | None = None,
+        step: int | None = None,
+        max_output_bytes: int | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Run ``cmd`` and yield its output as it comes; the last event has kind ``exit``."""
+        s = self._steps.take(step)
+        body = p.exec_body(
+            cmd,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            files=files,
+            step=s,
+            max_output_bytes=max_output_bytes,
+        )
+        started = False
+        try:
+            for ev in self.client._stream(p.stream_call(self.id, body)):
+                started = True
+                yield ev
+        except BaseException:
+            if not started:
+                self._steps.give_back(s)
+            raise
+
+    def write_file(self, path: str, data: Data, mode: int | None = None) -> None:
+        """Write ``data`` (str is UTF-8 encoded) to ``path``, creating parent directories."""
+        self.client._do(p.write_file_call(self.id, path, data, mode))
+
+    def read_file(self, path: str) -> bytes:
+        return self.client._do(p.read_file_call(self.id, path))
+
+    def list_files(self, path: str) -> list[FileInfo]:
+        return self.client._do(p.list_files_call(self.id, path))
+
+    def set_network(self, network: Network) -> None:
+        """Change the egress policy: False, True or ``{"allow": [...]}``."""
+        self.client._do(p.set_network_call(self.id, network))
+
+    def pause(self) -> None:
+        self.client._do(p.pause_call(self.id))
+
+    def resume(self) -> None:
+        self.client._do(p.resume_call(self.id))
+
+    def snapshot(self, name: str | None = None) -> Image:
+        """Save the sandbox's filesystem as a new image."""
+        return self.client._do(p.snapshot_call(self.id, name))
+
+    def fork(self, n: int) -> list[Sandbox]:
+        """``n`` new sandboxes from this sandbox's current state."""
+        return [Sandbox(self.client, i) for i in self.client._do(p.fork_call(self.id, n))]
+
+    def info(self) -> SandboxInfo:
+        return self.client._do(p.get_call(self.id))
+
+    def stop(self) -> None:
+        """Terminate and delete the sandbox; calling it again is harmless."""
+        self.client._do(p.stop_call(self.id))
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# Set up a fresh Debian 12 (bookworm) machine, as root, to build, test and run dsec.
+#
+#   ./scripts/setup.sh
+#
+# Idempotent: re-running it only installs what is missing and rebuilds incrementally.
+# Steps: Debian packages -> Rust toolchain check -> Python SDK + test deps -> release build.
+#
+# Environment:
+#   DSEC_SETUP_SKIP_APT=1     do not touch Debian packages
+#   DSEC_SETUP_SKIP_BUILD=1   do not run `cargo build --release --workspace`
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+if [[ -t 1 ]]; then C_B=$'\033[1;34m' C_R=$'\033[1;31m' C_0=$'\033[0m'; else C_B="" C_R="" C_0=""; fi
+log() { printf '%s[setup]%s %s\n' "$C_B" "$C_0" "$*"; }
+die() {
+    printf '%s[setup] ERROR:%s %s\n' "$C_R" "$C_0" "$*" >&2
+    exit 1
+}
+
+export DEBIAN_FRONTEND=noninteractive
+
+# ---------------------------------------------------------------------------------------
+# 1. Debian packages
+# ---------------------------------------------------------------------------------------
+PACKAGES=(
+    build-essential # gcc, make, libc headers: Rust linking, bench/floor.c
+    pkg-config
+    git
+    ca-certificates
+    curl
+    tar
+    gzip
+    xz-utils
+    zstd
+    busybox-static  # test and bench rootfs (scripts/make-busybox-rootfs.sh)
+    runc            # reference runtime for the benchmarks
+    iproute2        # network namespaces, veth
+    iptables        # egress policies
+    erofs-utils     # EROFS image layers
+    debootstrap     # scripts/make-debian-rootfs.sh
+    docker-registry # a local OCI registry for image-import tests
+    skopeo          # pushes test images to that registry
+    python3
+    python3-pip
+    python3-venv
+    procps          # pgrep/ps used by tests
+    psmisc
+    kmod            # modprobe overlay
+)
+
+if [[ "${DSEC_SETUP_SKIP_APT:-0}" == 1 ]]; then
+    log "DSEC_SETUP_SKIP_APT=1: skipping Debian packages"
+else
+    [[ "$(id -u)" -eq 0 ]] || die "run as root (apt-get and the container runtime need it)"
+    command -v apt-get >/dev/null || die "apt-get not found: this script targets Debian 12"
+    if [[ -r /etc/os-release ]]; then
+        # shellcheck disable=SC1091
+        . /etc/os-release
+        if [[ "${ID:-}" != debian || "${VERSION_ID:-}" != 12 ]]; then
+            log "warning: tested on Debian 12, this is ${PRETTY_NAME:-unknown}; continuing"
+        fi
+    fi
+    missing=()
+    for p in "${PACKAGES[@]}"; do
+        if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
+            missing+=("$p")
+        fi
+    done
+    if ((${#missing[@]} == 0)); then
+        log "Debian packages: all ${#PACKAGES[@]} already installed"
+    else
+        # Another apt (unattended-upgrades, a parallel set-up) may hold the lock: wait for it.
+        for _ in $(seq 1 120); do
+            pgrep -x apt-get >/dev/null || pgrep -x dpkg >/dev/null || break
+            log "waiting for another apt-get/dpkg to finish..."
+            sleep 5
+        done
+        log "apt-get update"
+        apt-get update -q
+        log "installing: ${missing[*]}"
+        apt-get install -y -q -o Dpkg::Use-Pty=0 --no-install-recommends "${missing[@]}"
+    fi
+fi
+
+# The container runtime stacks image layers with overlayfs.
+if ! grep -qw overlay /proc/filesystems; then
+    modprobe overlay 2>/dev/null || log "warning: overlayfs is not available (modprobe overlay failed)"
+fi
+
+# ---------------------------------------------------------------------------------------
+# 2. Rust toolchain (not installed here: we use the one already on the machine)
+# ---------------------------------------------------------------------------------------
+for d in "${CARGO_HOME:-$HOME/.cargo}/bin" /root/.cargo/bin; do
+    if [[ -x "$d/cargo" ]] && [[ ":$PATH:" != *":$d:"* ]]; then
+        export PATH="$d:$PATH"
+    fi
+done
+if ! command -v cargo >/dev/null; then
+    cat >&2 <<'EOF'
+[setup] ERROR: no Rust toolchain found (`cargo` is not on PATH, nor in ~/.cargo/bin).
+Install one with rustup, then re-run this script:
+
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal \
+        --component rustfmt,clippy
+    . "$HOME/.cargo/env"
+    ./scripts/setup.sh
+
+dsec needs Rust >= 1.85 (see rust-version in Cargo.toml).
+EOF
+    exit 1
+fi
+log "Rust: $(cargo --version) at $(command -v cargo)"
+# rustfmt and clippy are needed by scripts/test.sh; add them if rustup can.
+if command -v rustup >/dev/null; then
+    for comp in rustfmt clippy; do
+        if ! cargo "${comp/rustfmt/fmt}" --version >/dev/null 2>&1; then
+            log "rustup component add $comp"
+            rustup component add "$comp" || log "warning: could not add $comp"
+        fi
+    done
+fi
+
+# ---------------------------------------------------------------------------------------
+# 3. Python SDK (editable) and test dependencies, into the current python3
+# ---------------------------------------------------------------------------------------
+command -v python3 >/dev/null || die "python3 not found"
+log "Python: $(python3 --version 2>&1) at $(command -v python3)"
+if ! python3 -m pip --version >/dev/null 2>&1; then
+    log "pip missing for this python3; trying ensurepip"
+    python3 -m ensurepip --upgrade >/dev/null 2>&1 || die "python3 has no pip; install python3-pip"
+fi
+PIP_ARGS=(--quiet --disable-pip-version-check --no-input --root-user-action=ignore)
+# Debian's own python3 is "externally managed" (PEP 668); this machine is dedicated to dsec.
+if python3 -c 'import sys, sysconfig, os; sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")) else 1)'; then
+    PIP_ARGS+=(--break-system-packages)
+fi
+if [[ -f python/pyproject.toml || -f python/setup.py ]]; then
+    log "pip install -e python/ and test dependencies"
+    python3 -m pip install "${PIP_ARGS[@]}" -e python/ pytest pytest-asyncio pytest-timeout httpx rich
+else
+    log "warning: python/ has no pyproject.toml yet; installing only the test dependencies"
+    python3 -m pip install "${PIP_ARGS[@]}" pytest pytest-asyncio pytest-timeout httpx rich
+fi
+
+# ---------------------------------------------------------------------------------------
+# 4. Build
+# ---------------------------------------------------------------------------------------
+if [[ "${DSEC_SETUP_SKIP_BUILD:-0}" == 1 ]]; then
+    log "DSEC_SETUP_SKIP_BUILD=1: skipping the release build"
+else
+    log "cargo build --release --workspace"
+    cargo build --release --workspace
+    [[ -x target/release/dsec ]] || die "build finished but target/release/dsec is missing"
+    log "built target/release/dsec"
+fi
+
+log "done"

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The whole dsec test suite. Run as root (the container runtime needs it), after
+# scripts/setup.sh:
+#
+#   ./scripts/test.sh            # every stage
+#   ./scripts/test.sh -k create  # extra arguments go to pytest
+#
+# Stages, stopping at the first failure: fmt, clippy, cargo test, debug build, pytest.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+for d in "${CARGO_HOME:-$HOME/.cargo}/bin" /root/.cargo/bin; do
+    if [[ -x "$d/cargo" ]] && [[ ":$PATH:" != *":$d:"* ]]; then
+        export PATH="$d:$PATH"
+    fi
+done
+
+if [[ -t 1 ]]; then C_B=$'\033[1;34m' C_G=$'\033[1;32m' C_R=$'\033[1;31m' C_0=$'\033[0m'; else C_B="" C_G="" C_R="" C_0=""; fi
+CURRENT_STAGE=""
+START_ALL=$SECONDS
+on_exit() {
+    local rc=$?
+    if ((rc != 0)) && [[ -n "$CURRENT_STAGE" ]]; then
+        printf '\n%s[test] FAILED at stage: %s (exit %d)%s\n' "$C_R" "$CURRENT_STAGE" "$rc" "$C_0" >&2
+    fi
+}
+trap on_exit EXIT
+
+stage() {
+    CURRENT_STAGE="$1"
+    shift
+    local t0=$SECONDS
+    printf '\n%s[test] === %s: %s%s\n' "$C_B" "$CURRENT_STAGE" "$*" "$C_0"
+    "$@"
+    printf '%s[test] --- %s passed (%ds)%s\n' "$C_G" "$CURRENT_STAGE" $((SECONDS - t0)) "$C_0"
+}
+
+if [[ "$(id -u)" -ne 0 ]]; then
+    echo "[test] warning: not root; the runtime tests need root and will fail or skip" >&2
+fi
+command -v cargo >/dev/null || { echo "[test] cargo not found: run scripts/setup.sh" >&2; exit 1; }
+
+stage "fmt" cargo fmt --all --check
+stage "clippy" cargo clippy --workspace --all-targets -- -D warnings
+stage "cargo test" cargo test --workspace
+stage "debug build" cargo build --workspace
+
+pytest_stage() {
+    local rc=0
+    python3 -m pytest -q tests/ "$@" || rc=$?
+    if ((rc == 5)); then
+        echo "[test] pytest collected no tests: that is a failure" >&2
+        return 1
+    fi
+    return "$rc"
+}
+stage "pytest" pytest_stage "$@"
+
+CURRENT_STAGE=""
+printf '\n%s[test] all stages passed in %ds%s\n' "$C_G" $((SECONDS - START_ALL)) "$C_0"

@@ -1,0 +1,158 @@
+"""Fixtures: a real `dsec serve` (started from $DSEC_BIN, default target/debug/dsec), a busybox
+image built with scripts/make-busybox-rootfs.sh, and the `backend` parameter
+($DSEC_TEST_BACKENDS, comma-separated, default "container").
+
+Run as root: `pytest tests/`. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import dsec
+import pytest
+from dsec_testlib import (
+    BACKENDS,
+    MAKE_ROOTFS,
+    STATEFUL,
+    Server,
+    image_for,
+    make_tempdir,
+    safe_rmtree,
+)
+
+_SESSION_SERVER: list[Server] = []
+
+
+@pytest.fixture(scope="session")
+def tmp_base() -> Iterator[Path]:
+    d = make_tempdir("dsec-test-")
+    yield d
+    safe_rmtree(d)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_base: Path) -> Iterator[Server]:
+    """The suite's shared server, started with --max-upload-mb 8."""
+    s = Server(tmp_base / "state", log_path=tmp_base / "server.log")
+    s.start()
+    _SESSION_SERVER.append(s)
+    yield s
+    _SESSION_SERVER.clear()
+    s.stop()
+    assert not s.alive(), "dsec serve is still running"
+
+
+@pytest.fixture(scope="session")
+def client(server: Server) -> Iterator[dsec.Client]:
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def busybox_rootfs(tmp_base: Path) -> Path:
+    """A busybox root filesystem directory, made by scripts/make-busybox-rootfs.sh."""
+    dest = tmp_base / "rootfs-busybox"
+    r = subprocess.run(
+        [str(MAKE_ROOTFS), str(dest)], check=False, capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.fail(f"make-busybox-rootfs.sh failed: {r.stderr}")
+    return dest
+
+
+@pytest.fixture(scope="session")
+def busybox_image(client: dsec.Client, busybox_rootfs: Path) -> str:
+    """The image "busybox" imported into the shared server."""
+    img = client.import_image(str(busybox_rootfs), name="busybox")
+    assert img.name == "busybox"
+    return img.name
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, busybox_image: str) -> str:
+    """The backend under test; the conformance suite runs once per backend."""
+    return str(request.param)
+
+
+@pytest.fixture
+def image(backend: str) -> str:
+    return image_for(backend)
+
+
+@pytest.fixture
+def stateful(backend: str) -> None:
+    """Skip for backends where nothing persists between commands (fncall)."""
+    if backend not in STATEFUL:
+        pytest.skip(f"backend {backend} keeps no state between commands")
+
+
+@pytest.fixture
+def make_sandbox(
+    client: dsec.Client, backend: str, image: str
+) -> Iterator[Callable[..., dsec.Sandbox]]:
+    """Create sandboxes of the backend under test; all are stopped at the end of the test."""
+    made: list[dsec.Sandbox] = []
+
+    def make(**kw: Any) -> dsec.Sandbox:
+        kw.setdefault("backend", backend)
+        kw.setdefault("image", image)
+        sb = client.create(**kw)
+        made.append(sb)
+        return sb
+
+    yield make
+    for sb in made:
+        sb.stop()
+
+
+@pytest.fixture
+def sb(make_sandbox: Callable[..., dsec.Sandbox]) -> dsec.Sandbox:
+    """One sandbox of the backend under test, with default limits."""
+    return make_sandbox()
+
+
+@pytest.fixture
+def make_server(
+    tmp_base: Path, busybox_rootfs: Path
+) -> Iterator[Callable[..., Server]]:
+    """Start extra servers (own state dir); each is stopped (or was killed) by the end."""
+    started: list[Server] = []
+
+    def make(*, import_busybox: bool = True, start: bool = True, **kw: Any) -> Server:
+        d = make_tempdir("dsec-test-extra-")
+        s = Server(d / "state", log_path=d / "server.log", **kw)
+        s.tmp = d  # type: ignore[attr-defined]
+        started.append(s)
+        if start:
+            s.start()
+            if import_busybox:
+                with s.client(token=_token_of(s)) as c:
+                    c.import_image(str(busybox_rootfs), name="busybox")
+        return s
+
+    yield make
+    for s in started:
+        if s.alive():
+            s.stop()
+        safe_rmtree(s.tmp)  # type: ignore[attr-defined]
+
+
+def _token_of(s: Server) -> str | None:
+    if s.token_file is None:
+        return None
+    return s.token_file.read_text().strip()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[Any]
+) -> Iterator[Any]:
+    """On failure, attach the tail of the shared server's log."""
+    outcome: Any = yield
+    rep = outcome.get_result()
+    if rep.failed and _SESSION_SERVER:
+        rep.sections.append(("dsec serve log (tail)", _SESSION_SERVER[0].log_tail(40)))
