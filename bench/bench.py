@@ -664,10 +664,60 @@ def bench_dsec_create(d: Dsec, n: int, concurrencies: list[int]) -> dict[str, An
             "p50_ms": percentile(lat, 0.5),
         }
 
+    async def create_then_stop(c: int, count: int) -> dict[str, Any]:
+        """Creations/s: `count` create -> first exec with c in flight; the stops come after,
+        timed apart."""
+        aclient = d.async_client()
+        sem = asyncio.Semaphore(c)
+        lat: list[float] = []
+        made: list[Any] = []
+        errors: list[str] = []
+
+        async def one() -> None:
+            async with sem:
+                t0 = time.perf_counter()
+                try:
+                    sb = await aclient.create(image=d.image, labels=d.labels)
+                    d.track(sb.id)
+                    made.append(sb)
+                    r = await sb.run(["/bin/true"])
+                    if r.exit_code != 0:
+                        raise RuntimeError(f"exit code {r.exit_code}")
+                    lat.append((time.perf_counter() - t0) * 1e3)
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+
+        async def stop(sb: Any) -> None:
+            async with sem:
+                with contextlib.suppress(Exception):
+                    await sb.stop()
+                d.untrack(sb.id)
+
+        try:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(count)))
+            wall = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            await asyncio.gather(*(stop(sb) for sb in made))
+            stop_wall = time.perf_counter() - t1
+        finally:
+            await _aclose(aclient)
+        if errors:
+            log(f"dsec create c={c}: {len(errors)}/{count} failed; first: {errors[0]}")
+        return {
+            "per_s": len(lat) / wall,
+            "n": count,
+            "failed": len(errors),
+            "p50_ms": percentile(lat, 0.5),
+            "stops_per_s": len(made) / stop_wall if stop_wall > 0 else None,
+        }
+
     for c in concurrencies:
         count = max(n, 8 * c)
         log(f"dsec: {count} create -> exec -> stop at concurrency {c} (AsyncClient)")
         res[f"c{c}"] = asyncio.run(concurrent_run(c, count))
+        log(f"dsec: {count} create -> exec at concurrency {c}, then the stops")
+        res[f"create_c{c}"] = asyncio.run(create_then_stop(c, count))
     return res
 
 
@@ -904,10 +954,22 @@ def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: 
     for c in cs:
         v = get(res, "create", f"c{c}", "per_s")
         row(
-            f"containers/s at concurrency {c} ³",
+            f"lifecycles/s at concurrency {c} ³",
             (f"c{c}", "per_s"),
             digits=0,
             target=f"≥ {TARGET_CREATIONS_PER_S:g}/s {met(v, TARGET_CREATIONS_PER_S, True)}",
+        )
+    for c in cs:
+        v = get(res, "create", f"create_c{c}", "per_s")
+        if v is None:
+            continue
+        out.append(
+            f"| creations/s at concurrency {c} ⁴ | {fmt(v, 0)} | | | | | | | "
+            f"≥ {TARGET_CREATIONS_PER_S:g}/s {met(v, TARGET_CREATIONS_PER_S, True)} |"
+        )
+        out.append(
+            f"| stops/s at concurrency {c} ⁴ | "
+            f"{fmt(get(res, 'create', f'create_c{c}', 'stops_per_s'), 0)} | | | | | | | |"
         )
 
     def drow(name: str, value: Any, target: str = "") -> None:
@@ -946,7 +1008,11 @@ def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: 
     out.append(
         "³ create → exec `/bin/true` → stop cycles completed per second with c in flight "
         "(dsec: AsyncClient; runc/docker: c parallel command lines; floor: c worker "
-        "processes)."
+        "processes).  "
+    )
+    out.append(
+        "⁴ dsec only: create → first exec with c in flight, all sandboxes left running; then "
+        "all stopped, timed apart."
     )
     failures = []
     for part, r in res.items():

@@ -114,6 +114,11 @@ EOF
     exit 1
 fi
 log "Rust: $(cargo --version) at $(command -v cargo)"
+need_rust="$(sed -n 's/^rust-version *= *"\([0-9.]*\)".*/\1/p' Cargo.toml | head -1)"
+have_rust="$(rustc --version | awk '{print $2}')"
+if [[ -n "$need_rust" ]] && [[ "$(printf '%s\n%s\n' "$need_rust" "$have_rust" | sort -V | head -1)" != "$need_rust" ]]; then
+    die "Rust $have_rust is older than $need_rust (rust-version in Cargo.toml): rustup update stable"
+fi
 # rustfmt and clippy are needed by scripts/test.sh; add them if rustup can.
 if command -v rustup >/dev/null; then
     for comp in rustfmt clippy; do

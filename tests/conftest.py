@@ -42,8 +42,11 @@ def server(tmp_base: Path) -> Iterator[Server]:
     _SESSION_SERVER.append(s)
     yield s
     _SESSION_SERVER.clear()
-    s.stop()
-    assert not s.alive(), "dsec serve is still running"
+    try:
+        s.stop()
+        assert not s.alive(), "dsec serve is still running"
+    finally:
+        s.cleanup()
 
 
 @pytest.fixture(scope="session")
@@ -136,8 +139,7 @@ def make_server(
 
     yield make
     for s in started:
-        if s.alive():
-            s.stop()
+        s.cleanup()
         safe_rmtree(s.tmp)  # type: ignore[attr-defined]
 
 

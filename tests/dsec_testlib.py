@@ -9,15 +9,21 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import dsec
 import httpx
 import pytest
+
+try:
+    import dsec
+except ImportError:  # not pip-installed: use the package in the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+    import dsec
 
 T = TypeVar("T")
 
@@ -132,6 +138,8 @@ class Server:
         self.extra_args = list(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
         self.cgroups: dict[str, str] = {}
+        #: Killed without a chance to clean up: `cleanup()` restarts it once to do so.
+        self.dirty = False
 
     @property
     def url(self) -> str:
@@ -218,6 +226,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+                self.dirty = True
                 raise AssertionError(
                     f"dsec serve (pid {self.proc.pid}) ignored SIGTERM for {timeout}s"
                 ) from None
@@ -228,6 +237,25 @@ class Server:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+            self.dirty = True
+
+    def cleanup(self) -> None:
+        """Stop the server; if it was ever killed, start it once more on the same state dir
+        so that it removes what the killed one left, then stop it again."""
+        if self.alive():
+            try:
+                self.stop()
+            except AssertionError:
+                pass
+        if self.dirty and self.state_dir.exists():
+            self.dirty = False
+            try:
+                self.spawn()
+                self.wait_ready(30)
+                self.stop()
+            except BaseException as e:  # noqa: BLE001 - teardown: report, go on
+                self.kill9()
+                print(f"dsec tests: cleanup restart of {self.state_dir} failed: {e}")
 
     def restart(self, timeout: float = 30.0) -> Server:
         """Start again on the same port and state dir (after stop() or kill9())."""

@@ -206,9 +206,9 @@ def test_output_flood_default_bound(sb: dsec.Sandbox, server: Server) -> None:
 
 def test_output_flood_small_bound(sb: dsec.Sandbox, server: Server) -> None:
     r = sb.run(
-        "yes | head -c 50000000; yes e >&2 | head -c 50000000; echo done >&2",
+        "yes | head -c 50000000; yes e | head -c 50000000 >&2; echo done >&2",
         max_output_bytes=1000,
-        timeout=60,
+        timeout=20,
     )
     assert r.truncated is True
     assert not r.timed_out
@@ -331,11 +331,12 @@ def test_seccomp_caps_nonewprivs(sb: dsec.Sandbox, linux_container: None) -> Non
     status = {k: v.strip() for k, v in status.items()}
     assert status["Seccomp"] == "2"
     assert status["NoNewPrivs"] == "1"
-    assert status["CapEff"] == "00000000a80425fb"  # Docker's default set
-    assert int(status["CapBnd"], 16) & ~0xA80425FB == 0
+    # Docker's default set without CAP_MKNOD (dsec has no device cgroup to make it safe)
+    assert status["CapEff"] == "00000000a00425fb"
+    assert status["CapBnd"] == "00000000a00425fb"
     # also for a process the command starts
     r = sb.run("grep -E '^(Seccomp|CapEff|NoNewPrivs):' /proc/self/status")
-    assert "00000000a80425fb" in r.stdout and "Seccomp:\t2" in r.stdout
+    assert "00000000a00425fb" in r.stdout and "Seccomp:\t2" in r.stdout
 
 
 def test_privileged_operations_fail(sb: dsec.Sandbox, linux_container: None) -> None:

@@ -158,7 +158,7 @@ def test_import_garbage(client: dsec.Client, tmp_path: Path) -> None:
         client.import_image(str(junk), name=_name("junk"))
 
 
-@pytest.mark.parametrize("bad", ["", "UPPER", "a/b", "../x", "with space"])
+@pytest.mark.parametrize("bad", ["", "../x", "with space", "a\nb"])
 def test_bad_image_name(client: dsec.Client, busybox_rootfs: Path, bad: str) -> None:
     with pytest.raises(dsec.InvalidArgument):
         img = client.import_image(str(busybox_rootfs), name=bad)

@@ -32,7 +32,7 @@ def test_run_shell_string(sb: dsec.Sandbox) -> None:
 
 def test_run_shell_features(sb: dsec.Sandbox) -> None:
     r = sb.run("x=4; for i in 1 2 3; do x=$((x+i)); done; echo $x | tr 0-9 a-j")
-    assert (r.exit_code, r.stdout) == (0, "ka\n")
+    assert (r.exit_code, r.stdout) == (0, "ba\n")
 
 
 def test_run_argv_has_no_shell(sb: dsec.Sandbox) -> None:

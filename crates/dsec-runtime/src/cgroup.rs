@@ -240,6 +240,13 @@ impl CgroupLayout {
         Ok(())
     }
 
+    /// Removes the `dsec-<tag>` parents when they are empty (graceful shutdown).
+    pub fn remove_parents(&self) {
+        for base in self.bases() {
+            let _ = fs::remove_dir(base);
+        }
+    }
+
     /// The cgroup paths of sandbox `id`; nothing is created yet.
     pub fn sandbox(&self, id: &str) -> SandboxCgroup {
         match self {
@@ -317,8 +324,8 @@ impl SandboxCgroup {
             .map_or_else(|| self.cpu(), PathBuf::as_path)
     }
 
-    /// The hierarchy where each command gets its own child cgroup.
-    pub fn tracking(&self) -> &Path {
+    /// The directory whose `freezer.state` (v1) or `cgroup.freeze` (v2) pauses the sandbox.
+    pub fn freezer(&self) -> &Path {
         &self.dirs[if self.version == CgroupVersion::V1 {
             3
         } else {
@@ -406,7 +413,7 @@ impl SandboxCgroup {
                 if frozen { "1" } else { "0" },
             ),
             CgroupVersion::V1 => write_file(
-                &self.tracking().join("freezer.state"),
+                &self.freezer().join("freezer.state"),
                 if frozen { "FROZEN" } else { "THAWED" },
             ),
         }
@@ -511,7 +518,7 @@ mod tests {
         );
         let sb = layout.sandbox("e0-1");
         assert_eq!(
-            sb.tracking(),
+            sb.freezer(),
             Path::new("/sys/fs/cgroup/freezer/dsec-t1/e0-1")
         );
         assert_eq!(sb.dirs().len(), 5);
@@ -528,10 +535,7 @@ mod tests {
                 base: "/sys/fs/cgroup/system.slice/dsec.service/dsec-t".into()
             }
         );
-        assert_eq!(
-            layout.sandbox("x").tracking(),
-            layout.sandbox("x").dirs()[0]
-        );
+        assert_eq!(layout.sandbox("x").freezer(), layout.sandbox("x").dirs()[0]);
     }
 
     #[test]

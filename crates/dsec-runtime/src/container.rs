@@ -208,8 +208,6 @@ impl ContainerRuntime {
                 layers: opts.layers.clone(),
                 disk_bytes: opts.disk_bytes,
                 cgroup_dirs: cgroup.dirs().to_vec(),
-                tracking_cgroup: cgroup.tracking().to_owned(),
-                cgroup_version: cgroup.version(),
             };
             Ok(self.zygote.create(&spec)?)
         })();
@@ -225,6 +223,11 @@ impl ContainerRuntime {
     async fn discard(&self, cgroup: &SandboxCgroup, dir: &Path) {
         let (cgroup, dir) = (cgroup.clone(), dir.to_owned());
         let _ = tokio::task::spawn_blocking(move || remove_sandbox(&cgroup, &dir)).await;
+    }
+
+    /// Removes this server's empty cgroup parents; call after every sandbox has stopped.
+    pub fn release_host(&self) {
+        self.layout.remove_parents();
     }
 
     /// Removes what an earlier run of the server left: the processes, cgroups and

@@ -9,16 +9,19 @@
 //! - init never blocks on a pipe or on the channel: everything is non-blocking, and output
 //!   pipes are not read while the channel's send queue is over [`MAX_QUEUED`], so a slow
 //!   edge throttles the commands instead of growing init's memory;
-//! - each command runs in its own cgroup `e<id>` below the tracking cgroup, so a timeout
-//!   kills the whole tree, including children that ignore SIGTERM or double-fork;
+//! - each command's main process is a child subreaper (`PR_SET_CHILD_SUBREAPER`, kept
+//!   across `execve`), so everything it starts stays in its subtree even after a double
+//!   fork; a timeout stops that whole subtree with SIGSTOP (a stopped process cannot fork
+//!   away), then SIGKILLs it, children that ignore SIGTERM included. Per-command cgroups
+//!   would do the same, but on cgroup v1 each migration waits for an RCU grace period
+//!   (~10 ms when the host is otherwise idle), which would dominate exec latency;
 //! - every descriptor init holds is close-on-exec and init is non-dumpable, so commands
 //!   cannot reach the channel through `/proc/1/fd`; signals from inside the pid
 //!   namespace cannot kill init either (the kernel protects a namespace's PID 1).
 
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{SigSet, SigmaskHow, Signal};
@@ -26,7 +29,6 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
-use crate::cgroup::CgroupVersion;
 use crate::proto::{self, ExecExit, ExecSpec, Frame, FrameKind, InitError};
 use crate::seccomp::SeccompProfile;
 use crate::spec::SandboxSpec;
@@ -43,7 +45,7 @@ const DRAIN_READS: usize = 32;
 /// returns. Runs in the child the zygote cloned into fresh namespaces.
 pub fn run(spec: &SandboxSpec, control: OwnedFd, seccomp: &SeccompProfile) -> ! {
     let mut out = Vec::new();
-    let code = match prepare(spec) {
+    let code = match prepare(spec, seccomp) {
         Ok(prepared) => {
             proto::encode_json(
                 &mut out,
@@ -53,7 +55,7 @@ pub fn run(spec: &SandboxSpec, control: OwnedFd, seccomp: &SeccompProfile) -> ! 
                     version: proto::VERSION,
                 },
             );
-            let mut init = Init::new(control, prepared, seccomp, spec.cgroup_version, out);
+            let mut init = Init::new(control, prepared, out);
             init.serve();
             0
         }
@@ -68,7 +70,6 @@ pub fn run(spec: &SandboxSpec, control: OwnedFd, seccomp: &SeccompProfile) -> ! 
 }
 
 struct Prepared {
-    tracking: OwnedFd,
     signals: SignalFd,
     devnull: OwnedFd,
 }
@@ -86,7 +87,7 @@ fn io_setup_error(stage: &str, err: std::io::Error) -> InitError {
     setup_error(stage, err, errno)
 }
 
-fn prepare(spec: &SandboxSpec) -> Result<Prepared, InitError> {
+fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, InitError> {
     let io = io_setup_error;
     // SAFETY: prctl(PR_SET_PDEATHSIG) takes integer arguments only.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
@@ -100,7 +101,6 @@ fn prepare(spec: &SandboxSpec) -> Result<Prepared, InitError> {
     for dir in &spec.cgroup_dirs {
         std::fs::write(dir.join("cgroup.procs"), "0").map_err(|e| io("join cgroup", e))?;
     }
-    let tracking = open_dir(&spec.tracking_cgroup).map_err(|e| io("open cgroup", e))?;
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWCGROUP)
         .map_err(|e| setup_error("unshare cgroup namespace", e, Some(e as i32)))?;
     crate::rootfs::setup(spec).map_err(|e| setup_error("rootfs", &e, None))?;
@@ -123,27 +123,17 @@ fn prepare(spec: &SandboxSpec) -> Result<Prepared, InitError> {
         .map_err(|e| setup_error("block SIGCHLD", e, Some(e as i32)))?;
     let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
         .map_err(|e| setup_error("signalfd", e, Some(e as i32)))?;
+    // Confine init itself: every command is a fork of it and inherits the reduced
+    // capability sets, no_new_privs and the seccomp filter, so none of that costs anything
+    // per command. init needs nothing beyond them once the sandbox is built.
+    crate::caps::drop_to_default().map_err(|e| setup_error("drop capabilities", e, None))?;
+    seccomp
+        .apply()
+        .map_err(|e| setup_error("install seccomp filter", e, None))?;
     Ok(Prepared {
-        tracking,
         signals,
         devnull: devnull.into(),
     })
-}
-
-fn open_dir(path: &std::path::Path) -> std::io::Result<OwnedFd> {
-    let c = CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
-    // SAFETY: c is a valid NUL-terminated path; the returned fd is checked.
-    let fd = unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_DIRECTORY | libc::O_RDONLY | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: fd is a fresh descriptor owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 fn write_all_blocking(fd: RawFd, mut data: &[u8]) -> std::io::Result<()> {
@@ -202,7 +192,6 @@ fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
 /// One running command.
 struct Exec {
     pid: i32,
-    cgroup: CString,
     stdout: Option<OwnedFd>,
     stderr: Option<OwnedFd>,
     stdin: Option<OwnedFd>,
@@ -217,16 +206,13 @@ struct Exec {
     status: Option<WaitStatus>,
 }
 
-struct Init<'a> {
+struct Init {
     control: OwnedFd,
     inbuf: Vec<u8>,
     outbuf: Vec<u8>,
     prepared: Prepared,
-    seccomp: &'a SeccompProfile,
-    cgroup_version: CgroupVersion,
     execs: HashMap<u32, Exec>,
     by_pid: HashMap<i32, u32>,
-    lingering: Vec<CString>,
     scratch: Vec<u8>,
 }
 
@@ -240,25 +226,16 @@ enum Slot {
     Stdin(u32),
 }
 
-impl<'a> Init<'a> {
-    fn new(
-        control: OwnedFd,
-        prepared: Prepared,
-        seccomp: &'a SeccompProfile,
-        cgroup_version: CgroupVersion,
-        outbuf: Vec<u8>,
-    ) -> Self {
+impl Init {
+    fn new(control: OwnedFd, prepared: Prepared, outbuf: Vec<u8>) -> Self {
         set_nonblocking(control.as_raw_fd());
         Init {
             control,
             inbuf: Vec::new(),
             outbuf,
             prepared,
-            seccomp,
-            cgroup_version,
             execs: HashMap::new(),
             by_pid: HashMap::new(),
-            lingering: Vec::new(),
             scratch: vec![0; CHUNK],
         }
     }
@@ -373,12 +350,7 @@ impl<'a> Init<'a> {
             },
             FrameKind::Kill => {
                 if let Some(ex) = self.execs.get(&frame.exec_id) {
-                    kill_tree(
-                        &self.prepared.tracking,
-                        self.cgroup_version,
-                        &ex.cgroup,
-                        ex.pid,
-                    );
+                    kill_tree(ex.pid);
                 }
             }
             _ => {}
@@ -424,20 +396,10 @@ impl<'a> Init<'a> {
     }
 
     fn spawn(&mut self, id: u32, spec: &ExecSpec, stdin: Vec<u8>) -> Result<(), Spawn> {
-        let launch = Launch::new(id, spec).map_err(|m| Spawn::Setup("spec", None, m))?;
+        let launch = Launch::new(spec).map_err(|m| Spawn::Setup("spec", None, m))?;
         let errno = |stage: &'static str| {
             move |e: std::io::Error| Spawn::Setup(stage, e.raw_os_error(), e.to_string())
         };
-        let cgroup = CString::new(format!("e{id}")).expect("no NUL");
-        // SAFETY: mkdirat with a directory fd init owns and a NUL-terminated name.
-        let rc =
-            unsafe { libc::mkdirat(self.prepared.tracking.as_raw_fd(), cgroup.as_ptr(), 0o755) };
-        if rc < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EEXIST) {
-                return Err(errno("create command cgroup")(e));
-            }
-        }
         let (out_r, out_w) = pipe().map_err(errno("pipe"))?;
         let (err_r, err_w) = pipe().map_err(errno("pipe"))?;
         let (report_r, report_w) = pipe().map_err(errno("pipe"))?;
@@ -461,9 +423,8 @@ impl<'a> Init<'a> {
                 stdout: out_w.as_raw_fd(),
                 stderr: err_w.as_raw_fd(),
                 report: report_w.as_raw_fd(),
-                tracking: self.prepared.tracking.as_raw_fd(),
             };
-            launch.exec_child(&fds, self.seccomp);
+            launch.exec_child(&fds);
         }
         drop((out_w, err_w, report_w));
         let stdin_w = stdin_pipe.map(|(r, w)| {
@@ -493,7 +454,6 @@ impl<'a> Init<'a> {
         }
         if got == report.len() {
             let _ = waitpid(Pid::from_raw(pid), None);
-            self.remove_cgroup(cgroup);
             let stage = u32::from_le_bytes(report[..4].try_into().expect("4 bytes"));
             let err = i32::from_le_bytes(report[4..].try_into().expect("4 bytes"));
             return Err(match ChildStage::from_u32(stage) {
@@ -519,7 +479,6 @@ impl<'a> Init<'a> {
             id,
             Exec {
                 pid,
-                cgroup,
                 stdout: Some(out_r),
                 stderr: Some(err_r),
                 stdin: stdin_w,
@@ -594,10 +553,6 @@ impl<'a> Init<'a> {
                 }
             }
         }
-        let lingering = std::mem::take(&mut self.lingering);
-        for cgroup in lingering {
-            self.remove_cgroup(cgroup);
-        }
     }
 
     /// Collects what the command wrote before exiting and reports its end.
@@ -632,23 +587,6 @@ impl<'a> Init<'a> {
             duration_us: ex.started.elapsed().as_micros() as u64,
         };
         proto::encode_json(&mut self.outbuf, FrameKind::Exit, id, &exit);
-        self.remove_cgroup(ex.cgroup);
-    }
-
-    /// Removes a command's cgroup, or keeps it for later while background processes it
-    /// started are still alive.
-    fn remove_cgroup(&mut self, cgroup: CString) {
-        // SAFETY: unlinkat with a directory fd init owns and a NUL-terminated name.
-        let rc = unsafe {
-            libc::unlinkat(
-                self.prepared.tracking.as_raw_fd(),
-                cgroup.as_ptr(),
-                libc::AT_REMOVEDIR,
-            )
-        };
-        if rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EBUSY) {
-            self.lingering.push(cgroup);
-        }
     }
 
     fn expire_deadlines(&mut self) {
@@ -657,12 +595,7 @@ impl<'a> Init<'a> {
             if ex.deadline.is_some_and(|d| d <= now) {
                 ex.deadline = None;
                 ex.timed_out = true;
-                kill_tree(
-                    &self.prepared.tracking,
-                    self.cgroup_version,
-                    &ex.cgroup,
-                    ex.pid,
-                );
+                kill_tree(ex.pid);
             }
         }
     }
@@ -704,84 +637,75 @@ fn forward(outbuf: &mut Vec<u8>, id: u32, ex: &mut Exec, stream: usize, data: &[
     }
 }
 
-/// Kills every process of a command: its cgroup (v2 `cgroup.kill`; v1 freeze, kill each
-/// member, thaw), and its process group as a first, cheap shot.
-fn kill_tree(tracking: &OwnedFd, version: CgroupVersion, cgroup: &CString, pid: i32) {
-    // SAFETY: kill(2) with integer arguments; -pid names the command's own process group.
-    unsafe { libc::kill(-pid, libc::SIGKILL) };
-    let dir = tracking.as_raw_fd();
-    let name = cgroup.to_string_lossy();
-    match version {
-        CgroupVersion::V2 => {
-            write_at(dir, &format!("{name}/cgroup.kill"), b"1");
+/// Kills a command's main process and every descendant.
+///
+/// The main process is a subreaper, so its subtree holds everything it started, double
+/// forks included. Each round stops the members found so far (a stopped process cannot
+/// fork) and rescans until no new member appears; then all are SIGKILLed. The scan reads
+/// the sandbox's own `/proc`, which lists only the sandbox's few processes.
+fn kill_tree(main: i32) {
+    let mut members = vec![main];
+    for _ in 0..64 {
+        for pid in &members {
+            // SAFETY: kill(2) with integer arguments, on a process of this command.
+            unsafe { libc::kill(*pid, libc::SIGSTOP) };
         }
-        CgroupVersion::V1 => {
-            write_at(dir, &format!("{name}/freezer.state"), b"FROZEN");
-            for _ in 0..100 {
-                let state = read_at(dir, &format!("{name}/freezer.state"));
-                if state.starts_with(b"FROZEN") || state.is_empty() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_micros(100));
+        let before = members.len();
+        for pid in descendants(main) {
+            if !members.contains(&pid) {
+                members.push(pid);
             }
-            let procs = read_at(dir, &format!("{name}/cgroup.procs"));
-            for pid in String::from_utf8_lossy(&procs)
-                .lines()
-                .filter_map(|l| l.trim().parse::<i32>().ok())
-            {
-                // SAFETY: kill(2) with integer arguments, on members of the command's cgroup.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
-            write_at(dir, &format!("{name}/freezer.state"), b"THAWED");
         }
-    }
-}
-
-fn open_at(dir: RawFd, path: &str, flags: libc::c_int) -> Option<OwnedFd> {
-    let c = CString::new(path).ok()?;
-    // SAFETY: openat with a directory fd init owns and a NUL-terminated relative path.
-    let fd = unsafe { libc::openat(dir, c.as_ptr(), flags | libc::O_CLOEXEC) };
-    // SAFETY: a non-negative fd was just returned to us and has no other owner.
-    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-fn write_at(dir: RawFd, path: &str, data: &[u8]) {
-    if let Some(fd) = open_at(dir, path, libc::O_WRONLY) {
-        // SAFETY: data points to data.len() initialised bytes.
-        unsafe { libc::write(fd.as_raw_fd(), data.as_ptr().cast(), data.len()) };
-    }
-}
-
-fn read_at(dir: RawFd, path: &str) -> Vec<u8> {
-    let Some(fd) = open_at(dir, path, libc::O_RDONLY) else {
-        return Vec::new();
-    };
-    let mut buf = vec![0u8; 4096];
-    let mut len = 0;
-    loop {
-        if len == buf.len() {
-            buf.resize(len * 2, 0);
-        }
-        // SAFETY: reading into the unused tail of buf.
-        let n = unsafe {
-            libc::read(
-                fd.as_raw_fd(),
-                buf[len..].as_mut_ptr().cast(),
-                buf.len() - len,
-            )
-        };
-        if n <= 0 {
+        if members.len() == before {
             break;
         }
-        len += n as usize;
     }
-    buf.truncate(len);
-    buf
+    for pid in &members {
+        // SAFETY: kill(2) with integer arguments, on a process of this command.
+        unsafe { libc::kill(*pid, libc::SIGKILL) };
+    }
+}
+
+/// Pids whose chain of parents leads to `root`, read from `/proc/<pid>/stat`.
+fn descendants(root: i32) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let parents: Vec<(i32, i32)> = dir
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // The command name may hold spaces and parentheses: parse after the last ')'.
+            let ppid = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            Some((pid, ppid))
+        })
+        .collect();
+    let mut tree = vec![root];
+    let mut i = 0;
+    while i < tree.len() {
+        let parent = tree[i];
+        tree.extend(
+            parents
+                .iter()
+                .filter(|(_, pp)| *pp == parent)
+                .map(|(p, _)| *p),
+        );
+        i += 1;
+    }
+    tree.remove(0);
+    tree
 }
 
 /// Why a command could not be started.
 enum Spawn {
-    /// Before execve: bad spec, cgroup, chdir...; reported as an error.
+    /// Before execve: bad spec, chdir...; reported as an error.
     Setup(&'static str, Option<i32>, String),
     /// execve failed: reported like a shell does, exit 127 or 126.
     Exec(i32),
@@ -791,33 +715,27 @@ enum Spawn {
 #[derive(Clone, Copy)]
 #[repr(u32)]
 enum ChildStage {
-    Cgroup = 1,
+    Subreaper = 1,
     Stdio = 2,
     Chdir = 3,
-    Capabilities = 4,
-    Seccomp = 5,
-    Exec = 6,
+    Exec = 4,
 }
 
 impl ChildStage {
     fn from_u32(v: u32) -> ChildStage {
         match v {
-            1 => ChildStage::Cgroup,
+            1 => ChildStage::Subreaper,
             2 => ChildStage::Stdio,
             3 => ChildStage::Chdir,
-            4 => ChildStage::Capabilities,
-            5 => ChildStage::Seccomp,
             _ => ChildStage::Exec,
         }
     }
 
     fn name(self) -> &'static str {
         match self {
-            ChildStage::Cgroup => "join command cgroup",
+            ChildStage::Subreaper => "become subreaper",
             ChildStage::Stdio => "set up stdio",
             ChildStage::Chdir => "chdir",
-            ChildStage::Capabilities => "drop capabilities",
-            ChildStage::Seccomp => "install seccomp filter",
             ChildStage::Exec => "exec",
         }
     }
@@ -828,7 +746,6 @@ struct ChildFds {
     stdout: RawFd,
     stderr: RawFd,
     report: RawFd,
-    tracking: RawFd,
 }
 
 /// Everything the child needs, converted before `fork` so that the child only makes
@@ -838,7 +755,6 @@ struct Launch {
     env: Vec<CString>,
     candidates: Vec<CString>,
     cwd: CString,
-    cgroup_procs: CString,
 }
 
 fn cstring(s: &str, what: &str) -> Result<CString, String> {
@@ -846,7 +762,7 @@ fn cstring(s: &str, what: &str) -> Result<CString, String> {
 }
 
 impl Launch {
-    fn new(id: u32, spec: &ExecSpec) -> Result<Launch, String> {
+    fn new(spec: &ExecSpec) -> Result<Launch, String> {
         let argv = spec
             .argv
             .iter()
@@ -876,14 +792,13 @@ impl Launch {
             env,
             candidates,
             cwd: cstring(&spec.cwd, "working directory")?,
-            cgroup_procs: CString::new(format!("e{id}/cgroup.procs")).expect("no NUL"),
         })
     }
 
-    /// Runs in the forked child: joins the command's cgroup, wires stdio, enters the
-    /// working directory, drops privileges and execs. Reports a failing step through
-    /// the report pipe and exits.
-    fn exec_child(&self, fds: &ChildFds, seccomp: &SeccompProfile) -> ! {
+    /// Runs in the forked child: becomes a subreaper, wires stdio, enters the working
+    /// directory and execs; capabilities, no_new_privs and seccomp are inherited from
+    /// init. Reports a failing step through the report pipe and exits.
+    fn exec_child(&self, fds: &ChildFds) -> ! {
         let fail = |stage: ChildStage, errno: i32| -> ! {
             let mut msg = [0u8; 8];
             msg[..4].copy_from_slice(&(stage as u32).to_le_bytes());
@@ -904,14 +819,9 @@ impl Launch {
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
         // SAFETY: setsid(2) has no arguments.
         unsafe { libc::setsid() };
-        match open_at(
-            fds.tracking,
-            &self.cgroup_procs.to_string_lossy(),
-            libc::O_WRONLY,
-        ) {
-            // SAFETY: writing two bytes from a static buffer.
-            Some(fd) if unsafe { libc::write(fd.as_raw_fd(), c"0".as_ptr().cast(), 1) } == 1 => {}
-            _ => fail(ChildStage::Cgroup, last_errno()),
+        // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) takes integer arguments only.
+        if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } < 0 {
+            fail(ChildStage::Subreaper, last_errno());
         }
         let _ = std::fs::write("/proc/self/oom_score_adj", "0");
         for (from, to) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
@@ -923,12 +833,6 @@ impl Launch {
         // SAFETY: cwd is a valid NUL-terminated string.
         if unsafe { libc::chdir(self.cwd.as_ptr()) } < 0 {
             fail(ChildStage::Chdir, last_errno());
-        }
-        if crate::caps::drop_to_default().is_err() {
-            fail(ChildStage::Capabilities, libc::EPERM);
-        }
-        if seccomp.apply().is_err() {
-            fail(ChildStage::Seccomp, last_errno());
         }
         let mut argv: Vec<*const libc::c_char> = self.argv.iter().map(|a| a.as_ptr()).collect();
         argv.push(std::ptr::null());

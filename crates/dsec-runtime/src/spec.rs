@@ -4,8 +4,6 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::cgroup::CgroupVersion;
-
 /// Everything init needs to build a sandbox; sent to the zygote as JSON.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SandboxSpec {
@@ -20,8 +18,4 @@ pub struct SandboxSpec {
     pub disk_bytes: u64,
     /// Cgroup directories init joins before anything else.
     pub cgroup_dirs: Vec<PathBuf>,
-    /// Cgroup directory under which each command gets its own child.
-    pub tracking_cgroup: PathBuf,
-    /// How to kill a command's cgroup.
-    pub cgroup_version: CgroupVersion,
 }

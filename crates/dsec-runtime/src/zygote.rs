@@ -80,7 +80,9 @@ impl Zygote {
         .map_err(|e| ZygoteError::Spawn(e.into()))?;
         let theirs_raw = theirs.as_raw_fd();
         let mut cmd = Command::new(exe);
-        cmd.arg(ZYGOTE_ARG).stdin(Stdio::null());
+        // Every init is a fork of the zygote and shows its command line as PID 1 inside
+        // the sandbox: name it for what it is there, without the host path of the binary.
+        cmd.arg0("dsec-init").arg(ZYGOTE_ARG).stdin(Stdio::null());
         // SAFETY: the closure runs between fork and exec and only makes syscalls.
         unsafe {
             cmd.pre_exec(move || {

@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -56,6 +57,8 @@ struct Entry {
     state: Mutex<SandboxState>,
     created: Instant,
     last_active: Mutex<Instant>,
+    /// Commands in flight: a sandbox running one is not idle.
+    busy: AtomicUsize,
     sandbox: Box<dyn Sandbox>,
 }
 
@@ -85,11 +88,12 @@ impl Entry {
         let past = |limit: Option<f64>, since: Instant| {
             limit.is_some_and(|s| now.duration_since(since) >= Duration::from_secs_f64(s))
         };
-        past(self.info.ttl_s, self.created)
-            || past(
+        let idle = self.busy.load(Ordering::Acquire) == 0
+            && past(
                 self.info.idle_ttl_s,
                 *self.last_active.lock().expect("lock"),
-            )
+            );
+        past(self.info.ttl_s, self.created) || idle
     }
 }
 
@@ -338,6 +342,7 @@ impl Edge {
             state: Mutex::new(SandboxState::Running),
             created: Instant::now(),
             last_active: Mutex::new(Instant::now()),
+            busy: AtomicUsize::new(0),
             sandbox,
         });
         self.sandboxes.write().expect("lock").insert(id, entry);
@@ -453,7 +458,9 @@ impl Edge {
             .await;
         metrics::histogram!("dsec_exec_start_seconds", "backend" => entry.info.backend.clone())
             .record(started.elapsed().as_secs_f64());
-        stream
+        let inner = stream?;
+        entry.busy.fetch_add(1, Ordering::AcqRel);
+        Ok(Box::new(Busy { inner, entry }))
     }
 
     /// Records a finished command's latency.
@@ -573,6 +580,27 @@ impl Edge {
             .flat_map(|e| e.image_layers.iter().cloned())
             .collect();
         Ok(self.images.remove(name, &in_use)?)
+    }
+}
+
+/// Wraps a running command's output so that the sandbox counts as busy (not idle) until
+/// the command ends or its caller goes away.
+struct Busy {
+    inner: Box<dyn OutputStream>,
+    entry: Arc<Entry>,
+}
+
+#[async_trait::async_trait]
+impl OutputStream for Busy {
+    async fn next(&mut self) -> Option<Result<crate::backend::Output, ApiError>> {
+        self.inner.next().await
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.entry.touch();
+        self.entry.busy.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -161,7 +161,7 @@ pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError
         );
     }
     let backends = Backends {
-        container: Arc::new(ContainerBackend::new(runtime, images.clone())),
+        container: Arc::new(ContainerBackend::new(Arc::clone(&runtime), images.clone())),
     };
     let edge = Arc::new(Edge::new(config.edge.clone(), images, backends));
     tokio::spawn(Arc::clone(&edge).reaper());
@@ -178,15 +178,23 @@ pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError
             source,
         })?;
     tracing::info!(listen = %config.listen, state_dir = %config.state_dir.display(), "dsec serving");
+    // Stop the sandboxes before the HTTP server drains: requests still waiting on a
+    // command then end at once instead of holding the shutdown open.
+    let stopping = Arc::clone(&edge);
     axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
+        .with_graceful_shutdown(async move {
+            shutdown_signal().await;
+            tracing::info!("shutting down: stopping all sandboxes");
+            stopping.stop_all().await;
+        })
         .await
         .map_err(|source| ServeError::Listen {
             addr: config.listen,
             source,
         })?;
-    tracing::info!("shutting down: stopping all sandboxes");
     edge.stop_all().await;
+    let runtime_ = Arc::clone(&runtime);
+    let _ = tokio::task::spawn_blocking(move || runtime_.release_host()).await;
     Ok(())
 }
 

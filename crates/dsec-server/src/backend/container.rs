@@ -65,12 +65,13 @@ impl OutputStream for ContainerOutput {
             Ok(ExecEvent::Stdout(data)) => Ok(Output::Stdout(data)),
             Ok(ExecEvent::Stderr(data)) => Ok(Output::Stderr(data)),
             Ok(ExecEvent::Exit(exit)) => {
-                let killed = exit.signal == Some(libc::SIGKILL);
                 Ok(Output::Exit(ExitStatus {
                     exit_code: exit.exit_code,
                     timed_out: exit.timed_out,
                     truncated: exit.truncated,
-                    oom_killed: killed && self.container.take_oom_kill(),
+                    // The killed process may be a child (the shell then exits 137 itself):
+                    // ask the cgroup, not the exit status.
+                    oom_killed: self.container.take_oom_kill(),
                     duration_ms: exit.duration_us as f64 / 1000.0,
                 }))
             }
