@@ -893,7 +893,7 @@ def host_description() -> str:
                 mem_gib = int(line.split()[1]) / 2**20
     return (
         f"{platform.node()}: Linux {platform.release()}, {os.cpu_count()} CPUs ({cpu}), "
-        f"{mem_gib:.0f} GiB, cgroup {cg}"
+        f"{mem_gib:.0f} GiB, cgroup {cg}, load average {os.getloadavg()[0]:.2f} at the end"
     )
 
 
