@@ -58,7 +58,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO / "bench"
 OUT_DIR = BENCH_DIR / "out"
-PARTS = ["create", "runc", "docker", "floor", "exec", "idle"]
+PARTS = ["create", "loadgen", "runc", "docker", "floor", "exec", "idle"]
 TAG = f"dsec-bench-{os.getpid()}"
 
 # Targets from the issue.
@@ -188,13 +188,28 @@ def prepare_rootfs(arg: str | None) -> Path:
             (d / "bin" / "true").exists() or (d / "bin" / "true").is_symlink()
         ):
             return d
-        log(f"{script.name} failed ({r.returncode}): {r.stderr.strip()[-300:]}; building it here")
+        log(
+            f"{script.name} failed ({r.returncode}): {r.stderr.strip()[-300:]}; building it here"
+        )
         remove_tree(d)
     busybox = shutil.which("busybox") or "/bin/busybox"
     if not os.path.exists(busybox):
-        sys.exit("busybox not found: apt-get install busybox-static (or run scripts/setup.sh)")
+        sys.exit(
+            "busybox not found: apt-get install busybox-static (or run scripts/setup.sh)"
+        )
     log("building the busybox rootfs (busybox --install -s)")
-    for sub in ["bin", "sbin", "usr/bin", "usr/sbin", "proc", "sys", "dev", "tmp", "etc", "root"]:
+    for sub in [
+        "bin",
+        "sbin",
+        "usr/bin",
+        "usr/sbin",
+        "proc",
+        "sys",
+        "dev",
+        "tmp",
+        "etc",
+        "root",
+    ]:
         (d / sub).mkdir(parents=True, exist_ok=True)
     shutil.copy2(busybox, d / "bin" / "busybox")
     r = run_cmd(["chroot", str(d), "/bin/busybox", "--install", "-s"])
@@ -229,7 +244,17 @@ def bench_floor(rootfs: Path, n: int, concurrencies: list[int]) -> dict[str, Any
 
     def go(p: int, count: int) -> dict[str, Any]:
         r = run_cmd(
-            [str(exe), "-r", str(rootfs), "-n", str(count), "-p", str(p), "-d", str(scratch)]
+            [
+                str(exe),
+                "-r",
+                str(rootfs),
+                "-n",
+                str(count),
+                "-p",
+                str(p),
+                "-d",
+                str(scratch),
+            ]
         )
         if not r.stdout.strip():
             raise RuntimeError(f"floor failed ({r.returncode}): {r.stderr.strip()}")
@@ -280,7 +305,11 @@ def timed_runs(
         nonlocal failed
         t0 = time.perf_counter()
         r = subprocess.run(
-            make_cmd(i), check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            make_cmd(i),
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         dt = (time.perf_counter() - t0) * 1e3
         with lock:
@@ -344,7 +373,15 @@ def bench_runc(rootfs: Path, n: int, concurrencies: list[int]) -> dict[str, Any]
     def cmd(_i: int) -> list[str]:
         with counter_lock:
             k = next(counter)
-        return [runc, "--root", str(state), "run", "--bundle", str(bundle), f"{TAG}-{k}"]
+        return [
+            runc,
+            "--root",
+            str(state),
+            "run",
+            "--bundle",
+            str(bundle),
+            f"{TAG}-{k}",
+        ]
 
     res: dict[str, Any] = {}
     timed_runs(cmd, 5, 1, "runc warm-up")
@@ -373,14 +410,18 @@ def docker_available() -> bool:
         return False
 
 
-def bench_docker(rootfs: Path, n: int, concurrencies: list[int]) -> dict[str, Any] | None:
+def bench_docker(
+    rootfs: Path, n: int, concurrencies: list[int]
+) -> dict[str, Any] | None:
     if not docker_available():
         print("docker: no daemon", flush=True)
         log("docker: no daemon, skipped")
         return None
     image = f"{TAG}:latest"
     log(f"docker import {rootfs} -> {image}")
-    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+    tar = subprocess.Popen(
+        ["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE
+    )
     r = subprocess.run(
         ["docker", "import", "-", image],
         stdin=tar.stdout,
@@ -399,7 +440,15 @@ def bench_docker(rootfs: Path, n: int, concurrencies: list[int]) -> dict[str, An
             todo = list(names)
         existing = set(
             run_cmd(
-                ["docker", "ps", "-aq", "--filter", f"name={TAG}", "--format", "{{.Names}}"]
+                [
+                    "docker",
+                    "ps",
+                    "-aq",
+                    "--filter",
+                    f"name={TAG}",
+                    "--format",
+                    "{{.Names}}",
+                ]
             ).stdout.split()
         )
         for name in todo:
@@ -414,7 +463,17 @@ def bench_docker(rootfs: Path, n: int, concurrencies: list[int]) -> dict[str, An
         with names_lock:
             name = f"{TAG}-{next(counter)}"
             names.append(name)
-        return ["docker", "run", "--rm", "--network", "none", "--name", name, image, "/bin/true"]
+        return [
+            "docker",
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "--name",
+            name,
+            image,
+            "/bin/true",
+        ]
 
     res: dict[str, Any] = {}
     timed_runs(cmd, 3, 1, "docker warm-up")
@@ -444,13 +503,17 @@ class Dsec:
 
     def __init__(self, args: argparse.Namespace, rootfs: Path) -> None:
         if importlib.util.find_spec("dsec") is None:
-            sys.exit("the dsec Python SDK is not installed: python3 -m pip install -e python/")
+            sys.exit(
+                "the dsec Python SDK is not installed: python3 -m pip install -e python/"
+            )
         self.args = args
         self.rootfs = rootfs
         self.proc: subprocess.Popen | None = None
         self.url = os.environ.get("DSEC_URL") or self._start_server()
         self.image = f"{TAG}-busybox"
-        self.labels = {"dsec-bench": TAG}  # finds sandboxes whose create was interrupted
+        self.labels = {
+            "dsec-bench": TAG
+        }  # finds sandboxes whose create was interrupted
         self.live: set[str] = set()  # sandboxes created and not yet stopped
         self.live_lock = threading.Lock()
         self.client = self._client()
@@ -471,13 +534,19 @@ class Dsec:
 
     def _start_server(self) -> str:
         exe = (
-            Path(self.args.dsec_bin) if self.args.dsec_bin else REPO / "target" / "release" / "dsec"
+            Path(self.args.dsec_bin)
+            if self.args.dsec_bin
+            else REPO / "target" / "release" / "dsec"
         )
         if not exe.exists():
             debug = REPO / "target" / "debug" / "dsec"
             if self.args.dsec_bin or not debug.exists():
-                sys.exit(f"{exe} not found: cargo build --release (or set DSEC_URL / --dsec-bin)")
-            log("WARNING: no target/release/dsec, using the DEBUG build: not representative")
+                sys.exit(
+                    f"{exe} not found: cargo build --release (or set DSEC_URL / --dsec-bin)"
+                )
+            log(
+                "WARNING: no target/release/dsec, using the DEBUG build: not representative"
+            )
             exe = debug
         self.server_exe = exe
         state = make_tempdir("state")
@@ -490,7 +559,14 @@ class Dsec:
         CLEANUP.push("server log", lambda: self.server_log.unlink(missing_ok=True))
         log(f"starting {exe} serve on {url}, state {state}")
         self.proc = subprocess.Popen(
-            [str(exe), "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state)],
+            [
+                str(exe),
+                "serve",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--state-dir",
+                str(state),
+            ],
             stdout=logf,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -500,7 +576,9 @@ class Dsec:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                sys.exit(f"dsec serve exited with {self.proc.returncode}:\n{self._log_tail()}")
+                sys.exit(
+                    f"dsec serve exited with {self.proc.returncode}:\n{self._log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"{url}/healthz", timeout=1) as r:
                     if r.status == 200:
@@ -721,6 +799,27 @@ def bench_dsec_create(d: Dsec, n: int, concurrencies: list[int]) -> dict[str, An
     return res
 
 
+def bench_dsec_loadgen(d: Dsec, n: int, concurrencies: list[int]) -> dict[str, Any]:
+    """Creations/s with a lean Rust client (bench/loadgen): the server's own capacity.
+
+    The Python SDK spends milliseconds of CPU per request, and on a 2-core machine those
+    are taken from the server under test; dsec-loadgen costs a fraction of that.
+    """
+    exe = REPO / "target" / "release" / "dsec-loadgen"
+    if not exe.exists():
+        raise RuntimeError(f"{exe} missing: cargo build --release -p dsec-loadgen")
+    out: dict[str, Any] = {}
+    for c in concurrencies:
+        cmd = [str(exe), "--url", d.url, "--image", d.image]
+        cmd += ["--n", str(max(n, 16 * c)), "--concurrency", str(c)]
+        log(f"loadgen: {' '.join(cmd)}")
+        r = run_cmd(cmd)
+        if r.returncode != 0:
+            raise RuntimeError(f"dsec-loadgen failed: {r.stderr.strip()[-500:]}")
+        out[f"c{c}"] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
+
+
 def bench_dsec_exec(d: Dsec, n: int) -> dict[str, Any]:
     sb = d.client.create(image=d.image, labels=d.labels)
     d.track(sb.id)
@@ -818,8 +917,12 @@ def bench_dsec_idle(d: Dsec, count: int) -> dict[str, Any]:
         "failed": len(errors),
         "create_s": create_s,
         "mib_per_sandbox": (before - after) / len(ids) / 1024,
-        "cgroup_usage_mib_per_sandbox": usage_sum / len(ids) / 2**20 if usage_sum else None,
-        "server_rss_mib_per_sandbox": (rss1 - rss0) / len(ids) / 1024 if rss0 and rss1 else None,
+        "cgroup_usage_mib_per_sandbox": usage_sum / len(ids) / 2**20
+        if usage_sum
+        else None,
+        "server_rss_mib_per_sandbox": (rss1 - rss0) / len(ids) / 1024
+        if rss0 and rss1
+        else None,
     }
     log(f"dsec: stopping {len(ids)} idle sandboxes")
 
@@ -907,13 +1010,17 @@ def rounded(x: Any) -> Any:
     return x
 
 
-def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: list[str]) -> str:
+def report(
+    res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: list[str]
+) -> str:
     out = []
     git = (
         run_cmd(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]).stdout.strip()
         or "uncommitted"
     )
-    out.append(f"### dsec bench — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} ({git})")
+    out.append(
+        f"### dsec bench — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} ({git})"
+    )
     out.append("")
     out.append(
         f"Host: {host_description()}. Rootfs: busybox. n={args.n} sequential; "
@@ -976,11 +1083,31 @@ def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: 
         """A dsec-only row."""
         out.append(f"| {name} | {fmt(value)} | | | | | | | {target} |")
 
+    for c in cs:
+        lg = get(res, "loadgen", f"c{c}")
+        if lg is None:
+            continue
+        ok = met(lg["creations_per_s"], TARGET_CREATIONS_PER_S, True)
+        out.append(
+            f"| creations/s at concurrency {c}, lean client ⁵ | {fmt(lg['creations_per_s'], 0)} "
+            f"| | | | | | | ≥ {TARGET_CREATIONS_PER_S:g}/s {ok} |"
+        )
+        drow(
+            f"create → first exec p50 ms at concurrency {c}, lean client ⁵",
+            lg["create_exec_p50_ms"],
+        )
+        out.append(
+            f"| stops/s at concurrency {c}, lean client ⁵ | {fmt(lg['stops_per_s'], 0)} "
+            "| | | | | | | |"
+        )
+
     if "exec" in res:
         e = res["exec"]
         ok = met(e["p50_ms"], TARGET_EXEC_P50_MS, False)
         drow(
-            "exec round trip `/bin/true`, p50 ms", e["p50_ms"], f"≤ {TARGET_EXEC_P50_MS:g} ms {ok}"
+            "exec round trip `/bin/true`, p50 ms",
+            e["p50_ms"],
+            f"≤ {TARGET_EXEC_P50_MS:g} ms {ok}",
         )
         drow("exec round trip `/bin/true`, p99 ms", e["p99_ms"])
         drow("exec, server-side duration p50 ms", e["server_p50_ms"])
@@ -993,7 +1120,10 @@ def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: 
             f"≤ {TARGET_IDLE_MIB:g} MiB {ok}",
         )
         if i.get("cgroup_usage_mib_per_sandbox") is not None:
-            drow("idle sandbox, cgroup memory usage MiB", i["cgroup_usage_mib_per_sandbox"])
+            drow(
+                "idle sandbox, cgroup memory usage MiB",
+                i["cgroup_usage_mib_per_sandbox"],
+            )
         if i.get("server_rss_mib_per_sandbox") is not None:
             drow("idle sandbox, server RSS growth MiB", i["server_rss_mib_per_sandbox"])
         drow(f"{i['n']} idle sandboxes created in, s", i["create_s"])
@@ -1004,7 +1134,9 @@ def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: 
         "`/bin/true` (create, start, exit, delete): more work, so there the ratio flatters "
         "dsec; the lifecycle rows compare equal work.  "
     )
-    out.append("² dsec: create → exec → stop, the same work as one runc/docker/floor run.  ")
+    out.append(
+        "² dsec: create → exec → stop, the same work as one runc/docker/floor run.  "
+    )
     out.append(
         "³ create → exec `/bin/true` → stop cycles completed per second with c in flight "
         "(dsec: AsyncClient; runc/docker: c parallel command lines; floor: c worker "
@@ -1013,6 +1145,11 @@ def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: 
     out.append(
         "⁴ dsec only: create → first exec with c in flight, all sandboxes left running; then "
         "all stopped, timed apart."
+    )
+    out.append(
+        "⁵ the same as ⁴, driven by `target/release/dsec-loadgen` (Rust) instead of the Python "
+        "SDK: on 2 cores the SDK's own CPU is taken from the server, so this row is the "
+        "server's capacity."
     )
     failures = []
     for part, r in res.items():
@@ -1046,15 +1183,28 @@ def main() -> int:
         help=f"comma-separated parts to run, of: {','.join(PARTS)} (default: all)",
     )
     ap.add_argument(
-        "--n", type=int, default=200, help="sequential runs per measurement (default 200)"
+        "--n",
+        type=int,
+        default=200,
+        help="sequential runs per measurement (default 200)",
     )
-    ap.add_argument("--concurrency", default="16,32", help="concurrency levels (default 16,32)")
-    ap.add_argument("--exec-n", type=int, default=500, help="exec round trips (default 500)")
-    ap.add_argument("--idle-n", type=int, default=500, help="idle sandboxes (default 500)")
-    ap.add_argument("--rootfs", help="use this busybox rootfs instead of building one")
-    ap.add_argument("--dsec-bin", help="dsec binary to start (default target/release/dsec)")
     ap.add_argument(
-        "--json", action="store_true", help="also print the raw results as one JSON line"
+        "--concurrency", default="16,32", help="concurrency levels (default 16,32)"
+    )
+    ap.add_argument(
+        "--exec-n", type=int, default=500, help="exec round trips (default 500)"
+    )
+    ap.add_argument(
+        "--idle-n", type=int, default=500, help="idle sandboxes (default 500)"
+    )
+    ap.add_argument("--rootfs", help="use this busybox rootfs instead of building one")
+    ap.add_argument(
+        "--dsec-bin", help="dsec binary to start (default target/release/dsec)"
+    )
+    ap.add_argument(
+        "--json",
+        action="store_true",
+        help="also print the raw results as one JSON line",
     )
     args = ap.parse_args()
 
@@ -1073,15 +1223,22 @@ def main() -> int:
     rc = 0
     try:
         rootfs = prepare_rootfs(args.rootfs)
-        dsec_parts = [p for p in parts if p in ("create", "exec", "idle")]
+        dsec_parts = [p for p in parts if p in ("create", "loadgen", "exec", "idle")]
         d = Dsec(args, rootfs) if dsec_parts else None
-        if d is not None and getattr(d, "server_exe", None) and "debug" in str(d.server_exe):
-            notes.append("dsec ran from the DEBUG build (target/debug/dsec): not representative.")
+        if (
+            d is not None
+            and getattr(d, "server_exe", None)
+            and "debug" in str(d.server_exe)
+        ):
+            notes.append(
+                "dsec ran from the DEBUG build (target/debug/dsec): not representative."
+            )
         steps: list[tuple[str, Callable[[], Any]]] = [
             ("floor", lambda: bench_floor(rootfs, args.n, cs)),
             ("runc", lambda: bench_runc(rootfs, args.n, cs)),
             ("docker", lambda: bench_docker(rootfs, args.n, cs)),
             ("create", lambda: bench_dsec_create(d, args.n, cs)),
+            ("loadgen", lambda: bench_dsec_loadgen(d, args.n, cs)),
             ("exec", lambda: bench_dsec_exec(d, args.exec_n)),
             ("idle", lambda: bench_dsec_idle(d, args.idle_n)),
         ]

@@ -131,8 +131,9 @@ pub fn setup(spec: &SandboxSpec) -> Result<(), RootfsError> {
     .step("mount overlay on", &rootfs)?;
 
     mount_proc_dev_sys(&rootfs)?;
+    let mut empty_dir = None;
     for path in MASKED_PATHS {
-        mask(&rootfs, path)?;
+        mask(&rootfs, path, &mut empty_dir)?;
     }
     for path in READONLY_PATHS {
         make_readonly(&rootfs.join(&path[1..]))?;
@@ -156,8 +157,8 @@ fn mount_proc_dev_sys(rootfs: &Path) -> Result<(), RootfsError> {
         Some("tmpfs"),
         &dev,
         Some("tmpfs"),
-        MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME,
-        Some("mode=755,size=65536"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC | MsFlags::MS_STRICTATIME,
+        Some("mode=755,size=67108864"),
     )
     .step("mount tmpfs on", &dev)?;
     for (name, major, minor) in DEVICES {
@@ -197,15 +198,11 @@ fn mount_proc_dev_sys(rootfs: &Path) -> Result<(), RootfsError> {
         Some("newinstance,ptmxmode=0666,mode=0620"),
     )
     .step("mount devpts on", &pts)?;
+    // POSIX shared memory only needs a world-writable directory on a tmpfs: /dev is one,
+    // which saves a superblock per sandbox.
     let shm = ensure_dir(&dev.join("shm"))?;
-    mount(
-        Some("shm"),
-        &shm,
-        Some("tmpfs"),
-        NOSUID_NODEV_NOEXEC,
-        Some("mode=1777,size=67108864"),
-    )
-    .step("mount tmpfs on", &shm)?;
+    fs::set_permissions(&shm, std::os::unix::fs::PermissionsExt::from_mode(0o1777))
+        .step("chmod", &shm)?;
 
     let sys = ensure_dir(&rootfs.join("sys"))?;
     mount(
@@ -229,30 +226,41 @@ fn ensure_dir(path: &Path) -> Result<PathBuf, RootfsError> {
     }
 }
 
-fn mask(rootfs: &Path, path: &str) -> Result<(), RootfsError> {
+/// Hides `path`: a file under a bind of `/dev/null`, a directory under an empty
+/// read-only tmpfs. The first masked directory gets the tmpfs; the others bind it, since a
+/// bind is much cheaper than a new superblock.
+fn mask(rootfs: &Path, path: &str, empty_dir: &mut Option<PathBuf>) -> Result<(), RootfsError> {
     let target = rootfs.join(&path[1..]);
     let Ok(meta) = fs::symlink_metadata(&target) else {
         return Ok(());
     };
-    if meta.is_dir() {
-        mount(
-            Some("tmpfs"),
-            &target,
-            Some("tmpfs"),
-            MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC,
-            Some("size=0"),
-        )
-        .step("mask", &target)
-    } else {
-        mount(
-            Some(&rootfs.join("dev/null")),
-            &target,
-            None::<&str>,
-            MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .step("mask", &target)
+    if !meta.is_dir() {
+        return bind(&rootfs.join("dev/null"), &target);
     }
+    if let Some(empty) = empty_dir {
+        return bind(empty, &target);
+    }
+    mount(
+        Some("tmpfs"),
+        &target,
+        Some("tmpfs"),
+        MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC,
+        Some("size=0,nr_inodes=1"),
+    )
+    .step("mask", &target)?;
+    *empty_dir = Some(target);
+    Ok(())
+}
+
+fn bind(source: &Path, target: &Path) -> Result<(), RootfsError> {
+    mount(
+        Some(source),
+        target,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .step("mask", target)
 }
 
 fn make_readonly(target: &Path) -> Result<(), RootfsError> {
