@@ -18,7 +18,7 @@ use dsec_api::{
 use dsec_image::{Image, ImageStore};
 use rand::Rng;
 
-use crate::backend::{Backends, CommandSpec, OutputStream, Sandbox, SandboxRequest};
+use crate::backend::{Backends, CommandSpec, Created, OutputStream, Sandbox, SandboxRequest};
 use crate::error::ApiError;
 
 /// Server-wide defaults and bounds, set by `dsec serve` flags.
@@ -282,17 +282,16 @@ impl Edge {
             check_absolute("workdir", w)?;
         }
         let sandbox_env = env_pairs(&req.env, "environment")?;
-        let image = self.images.get(&req.image)?;
         let id = format!(
             "{}-{:012x}",
             self.config.name,
             rand::rng().random::<u64>() & 0xffff_ffff_ffff
         );
         let started = Instant::now();
-        let sandbox = backend
+        let Created { sandbox, image } = backend
             .create(SandboxRequest {
                 id: id.clone(),
-                image: image.clone(),
+                image: req.image.clone(),
                 cpus,
                 memory_mb,
                 pids,
@@ -303,23 +302,23 @@ impl Edge {
             .record(started.elapsed().as_secs_f64());
         metrics::counter!("dsec_sandboxes_created_total", "backend" => req.backend.clone())
             .increment(1);
-        let image_env = if image.config.env.iter().any(|e| e.starts_with("PATH=")) {
-            image.config.env.clone()
+        let image_env = if image.env.iter().any(|e| e.starts_with("PATH=")) {
+            image.env.clone()
         } else {
             let mut env = vec![DEFAULT_PATH.to_owned()];
-            env.extend(image.config.env.iter().cloned());
+            env.extend(image.env.iter().cloned());
             env
         };
         let base_env = ["HOME=/root".to_owned(), format!("HOSTNAME={id}")];
         let workdir = req
             .workdir
             .clone()
-            .or_else(|| image.config.workdir.clone().filter(|w| w.starts_with('/')))
+            .or_else(|| image.workdir.clone().filter(|w| w.starts_with('/')))
             .unwrap_or_else(|| "/".to_owned());
         let info = SandboxInfo {
             id: id.clone(),
             backend: req.backend,
-            image: image.name.clone(),
+            image: req.image,
             state: SandboxState::Running,
             created_at: unix_now(),
             limits: Limits {
@@ -336,7 +335,7 @@ impl Edge {
         };
         let entry = Arc::new(Entry {
             info: info.clone(),
-            image_layers: image.layers.clone(),
+            image_layers: image.layers,
             env: merge_env(&[&base_env, &image_env, &sandbox_env]),
             workdir,
             state: Mutex::new(SandboxState::Running),

@@ -10,7 +10,10 @@ use dsec_runtime::cgroup::CgroupLimits;
 use dsec_runtime::container::{Container, ContainerRuntime, CreateOptions, ExecEvent, ExecHandle};
 use dsec_runtime::proto::ExecSpec;
 
-use super::{Backend, CommandSpec, ExitStatus, Output, OutputStream, Sandbox, SandboxRequest};
+use super::{
+    Backend, CommandSpec, Created, ExitStatus, ImageDefaults, Output, OutputStream, Sandbox,
+    SandboxRequest,
+};
 use crate::error::ApiError;
 
 const MIB: u64 = 1 << 20;
@@ -30,10 +33,11 @@ impl ContainerBackend {
 
 #[async_trait]
 impl Backend for ContainerBackend {
-    async fn create(&self, req: SandboxRequest) -> Result<Box<dyn Sandbox>, ApiError> {
+    async fn create(&self, req: SandboxRequest) -> Result<Created, ApiError> {
+        let image = self.images.get(&req.image)?;
         let opts = CreateOptions {
             id: req.id,
-            layers: self.images.layer_dirs(&req.image),
+            layers: self.images.layer_dirs(&image),
             limits: CgroupLimits {
                 cpus: req.cpus,
                 memory_bytes: req.memory_mb * MIB,
@@ -46,7 +50,14 @@ impl Backend for ContainerBackend {
             .create(opts)
             .await
             .map_err(|e| ApiError::internal(format!("creating the container: {e}")))?;
-        Ok(Box::new(ContainerSandbox(Arc::new(container))))
+        Ok(Created {
+            sandbox: Box::new(ContainerSandbox(Arc::new(container))),
+            image: ImageDefaults {
+                env: image.config.env,
+                workdir: image.config.workdir,
+                layers: image.layers,
+            },
+        })
     }
 }
 

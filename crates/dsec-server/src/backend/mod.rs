@@ -12,7 +12,6 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use dsec_api::{FileInfo, Usage};
-use dsec_image::Image;
 
 use crate::error::ApiError;
 
@@ -21,8 +20,9 @@ use crate::error::ApiError;
 pub struct SandboxRequest {
     /// The new sandbox's id.
     pub id: String,
-    /// The image, resolved.
-    pub image: Image,
+    /// The image as the client named it; each backend resolves it in its own store
+    /// (`NotFound` naming it when absent).
+    pub image: String,
     /// CPU bandwidth in cores.
     pub cpus: f64,
     /// Memory limit in MiB.
@@ -31,6 +31,26 @@ pub struct SandboxRequest {
     pub pids: u64,
     /// Writable layer size in MiB.
     pub disk_mb: u64,
+}
+
+/// What the edge needs to know of a sandbox's image.
+#[derive(Clone, Debug, Default)]
+pub struct ImageDefaults {
+    /// `K=V` environment the image sets.
+    pub env: Vec<String>,
+    /// The image's working directory, if it sets one.
+    pub workdir: Option<String>,
+    /// Layer digests in dsec's store that must outlive the sandbox (empty for images the
+    /// store does not hold).
+    pub layers: Vec<String>,
+}
+
+/// A sandbox a backend made, with its image's defaults.
+pub struct Created {
+    /// The running sandbox.
+    pub sandbox: Box<dyn Sandbox>,
+    /// The image's defaults.
+    pub image: ImageDefaults,
 }
 
 /// A command, ready to run: argv, complete environment, working directory.
@@ -94,6 +114,16 @@ pub trait Sandbox: Send + Sync {
     async fn write_file(&self, path: &str, data: Vec<u8>, mode: u32) -> Result<(), ApiError>;
     /// Lists a directory.
     async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError>;
+    /// Freezes every process of the sandbox.
+    async fn pause(&self) -> Result<(), ApiError> {
+        Err(ApiError::unavailable("this backend cannot pause sandboxes"))
+    }
+    /// Thaws a paused sandbox.
+    async fn resume(&self) -> Result<(), ApiError> {
+        Err(ApiError::unavailable(
+            "this backend cannot resume sandboxes",
+        ))
+    }
     /// Resource usage now.
     fn usage(&self) -> Usage;
     /// False once the sandbox died on its own.
@@ -106,7 +136,7 @@ pub trait Sandbox: Send + Sync {
 #[async_trait]
 pub trait Backend: Send + Sync {
     /// Creates and starts a sandbox.
-    async fn create(&self, req: SandboxRequest) -> Result<Box<dyn Sandbox>, ApiError>;
+    async fn create(&self, req: SandboxRequest) -> Result<Created, ApiError>;
 }
 
 /// The backends this server can run, by name.
