@@ -58,7 +58,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO / "bench"
 OUT_DIR = BENCH_DIR / "out"
-PARTS = ["create", "loadgen", "runc", "docker", "floor", "exec", "idle"]
+PARTS = ["create", "loadgen", "fncall", "runc", "docker", "floor", "exec", "idle"]
 TAG = f"dsec-bench-{os.getpid()}"
 
 # Targets from the issue.
@@ -66,6 +66,8 @@ TARGET_CREATE_P50_MS = 10.0
 TARGET_CREATIONS_PER_S = 300.0
 TARGET_EXEC_P50_MS = 2.0
 TARGET_IDLE_MIB = 2.0
+TARGET_FNCALL_P50_MS = 3.0
+TARGET_FNCALLS_PER_S = 500.0
 
 
 def log(msg: str) -> None:
@@ -820,6 +822,41 @@ def bench_dsec_loadgen(d: Dsec, n: int, concurrencies: list[int]) -> dict[str, A
     return out
 
 
+def bench_dsec_fncall(d: Dsec, n: int, concurrencies: list[int]) -> dict[str, Any]:
+    """fncall round trips of `true` (SDK, sequential) and calls/s (lean client)."""
+    sb = d.client.create(backend="fncall", image=d.image, labels=d.labels)
+    d.track(sb.id)
+    try:
+        for _ in range(10):
+            sb.run(["/bin/true"])
+        time.sleep(0.5)  # let the pool warm up again
+        rtt: list[float] = []
+        failed = 0
+        for _ in range(n):
+            t0 = time.perf_counter()
+            r = sb.run(["/bin/true"])
+            if r.exit_code == 0:
+                rtt.append((time.perf_counter() - t0) * 1e3)
+            else:
+                failed += 1
+            time.sleep(0.01)  # a steady 100 calls/s or less, not a burst
+        res: dict[str, Any] = {"seq": latency_stats(rtt, failed)}
+    finally:
+        sb.stop()
+        d.untrack(sb.id)
+    exe = REPO / "target" / "release" / "dsec-loadgen"
+    if exe.exists():
+        for c in concurrencies:
+            cmd = [str(exe), "--url", d.url, "--image", d.image, "--fncall"]
+            cmd += ["--n", str(max(n, 16 * c)), "--concurrency", str(c)]
+            log(f"fncall: {' '.join(cmd)}")
+            r = run_cmd(cmd)
+            if r.returncode != 0:
+                raise RuntimeError(f"dsec-loadgen failed: {r.stderr.strip()[-500:]}")
+            res[f"c{c}"] = json.loads(r.stdout.strip().splitlines()[-1])
+    return res
+
+
 def bench_dsec_exec(d: Dsec, n: int) -> dict[str, Any]:
     sb = d.client.create(image=d.image, labels=d.labels)
     d.track(sb.id)
@@ -1101,6 +1138,29 @@ def report(
             "| | | | | | | |"
         )
 
+    if "fncall" in res:
+        f = res["fncall"]
+        ok = met(f["seq"]["p50_ms"], TARGET_FNCALL_P50_MS, False)
+        drow(
+            "fncall round trip `true`, p50 ms (SDK, ≤100 calls/s) ⁶",
+            f["seq"]["p50_ms"],
+            f"≤ {TARGET_FNCALL_P50_MS:g} ms {ok}",
+        )
+        drow("fncall round trip `true`, p99 ms (SDK) ⁶", f["seq"]["p99_ms"])
+        for c in cs:
+            lg = f.get(f"c{c}")
+            if lg is None:
+                continue
+            ok = met(lg["calls_per_s"], TARGET_FNCALLS_PER_S, True)
+            out.append(
+                f"| fncall calls/s at concurrency {c}, lean client ⁶ | "
+                f"{fmt(lg['calls_per_s'], 0)} | | | | | | | "
+                f"≥ {TARGET_FNCALLS_PER_S:g}/s {ok} |"
+            )
+            drow(
+                f"fncall call p50 ms at concurrency {c}, lean client ⁶",
+                lg["call_p50_ms"],
+            )
     if "exec" in res:
         e = res["exec"]
         ok = met(e["p50_ms"], TARGET_EXEC_P50_MS, False)
@@ -1150,6 +1210,11 @@ def report(
         "⁵ the same as ⁴, driven by `target/release/dsec-loadgen` (Rust) instead of the Python "
         "SDK: on 2 cores the SDK's own CPU is taken from the server, so this row is the "
         "server's capacity."
+    )
+    out.append(
+        "⁶ fncall: every call runs in a fresh worker (a native container created ahead of "
+        "demand) that is destroyed afterwards; compare with the whole-lifecycle rows above "
+        "(a container created, used once, stopped) and `docker run`."
     )
     failures = []
     for part, r in res.items():
@@ -1223,7 +1288,9 @@ def main() -> int:
     rc = 0
     try:
         rootfs = prepare_rootfs(args.rootfs)
-        dsec_parts = [p for p in parts if p in ("create", "loadgen", "exec", "idle")]
+        dsec_parts = [
+            p for p in parts if p in ("create", "loadgen", "fncall", "exec", "idle")
+        ]
         d = Dsec(args, rootfs) if dsec_parts else None
         if (
             d is not None
@@ -1239,6 +1306,7 @@ def main() -> int:
             ("docker", lambda: bench_docker(rootfs, args.n, cs)),
             ("create", lambda: bench_dsec_create(d, args.n, cs)),
             ("loadgen", lambda: bench_dsec_loadgen(d, args.n, cs)),
+            ("fncall", lambda: bench_dsec_fncall(d, args.n, cs)),
             ("exec", lambda: bench_dsec_exec(d, args.exec_n)),
             ("idle", lambda: bench_dsec_idle(d, args.idle_n)),
         ]

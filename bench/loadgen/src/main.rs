@@ -25,9 +25,12 @@ struct Args {
     /// Sandboxes to create.
     #[arg(long, default_value_t = 500)]
     n: usize,
-    /// Sandboxes in flight.
+    /// Sandboxes (or calls) in flight.
     #[arg(long, default_value_t = 32)]
     concurrency: usize,
+    /// Instead of sandboxes, make `n` calls of `/bin/true` through one `fncall` handle.
+    #[arg(long)]
+    fncall: bool,
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
@@ -72,12 +75,65 @@ async fn create_and_exec(http: &reqwest::Client, args: &Args) -> Result<(String,
     Ok((id, started.elapsed()))
 }
 
+/// `n` stateless calls through one fncall handle, `concurrency` at a time.
+async fn fncall(http: &reqwest::Client, args: &Args) -> Result<()> {
+    let info = send(
+        http.post(format!("{}/v1/sandboxes", args.url))
+            .json(&json!({"backend": "fncall", "image": args.image})),
+    )
+    .await?;
+    let id = info["id"].as_str().context("no id")?.to_owned();
+    let url = format!("{}/v1/sandboxes/{id}/exec", args.url);
+    let started = Instant::now();
+    let results: Vec<Result<Duration>> = stream::iter(0..args.n)
+        .map(|_| {
+            let rb = http.post(&url).json(&json!({"cmd": ["/bin/true"]}));
+            async move {
+                let t = Instant::now();
+                let r = send(rb).await?;
+                if r["exit_code"] != json!(0) {
+                    bail!("/bin/true failed: {r}");
+                }
+                Ok(t.elapsed())
+            }
+        })
+        .buffer_unordered(args.concurrency)
+        .collect()
+        .await;
+    let elapsed = started.elapsed();
+    send(http.delete(format!("{}/v1/sandboxes/{id}", args.url))).await?;
+    let failures = results.iter().filter(|r| r.is_err()).count();
+    if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
+        eprintln!("loadgen: first failure: {e:#}");
+    }
+    let mut latencies: Vec<Duration> = results.into_iter().flatten().collect();
+    latencies.sort();
+    println!(
+        "{}",
+        json!({
+            "n": args.n,
+            "concurrency": args.concurrency,
+            "calls_per_s": latencies.len() as f64 / elapsed.as_secs_f64(),
+            "call_p50_ms": percentile(&latencies, 0.5),
+            "call_p99_ms": percentile(&latencies, 0.99),
+            "failures": failures,
+        })
+    );
+    if failures > 0 {
+        bail!("{failures} failures");
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Arc::new(Args::parse());
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(args.concurrency)
         .build()?;
+    if args.fncall {
+        return fncall(&http, &args).await;
+    }
     let started = Instant::now();
     let results: Vec<Result<(String, Duration)>> = stream::iter(0..args.n)
         .map(|_| {

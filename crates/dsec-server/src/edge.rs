@@ -16,10 +16,14 @@ use dsec_api::{
     SandboxState,
 };
 use dsec_image::{Image, ImageStore};
+use dsec_trajectory::{digest, FileDigest, SandboxLog, SandboxRecord, StepRequest, TrajectoryLog};
 use rand::Rng;
 
-use crate::backend::{Backends, CommandSpec, Created, OutputStream, Sandbox, SandboxRequest};
+use crate::backend::{
+    Backends, CommandSpec, Created, FileWrite, OutputStream, Sandbox, SandboxRequest,
+};
 use crate::error::ApiError;
+use crate::trajectory::{self, Decision, Position, Replayed};
 
 /// Server-wide defaults and bounds, set by `dsec serve` flags.
 #[derive(Clone, Debug)]
@@ -59,6 +63,8 @@ struct Entry {
     last_active: Mutex<Instant>,
     /// Commands in flight: a sandbox running one is not idle.
     busy: AtomicUsize,
+    /// Where its next command goes in its trajectory.
+    position: Position,
     sandbox: Box<dyn Sandbox>,
 }
 
@@ -105,6 +111,15 @@ pub struct Edge {
     images: ImageStore,
     backends: Backends,
     sandboxes: RwLock<HashMap<String, Arc<Entry>>>,
+    log: TrajectoryLog,
+}
+
+/// A command started by [`Edge::exec`].
+pub struct Execution {
+    /// Its events.
+    pub stream: Box<dyn OutputStream>,
+    /// Served from the trajectory log: nothing ran.
+    pub replayed: bool,
 }
 
 fn unix_now() -> f64 {
@@ -203,7 +218,12 @@ fn has_labels(info: &SandboxInfo, labels: &[(String, String)]) -> bool {
 
 impl Edge {
     /// An edge with no sandboxes yet.
-    pub fn new(config: EdgeConfig, images: ImageStore, backends: Backends) -> Edge {
+    pub fn new(
+        config: EdgeConfig,
+        images: ImageStore,
+        backends: Backends,
+        log: TrajectoryLog,
+    ) -> Edge {
         Edge {
             config,
             host_cpus: host_cpus(),
@@ -211,6 +231,7 @@ impl Edge {
             images,
             backends,
             sandboxes: RwLock::default(),
+            log,
         }
     }
 
@@ -281,6 +302,13 @@ impl Edge {
         if let Some(w) = &req.workdir {
             check_absolute("workdir", w)?;
         }
+        if let Some(t) = &req.trajectory_id {
+            if t.is_empty() || t.len() > 256 || t.contains('\0') {
+                return Err(ApiError::invalid(format!(
+                    "trajectory_id must be 1 to 256 characters without NUL, got {t:?}"
+                )));
+            }
+        }
         let sandbox_env = env_pairs(&req.env, "environment")?;
         let id = format!(
             "{}-{:012x}",
@@ -333,7 +361,24 @@ impl Edge {
             trajectory_id: req.trajectory_id,
             usage: Default::default(),
         };
+        let registered = self.log.register(SandboxRecord {
+            id: info.id.clone(),
+            trajectory_id: info.trajectory_id.clone(),
+            image: info.image.clone(),
+            backend: info.backend.clone(),
+            env: req.env.clone(),
+            created_at: info.created_at,
+        });
+        // Only a trajectory id can be refused; otherwise the record commits with (or
+        // before) the sandbox's first step, and nothing need wait for it.
+        if info.trajectory_id.is_some() {
+            if let Err(e) = registered.wait().await {
+                sandbox.stop().await;
+                return Err(e.into());
+            }
+        }
         let entry = Arc::new(Entry {
+            position: Position::new(info.trajectory_id.clone()),
             info: info.clone(),
             image_layers: image.layers,
             env: merge_env(&[&base_env, &image_env, &sandbox_env]),
@@ -395,11 +440,7 @@ impl Edge {
     }
 
     /// Starts a command after writing its files.
-    pub async fn exec(
-        &self,
-        id: &str,
-        req: ExecRequest,
-    ) -> Result<Box<dyn OutputStream>, ApiError> {
+    pub async fn exec(&self, id: &str, req: ExecRequest) -> Result<Execution, ApiError> {
         let entry = self.live_entry(id)?;
         let argv = match req.cmd {
             Command::Shell(s) if s.is_empty() => {
@@ -431,18 +472,40 @@ impl Edge {
             None => Vec::new(),
         };
         let cmd_env = env_pairs(&req.env, "environment")?;
-        let mut uploads = Vec::with_capacity(req.files.len());
+        let mut files = Vec::with_capacity(req.files.len());
         for f in &req.files {
             check_absolute("files[].path", &f.path)?;
-            uploads.push((
-                f.path.clone(),
-                decode_b64("files[].data_b64", &f.data_b64)?,
-                f.mode.unwrap_or(0o644),
-            ));
+            files.push(FileWrite {
+                path: f.path.clone(),
+                data: decode_b64("files[].data_b64", &f.data_b64)?,
+                mode: f.mode.unwrap_or(0o644) & 0o7777,
+            });
         }
-        for (path, data, mode) in uploads {
-            entry.sandbox.write_file(&path, data, mode).await?;
-        }
+        let request = StepRequest {
+            argv: argv.clone(),
+            env: req.env.clone(),
+            cwd: cwd.clone(),
+            stdin_sha256: req.stdin_b64.as_ref().map(|_| digest(&stdin)),
+            files: files
+                .iter()
+                .map(|f| FileDigest {
+                    path: f.path.clone(),
+                    sha256: digest(&f.data),
+                    mode: f.mode,
+                })
+                .collect(),
+            timeout_s: req.timeout_s,
+        };
+        let recorder =
+            match trajectory::decide(&self.log, id, &entry.position, req.step, request).await? {
+                Decision::Replay(result) => {
+                    return Ok(Execution {
+                        stream: Box::new(Replayed::new(result)),
+                        replayed: true,
+                    })
+                }
+                Decision::Run(recorder) => recorder,
+            };
         let started = Instant::now();
         let stream = entry
             .sandbox
@@ -451,6 +514,7 @@ impl Edge {
                 env: merge_env(&[&entry.env, &cmd_env]),
                 cwd,
                 stdin,
+                files,
                 timeout_ms: (timeout_s * 1000.0).ceil() as u64,
                 max_output_bytes: max_output,
             })
@@ -459,7 +523,27 @@ impl Edge {
             .record(started.elapsed().as_secs_f64());
         let inner = stream?;
         entry.busy.fetch_add(1, Ordering::AcqRel);
-        Ok(Box::new(Busy { inner, entry }))
+        Ok(Execution {
+            stream: recorder.wrap(Box::new(Busy { inner, entry })),
+            replayed: false,
+        })
+    }
+
+    /// A sandbox's recorded commands (only those of `trajectory_id`, when given), from the
+    /// trajectory log: readable after the sandbox is gone, and after a server restart.
+    pub async fn sandbox_log(
+        &self,
+        id: &str,
+        trajectory_id: Option<String>,
+    ) -> Result<SandboxLog, ApiError> {
+        self.log
+            .sandbox_log(id, trajectory_id)
+            .await?
+            .ok_or_else(|| {
+                ApiError::not_found(format!(
+                    "sandbox {id:?} not found in the trajectory log: it never existed here"
+                ))
+            })
     }
 
     /// Records a finished command's latency.

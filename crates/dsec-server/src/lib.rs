@@ -11,6 +11,7 @@ pub mod api;
 pub mod backend;
 pub mod edge;
 pub mod error;
+mod trajectory;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -23,6 +24,8 @@ use dsec_runtime::zygote::Zygote;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
 use crate::backend::container::ContainerBackend;
+use crate::backend::docker::DockerBackend;
+use crate::backend::fncall::{FnCallBackend, PoolConfig};
 use crate::backend::Backends;
 use crate::edge::{Edge, EdgeConfig};
 
@@ -39,6 +42,10 @@ pub struct ServerConfig {
     pub max_upload_bytes: usize,
     /// Defaults and names for the edge.
     pub edge: EdgeConfig,
+    /// Whether each commit of the trajectory log fsyncs (see `dsec_trajectory`).
+    pub trajectory_sync: dsec_trajectory::Sync,
+    /// Sizing of the fncall worker pools.
+    pub fncall: PoolConfig,
 }
 
 /// Why the server could not start.
@@ -67,6 +74,9 @@ pub enum ServeError {
     /// The image store did not open.
     #[error(transparent)]
     Images(#[from] dsec_image::ImageError),
+    /// The trajectory log did not open.
+    #[error(transparent)]
+    Trajectory(#[from] dsec_trajectory::LogError),
     /// Binding or serving failed.
     #[error("listening on {addr}: {source}")]
     Listen {
@@ -160,10 +170,32 @@ pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError
             "removed sandboxes left by an earlier run"
         );
     }
+    let fncall = FnCallBackend::new(
+        Arc::clone(&runtime),
+        images.clone(),
+        config.fncall,
+        config.edge.name.clone(),
+    );
+    // Containers of this state directory carry its tag, so a restart finds its own.
+    let docker_tag = config
+        .state_dir
+        .canonicalize()
+        .map_or_else(|_| state_tag(&config.state_dir), |p| state_tag(&p));
+    let docker = Arc::new(DockerBackend::new(docker_tag));
+    tokio::spawn({
+        let docker = Arc::clone(&docker);
+        async move { docker.clean_leftovers().await }
+    });
     let backends = Backends {
         container: Arc::new(ContainerBackend::new(Arc::clone(&runtime), images.clone())),
+        fncall: Arc::clone(&fncall),
+        docker,
     };
-    let edge = Arc::new(Edge::new(config.edge.clone(), images, backends));
+    let log = dsec_trajectory::TrajectoryLog::open(
+        &config.state_dir.join("trajectory.db"),
+        config.trajectory_sync,
+    )?;
+    let edge = Arc::new(Edge::new(config.edge.clone(), images, backends, log));
     tokio::spawn(Arc::clone(&edge).reaper());
     let state = api::AppState {
         edge: Arc::clone(&edge),
@@ -193,6 +225,7 @@ pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError
             source,
         })?;
     edge.stop_all().await;
+    fncall.shutdown().await;
     let runtime_ = Arc::clone(&runtime);
     let _ = tokio::task::spawn_blocking(move || runtime_.release_host()).await;
     Ok(())

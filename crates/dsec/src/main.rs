@@ -10,8 +10,10 @@ use clap::{Args, Parser, Subcommand};
 use dsec_api::{
     CommandResult, CreateSandboxRequest, ErrorBody, ImageInfo, ImportImageRequest, SandboxInfo,
 };
+use dsec_server::backend::fncall::PoolConfig;
 use dsec_server::edge::EdgeConfig;
 use dsec_server::{HostSetup, ServerConfig};
+use dsec_trajectory::SandboxLog;
 
 #[derive(Parser)]
 #[command(
@@ -88,6 +90,24 @@ enum Cmd {
         #[command(flatten)]
         remote: Remote,
     },
+    /// Show a sandbox's trajectory: its recorded commands, also after it is gone.
+    Log {
+        /// Sandbox id.
+        id: String,
+        /// Print the log as JSON (`GET /v1/sandboxes/{id}/log`).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Re-run a sandbox's recorded commands in a fresh sandbox from the same image and
+    /// backend, and report the first step whose output differs.
+    Replay {
+        /// Sandbox id whose log to replay.
+        id: String,
+        #[command(flatten)]
+        remote: Remote,
+    },
     /// Stop and remove a sandbox.
     Rm {
         /// Sandbox ids.
@@ -136,6 +156,19 @@ struct ServeArgs {
     /// Default bound on each of stdout and stderr, in bytes.
     #[arg(long, default_value_t = 16 << 20)]
     max_output_bytes: u64,
+    /// Trajectory log commits: `full` fsyncs each (group) commit, surviving power loss;
+    /// `normal` does not, surviving a crash of the server but not of the machine.
+    #[arg(long, default_value = "full", value_parser = parse_sync)]
+    trajectory_sync: dsec_trajectory::Sync,
+    /// fncall: warm workers kept per image (and limits) while it is in use.
+    #[arg(long, default_value_t = 2)]
+    fncall_min_warm: usize,
+    /// fncall: most workers per image, warm or being created.
+    #[arg(long, default_value_t = 64)]
+    fncall_max_warm: usize,
+    /// fncall: most workers over all images (each idle worker costs ~0.2 MiB).
+    #[arg(long, default_value_t = 512)]
+    fncall_max_total: usize,
 }
 
 #[derive(Subcommand)]
@@ -156,6 +189,14 @@ enum ImageCmd {
         /// Image name.
         name: String,
     },
+}
+
+fn parse_sync(s: &str) -> Result<dsec_trajectory::Sync, String> {
+    match s {
+        "full" => Ok(dsec_trajectory::Sync::Full),
+        "normal" => Ok(dsec_trajectory::Sync::Normal),
+        _ => Err(format!("{s:?} is not full or normal")),
+    }
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
@@ -270,6 +311,27 @@ fn run(cmd: Cmd) -> Result<()> {
             }
             std::process::exit(result.exit_code.unwrap_or(1));
         }
+        Cmd::Log { id, json, remote } => {
+            let client = Client::new(remote)?;
+            let path = format!("/v1/sandboxes/{id}/log");
+            if json {
+                let log: serde_json::Value = client.json(client.get(&path))?;
+                println!("{}", serde_json::to_string_pretty(&log)?);
+                return Ok(());
+            }
+            let log: SandboxLog = client.json(client.get(&path))?;
+            print_log(&log);
+            Ok(())
+        }
+        Cmd::Replay { id, remote } => {
+            let client = Client::new(remote)?;
+            let log: SandboxLog = client.json(client.get(&format!("/v1/sandboxes/{id}/log")))?;
+            if replay(&client, &log)? {
+                Ok(())
+            } else {
+                std::process::exit(1);
+            }
+        }
         Cmd::Rm { ids, remote } => {
             let client = Client::new(remote)?;
             for id in ids {
@@ -315,6 +377,12 @@ fn serve(args: ServeArgs) -> Result<()> {
             timeout_s: args.default_timeout_s,
             max_output_bytes: args.max_output_bytes,
         },
+        trajectory_sync: args.trajectory_sync,
+        fncall: PoolConfig {
+            min_warm: args.fncall_min_warm,
+            max_warm: args.fncall_max_warm.max(1),
+            max_total: args.fncall_max_total.max(1),
+        },
     };
     // Still single-threaded here: lock the state dir, settle cgroups, start the zygote.
     let exe = std::env::current_exe().context("locating the dsec binary")?;
@@ -325,6 +393,124 @@ fn serve(args: ServeArgs) -> Result<()> {
         .context("starting the async runtime")?;
     runtime.block_on(dsec_server::run(config, host))?;
     Ok(())
+}
+
+fn print_log(log: &SandboxLog) {
+    let s = &log.sandbox;
+    println!(
+        "sandbox {}  backend {}  image {}  trajectory {}",
+        s.id,
+        s.backend,
+        s.image,
+        s.trajectory_id.as_deref().unwrap_or("-")
+    );
+    println!("{:>6} {:>6} {:>10}  COMMAND", "STEP", "EXIT", "DURATION");
+    for step in &log.steps {
+        let r = &step.result;
+        let exit = match (r.exit_code, r.timed_out) {
+            (_, true) => "timeout".to_owned(),
+            (Some(c), _) => c.to_string(),
+            (None, _) => "-".to_owned(),
+        };
+        println!(
+            "{:>6} {:>6} {:>8.1}ms  {}",
+            step.step,
+            exit,
+            r.duration_ms,
+            command_text(&step.request.argv)
+        );
+    }
+}
+
+/// A recorded argv as the user most likely typed it.
+fn command_text(argv: &[String]) -> String {
+    match argv {
+        [sh, c, cmd] if sh == "/bin/sh" && c == "-c" => cmd.clone(),
+        _ => serde_json::to_string(argv).unwrap_or_default(),
+    }
+}
+
+/// Re-runs `log` in a fresh sandbox; `true` when every step's output matched.
+fn replay(client: &Client, log: &SandboxLog) -> Result<bool> {
+    let rec = &log.sandbox;
+    let req = CreateSandboxRequest {
+        backend: rec.backend.clone(),
+        image: rec.image.clone(),
+        cpus: None,
+        memory_mb: None,
+        pids: None,
+        disk_mb: None,
+        ttl_s: None,
+        idle_ttl_s: None,
+        env: rec.env.clone(),
+        workdir: None,
+        network: Default::default(),
+        labels: BTreeMap::from([("dsec.replay-of".to_owned(), rec.id.clone())]),
+        trajectory_id: None,
+    };
+    let info: SandboxInfo = client.json(client.post("/v1/sandboxes").json(&req))?;
+    eprintln!(
+        "replaying {} steps of {} in {} ({}, image {})",
+        log.steps.len(),
+        rec.id,
+        info.id,
+        rec.backend,
+        rec.image
+    );
+    let outcome = replay_steps(client, &info.id, &log.steps);
+    let stopped = client.empty(client.delete(&format!("/v1/sandboxes/{}", info.id)));
+    let matched = outcome?;
+    stopped.with_context(|| format!("stopping replay sandbox {}", info.id))?;
+    Ok(matched)
+}
+
+fn replay_steps(client: &Client, sandbox: &str, steps: &[dsec_trajectory::Step]) -> Result<bool> {
+    for step in steps {
+        let req = &step.request;
+        if req.stdin_sha256.is_some() || !req.files.is_empty() {
+            println!(
+                "step {}: cannot be replayed: its stdin and files were recorded as digests                  only; the {} steps before it match",
+                step.step, step.step
+            );
+            return Ok(false);
+        }
+        let body = serde_json::json!({
+            "cmd": req.argv, "env": req.env, "cwd": req.cwd, "timeout_s": req.timeout_s,
+        });
+        let got: CommandResult = client.json(
+            client
+                .post(&format!("/v1/sandboxes/{sandbox}/exec"))
+                .json(&body),
+        )?;
+        let want = &step.result;
+        let mut diffs = Vec::new();
+        if got.exit_code != want.exit_code {
+            diffs.push(format!(
+                "exit code {:?} (recorded {:?})",
+                got.exit_code, want.exit_code
+            ));
+        }
+        for (name, got, want) in [
+            ("stdout", &got.stdout, &want.stdout),
+            ("stderr", &got.stderr, &want.stderr),
+        ] {
+            if got != want {
+                diffs.push(format!("{name} {got:?} (recorded {want:?})"));
+            }
+        }
+        if !diffs.is_empty() {
+            println!(
+                "step {} differs: {}
+  command: {}",
+                step.step,
+                diffs.join("; "),
+                command_text(&req.argv)
+            );
+            return Ok(false);
+        }
+    }
+    println!("all {} steps match", steps.len());
+    Ok(true)
 }
 
 fn human_size(bytes: u64) -> String {

@@ -1,6 +1,7 @@
 //! `backend="container"`: dsec's native runtime.
 
 use std::fs::File;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -35,16 +36,7 @@ impl ContainerBackend {
 impl Backend for ContainerBackend {
     async fn create(&self, req: SandboxRequest) -> Result<Created, ApiError> {
         let image = self.images.get(&req.image)?;
-        let opts = CreateOptions {
-            id: req.id,
-            layers: self.images.layer_dirs(&image),
-            limits: CgroupLimits {
-                cpus: req.cpus,
-                memory_bytes: req.memory_mb * MIB,
-                pids: req.pids,
-            },
-            disk_bytes: req.disk_mb * MIB,
-        };
+        let opts = create_options(&req, self.images.layer_dirs(&image));
         let container = self
             .runtime
             .create(opts)
@@ -63,7 +55,8 @@ impl Backend for ContainerBackend {
 
 struct ContainerSandbox(Arc<Container>);
 
-struct ContainerOutput {
+/// The output of a command in a native container.
+pub(crate) struct ContainerOutput {
     handle: ExecHandle,
     container: Arc<Container>,
 }
@@ -91,6 +84,49 @@ impl OutputStream for ContainerOutput {
     }
 }
 
+/// The runtime's options for a sandbox request.
+pub(crate) fn create_options(req: &SandboxRequest, layers: Vec<PathBuf>) -> CreateOptions {
+    CreateOptions {
+        id: req.id.clone(),
+        layers,
+        limits: CgroupLimits {
+            cpus: req.cpus,
+            memory_bytes: req.memory_mb * MIB,
+            pids: req.pids,
+        },
+        disk_bytes: req.disk_mb * MIB,
+    }
+}
+
+/// Writes a command's files into `container`, then starts the command.
+pub(crate) async fn run(
+    container: &Arc<Container>,
+    cmd: CommandSpec,
+) -> Result<ContainerOutput, ApiError> {
+    if !cmd.files.is_empty() {
+        let (c, files) = (Arc::clone(container), cmd.files);
+        tokio::task::spawn_blocking(move || {
+            files
+                .iter()
+                .try_for_each(|f| c.root().write(&f.path, &f.data, f.mode))
+        })
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+    }
+    let spec = ExecSpec {
+        argv: cmd.argv,
+        env: cmd.env,
+        cwd: cmd.cwd,
+        timeout_ms: Some(cmd.timeout_ms),
+        max_output_bytes: cmd.max_output_bytes,
+    };
+    let handle = container.exec(&spec, &cmd.stdin).await?;
+    Ok(ContainerOutput {
+        handle,
+        container: Arc::clone(container),
+    })
+}
+
 impl ContainerSandbox {
     async fn blocking<T: Send + 'static>(
         &self,
@@ -106,18 +142,7 @@ impl ContainerSandbox {
 #[async_trait]
 impl Sandbox for ContainerSandbox {
     async fn exec(&self, cmd: CommandSpec) -> Result<Box<dyn OutputStream>, ApiError> {
-        let spec = ExecSpec {
-            argv: cmd.argv,
-            env: cmd.env,
-            cwd: cmd.cwd,
-            timeout_ms: Some(cmd.timeout_ms),
-            max_output_bytes: cmd.max_output_bytes,
-        };
-        let handle = self.0.exec(&spec, &cmd.stdin).await?;
-        Ok(Box::new(ContainerOutput {
-            handle,
-            container: Arc::clone(&self.0),
-        }))
+        Ok(Box::new(run(&self.0, cmd).await?))
     }
 
     async fn read_file(&self, path: &str) -> Result<File, ApiError> {

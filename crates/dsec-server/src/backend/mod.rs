@@ -6,6 +6,8 @@
 //! implementing these two traits and one arm in [`Backends::get`].
 
 pub mod container;
+pub mod docker;
+pub mod fncall;
 
 use std::fs::File;
 use std::sync::Arc;
@@ -64,10 +66,24 @@ pub struct CommandSpec {
     pub cwd: String,
     /// Standard input.
     pub stdin: Vec<u8>,
+    /// Files written (parents created) right before the command starts, in the same
+    /// sandbox or worker that runs it.
+    pub files: Vec<FileWrite>,
     /// Kill the tree after this many milliseconds.
     pub timeout_ms: u64,
     /// Bound on each output stream.
     pub max_output_bytes: u64,
+}
+
+/// A file to write before a command.
+#[derive(Clone, Debug)]
+pub struct FileWrite {
+    /// Absolute path inside the sandbox.
+    pub path: String,
+    /// Content.
+    pub data: Vec<u8>,
+    /// Permission bits.
+    pub mode: u32,
 }
 
 /// One event of a running command.
@@ -143,6 +159,10 @@ pub trait Backend: Send + Sync {
 pub struct Backends {
     /// The native container runtime.
     pub container: Arc<container::ContainerBackend>,
+    /// Stateless calls on pools of warm native containers.
+    pub fncall: Arc<fncall::FnCallBackend>,
+    /// Containers of a Docker Engine.
+    pub docker: Arc<docker::DockerBackend>,
 }
 
 impl Backends {
@@ -151,9 +171,11 @@ impl Backends {
     pub fn get(&self, name: &str) -> Result<Arc<dyn Backend>, ApiError> {
         match name {
             "container" => Ok(self.container.clone()),
-            "fncall" | "docker" | "microvm" | "vm" => Err(ApiError::unavailable(format!(
+            "fncall" => Ok(self.fncall.clone()),
+            "docker" => Ok(self.docker.clone()),
+            "microvm" | "vm" => Err(ApiError::unavailable(format!(
                 "backend {name:?} is not available on this server yet: this build runs \
-                 the native \"container\" backend only"
+                 the \"container\", \"fncall\" and \"docker\" backends only"
             ))),
             _ => Err(ApiError::invalid(format!(
                 "unknown backend {name:?}; valid backends are: {}",

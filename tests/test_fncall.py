@@ -1,0 +1,179 @@
+"""The fncall backend: stateless calls on pools of pre-warmed workers (issue 3)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import dsec
+import httpx
+import pytest
+from dsec_testlib import (
+    Server,
+    cgroup_dirs,
+    make_tempdir,
+    procs_in,
+    safe_rmtree,
+    wait_until,
+)
+
+
+@pytest.fixture
+def fn(client: dsec.Client, busybox_image: str) -> Iterator[dsec.Sandbox]:
+    sb = client.create(backend="fncall", image=busybox_image)
+    yield sb
+    sb.stop()
+
+
+def metric(server: Server, name: str) -> float:
+    """Sum of a metric's samples (all label sets)."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    )
+
+
+def test_a_file_from_one_call_is_absent_in_the_next(fn: dsec.Sandbox) -> None:
+    first = fn.run("echo secret > /tmp/left; hostname")
+    assert first.exit_code == 0
+    second = fn.run("cat /tmp/left; hostname")
+    assert "secret" not in second.stdout
+    assert "No such file" in second.stderr
+    assert second.stdout.strip() != first.stdout.strip(), "the same worker served two calls"
+
+
+def test_a_background_process_does_not_survive_its_call(fn: dsec.Sandbox) -> None:
+    r = fn.run("(sleep 611 &) ; sleep 611 & echo started")
+    assert r.stdout.strip() == "started"
+    assert "sleep 611" not in fn.run("ps -o pid,args").stdout
+    # The worker that ran them is destroyed in the background: soon nothing is left.
+    assert wait_until(lambda: not _host_sleepers(), 10), _host_sleepers()
+
+
+def _host_sleepers() -> list[str]:
+    out = []
+    for p in os.listdir("/proc"):
+        try:
+            if p.isdigit() and Path(f"/proc/{p}/cmdline").read_bytes() == b"sleep\x00611\x00":
+                out.append(p)
+        except OSError:
+            pass
+    return out
+
+
+def test_environment_and_files_do_not_carry(fn: dsec.Sandbox) -> None:
+    r = fn.run("cat /in/data; echo ${MARK:-unset}", env={"MARK": "x"}, files={"/in/data": "1\n"})
+    assert r.stdout == "1\nx\n"
+    r = fn.run("cat /in/data 2>/dev/null; echo ${MARK:-unset}")
+    assert r.stdout == "unset\n"
+
+
+def test_client_call_one_shot(client: dsec.Client, busybox_image: str) -> None:
+    r = client.call("read x; echo got $x; cat /task.txt", image=busybox_image,
+                    stdin="42\n", files={"/task.txt": "hello"}, timeout=10)
+    assert r.exit_code == 0
+    assert r.stdout == "got 42\nhello"
+
+
+def test_concurrent_calls_are_isolated(client: dsec.Client, busybox_image: str, server: Server) -> None:
+    async def main() -> list[dsec.CommandResult]:
+        async with server.async_client() as ac:
+            sb = await ac.create(backend="fncall", image=busybox_image)
+            try:
+                calls = [
+                    sb.run(f"echo {i} > /shared; sleep 0.2; cat /shared; ls /tmp | wc -l")
+                    for i in range(12)
+                ]
+                return list(await asyncio.gather(*calls))
+            finally:
+                await sb.stop()
+
+    results = asyncio.run(main())
+    for i, r in enumerate(results):
+        assert r.exit_code == 0, r
+        assert r.stdout.split() == [str(i), "0"], f"call {i} saw another call's state: {r.stdout!r}"
+
+
+def test_timeout_kills_the_call_and_reports_it(fn: dsec.Sandbox) -> None:
+    t = time.monotonic()
+    r = fn.run("trap '' TERM; sleep 600", timeout=1)
+    assert r.timed_out and r.exit_code is None
+    assert time.monotonic() - t < 10
+    assert fn.run("echo next").stdout == "next\n"
+
+
+def test_memory_limit_is_reported(client: dsec.Client, busybox_image: str) -> None:
+    sb = client.create(backend="fncall", image=busybox_image, memory_mb=32)
+    try:
+        # `tail` keeps the whole last line: 200 MiB of NULs with no newline.
+        r = sb.run("head -c 200m /dev/zero | tail", timeout=60)
+        assert r.oom_killed, r
+        assert sb.run("echo fine").stdout == "fine\n"
+    finally:
+        sb.stop()
+
+
+def test_stateful_operations_are_refused(fn: dsec.Sandbox) -> None:
+    with pytest.raises(dsec.InvalidArgument, match="no state between calls"):
+        fn.write_file("/x", "y")
+    with pytest.raises(dsec.InvalidArgument):
+        fn.read_file("/etc/passwd")
+
+
+def test_bad_input(client: dsec.Client, busybox_image: str) -> None:
+    with pytest.raises(dsec.NotFound, match="no-such-image"):
+        client.create(backend="fncall", image="no-such-image")
+    with pytest.raises(dsec.NotFound, match="no-such-image"):
+        client.call("true", image="no-such-image")
+    with pytest.raises(dsec.InvalidArgument, match="timeout"):
+        client.call("true", image=busybox_image, timeout=-1)
+
+
+def test_pool_refills_after_a_burst(server: Server, client: dsec.Client, busybox_image: str) -> None:
+    sb = client.create(backend="fncall", image=busybox_image)
+    try:
+        misses_before = metric(server, "dsec_fncall_pool_misses_total")
+
+        async def burst() -> None:
+            async with server.async_client() as ac:
+                h = await ac.get(sb.id)
+                rs = await asyncio.gather(*(h.run("true") for _ in range(40)))
+                assert all(r.exit_code == 0 for r in rs)
+
+        asyncio.run(burst())
+        assert metric(server, "dsec_fncall_pool_hits_total") > 0
+        # the burst outran the pool, so some calls waited for a worker rather than failing
+        assert metric(server, "dsec_fncall_pool_misses_total") >= misses_before
+        # afterwards the pool is warm again: the next calls find a worker ready
+        wait_until(lambda: metric(server, "dsec_fncall_pool_ready") >= 2, 15)
+        hits = metric(server, "dsec_fncall_pool_hits_total")
+        assert sb.run("true").exit_code == 0
+        assert metric(server, "dsec_fncall_pool_hits_total") == hits + 1
+    finally:
+        sb.stop()
+
+
+def test_nothing_is_left_after_the_server_stops(busybox_rootfs: Path) -> None:
+    base = make_tempdir("dsec-fncall-")
+    s = Server(base / "state", log_path=base / "server.log")
+    try:
+        s.start()
+        with s.client() as c:
+            c.import_image(str(busybox_rootfs), name="bb")
+            sb = c.create(backend="fncall", image="bb")
+            assert sb.run("echo ok").stdout == "ok\n"
+            wait_until(lambda: len(os.listdir(s.state_dir / "sandboxes")) >= 2, 15)
+            workers = os.listdir(s.state_dir / "sandboxes")
+        assert s.stop() == 0
+        assert os.listdir(s.state_dir / "sandboxes") == []
+        for w in workers:
+            assert not cgroup_dirs(w), f"cgroups of worker {w} left: {cgroup_dirs(w)}"
+            assert not procs_in(w), f"processes of worker {w} left: {procs_in(w)}"
+    finally:
+        s.cleanup()
+        safe_rmtree(base)
