@@ -405,18 +405,37 @@ impl SandboxCgroup {
             .unwrap_or(0)
     }
 
-    /// Freezes or thaws every process of the sandbox.
+    /// Freezes or thaws every process of the sandbox, and waits (up to a second) until the
+    /// kernel reports it done: a paused sandbox must not run one more instruction.
     pub fn set_frozen(&self, frozen: bool) -> Result<(), CgroupError> {
-        match self.version {
-            CgroupVersion::V2 => write_file(
-                &self.dirs[0].join("cgroup.freeze"),
+        let (file, value, state_file, done): (PathBuf, &str, PathBuf, &str) = match self.version {
+            CgroupVersion::V2 => (
+                self.dirs[0].join("cgroup.freeze"),
                 if frozen { "1" } else { "0" },
+                self.dirs[0].join("cgroup.events"),
+                if frozen { "frozen 1" } else { "frozen 0" },
             ),
-            CgroupVersion::V1 => write_file(
-                &self.freezer().join("freezer.state"),
+            CgroupVersion::V1 => (
+                self.freezer().join("freezer.state"),
+                if frozen { "FROZEN" } else { "THAWED" },
+                self.freezer().join("freezer.state"),
                 if frozen { "FROZEN" } else { "THAWED" },
             ),
+        };
+        write_file(&file, value)?;
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while Instant::now() < deadline {
+            let state = fs::read_to_string(&state_file).map_err(io_err("read", &state_file))?;
+            if state.lines().any(|l| l.trim() == done) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_micros(200));
         }
+        Err(CgroupError::Io {
+            action: "wait for",
+            path: state_file,
+            source: io::Error::new(io::ErrorKind::TimedOut, format!("not {done} after 1 s")),
+        })
     }
 
     /// Kills whatever is still inside, removes the per-command children and the sandbox

@@ -173,6 +173,24 @@ impl Sandbox for ContainerSandbox {
         .await
     }
 
+    async fn pause(&self) -> Result<(), ApiError> {
+        self.blocking(|c| {
+            c.cgroup()
+                .set_frozen(true)
+                .map_err(|e| ApiError::internal(format!("pausing: {e}")))
+        })
+        .await
+    }
+
+    async fn resume(&self) -> Result<(), ApiError> {
+        self.blocking(|c| {
+            c.cgroup()
+                .set_frozen(false)
+                .map_err(|e| ApiError::internal(format!("resuming: {e}")))
+        })
+        .await
+    }
+
     fn usage(&self) -> Usage {
         let u = self.0.cgroup().usage();
         Usage {
