@@ -10,6 +10,9 @@ One run measures, on the same busybox root filesystem:
           containers/s at the same concurrencies
   docker  `docker run --rm --network none IMAGE /bin/true` (the rootfs `docker import`ed),
           if a Docker daemon answers; else "docker: no daemon"
+  dsec-docker  dsec's `backend="docker"` (the same rootfs `docker import`ed): create ->
+          first exec -> stop, and exec round trips, beside the native numbers above;
+          if a Docker daemon answers
   floor   bench/floor.c: clone(new ns) + private / + overlay + pivot_root + exec /bin/true,
           the cheapest container this kernel can make
   exec    round trip of `/bin/true` in one running dsec sandbox over HTTP (sync Client)
@@ -51,6 +54,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,7 +62,18 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO / "bench"
 OUT_DIR = BENCH_DIR / "out"
-PARTS = ["create", "loadgen", "fncall", "runc", "docker", "floor", "exec", "idle"]
+PARTS = [
+    "create",
+    "loadgen",
+    "fncall",
+    "runc",
+    "docker",
+    "dsec-docker",
+    "floor",
+    "exec",
+    "trajectory",
+    "idle",
+]
 TAG = f"dsec-bench-{os.getpid()}"
 
 # Targets from the issue.
@@ -66,6 +81,8 @@ TARGET_CREATE_P50_MS = 10.0
 TARGET_CREATIONS_PER_S = 300.0
 TARGET_EXEC_P50_MS = 2.0
 TARGET_IDLE_MIB = 2.0
+TARGET_LOG_OVERHEAD_PCT = 5.0
+TARGET_REPLAY_1000_S = 0.2
 TARGET_FNCALL_P50_MS = 3.0
 TARGET_FNCALLS_PER_S = 500.0
 
@@ -568,6 +585,8 @@ class Dsec:
                 f"127.0.0.1:{port}",
                 "--state-dir",
                 str(state),
+                "--trajectory-sync",
+                self.args.trajectory_sync,
             ],
             stdout=logf,
             stderr=subprocess.STDOUT,
@@ -884,6 +903,250 @@ def bench_dsec_exec(d: Dsec, n: int) -> dict[str, Any]:
         d.untrack(sb.id)
 
 
+def bench_dsec_docker(
+    d: Dsec, rootfs: Path, n: int, exec_n: int
+) -> dict[str, Any] | None:
+    """dsec's docker backend: create -> first exec -> stop, and exec round trips."""
+    if not docker_available():
+        log("dsec-docker: no daemon, skipped")
+        return None
+    image = f"{TAG}-dsec:latest"
+    log(f"docker import {rootfs} -> {image}")
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+    r = subprocess.run(
+        ["docker", "import", "-", image],
+        stdin=tar.stdout,
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    tar.wait()
+    if r.returncode != 0:
+        raise RuntimeError(f"docker import failed: {r.stderr}")
+    CLEANUP.push("dsec-docker image", lambda: run_cmd(["docker", "rmi", "-f", image]))
+    client = d.client
+    first_exec: list[float] = []
+    lifecycle: list[float] = []
+    failed = 0
+    for i in range(n + 3):
+        t0 = time.perf_counter()
+        sb = client.create(backend="docker", image=image, labels=d.labels)
+        d.track(sb.id)
+        try:
+            ok = sb.run(["/bin/true"]).exit_code == 0
+            t1 = time.perf_counter()
+        finally:
+            sb.stop()
+            d.untrack(sb.id)
+        t2 = time.perf_counter()
+        if i < 3:  # warm-up
+            continue
+        if not ok:
+            failed += 1
+            continue
+        first_exec.append((t1 - t0) * 1e3)
+        lifecycle.append((t2 - t0) * 1e3)
+    res: dict[str, Any] = {
+        "seq": latency_stats(first_exec, failed),
+        "lifecycle": latency_stats(lifecycle),
+    }
+    sb = client.create(backend="docker", image=image, labels=d.labels)
+    d.track(sb.id)
+    try:
+        for _ in range(10):
+            sb.run(["/bin/true"])
+        log(f"dsec-docker: {exec_n} exec round trips")
+        rtt: list[float] = []
+        server: list[float] = []
+        failed = 0
+        for _ in range(exec_n):
+            t0 = time.perf_counter()
+            r = sb.run(["/bin/true"])
+            if r.exit_code == 0:
+                rtt.append((time.perf_counter() - t0) * 1e3)
+                server.append(float(r.duration_ms))
+            else:
+                failed += 1
+        res["exec"] = latency_stats(rtt, failed)
+        res["exec"]["server_p50_ms"] = percentile(server, 0.5)
+    finally:
+        sb.stop()
+        d.untrack(sb.id)
+    return res
+
+
+def _metric_sum_count(url: str, name: str) -> tuple[float, float]:
+    """`name_sum` and `name_count` of a histogram on the server's /metrics."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", trust_env=False, timeout=30).text
+    got = {"sum": 0.0, "count": 0.0}
+    for line in text.splitlines():
+        for k in got:
+            if line.startswith(f"{name}_{k}"):  # summed over label sets
+                got[k] += float(line.split()[-1])
+    return got["sum"], got["count"]
+
+
+def _cpu_ticks(pid: int, thread_name: str | None = None) -> int:
+    """utime + stime of a process, or of its threads called `thread_name`."""
+
+    def ticks(stat: Path) -> int:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+
+    if thread_name is None:
+        return ticks(Path(f"/proc/{pid}/stat"))
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            if (task / "comm").read_text().strip() == thread_name:
+                total += ticks(task / "stat")
+    return total
+
+
+def _raw_exec(conn: Any, sandbox: str, body: bytes) -> dict[str, Any]:
+    """One `POST /exec` over a kept-alive http.client connection (far less client CPU than
+    the SDK, so the rate is the server's)."""
+    conn.request(
+        "POST",
+        f"/v1/sandboxes/{sandbox}/exec",
+        body=body,
+        headers={"Content-Type": "application/json"},
+    )
+    resp = conn.getresponse()
+    data = resp.read()
+    if resp.status != 200:
+        raise RuntimeError(f"exec answered {resp.status}: {data[:300]!r}")
+    return json.loads(data)
+
+
+def bench_dsec_trajectory(d: Dsec, n: int) -> dict[str, Any]:
+    """What the trajectory log costs: exec rate of `/bin/true` without and with a
+    trajectory id (both are logged), the time each exec waits for its log append (from the
+    server's `dsec_trajectory_append_seconds`), and fast-forward of 1,000 recorded steps."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(d.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=60)
+    plain = d.client.create(image=d.image, labels=d.labels)
+    d.track(plain.id)
+    traj = d.client.create(
+        image=d.image, labels=d.labels, trajectory_id=f"{TAG}-{uuid.uuid4().hex[:8]}"
+    )
+    d.track(traj.id)
+    res: dict[str, Any] = {"n": n}
+    try:
+        step = 0
+        elapsed = {"plain": 0.0, "traj": 0.0}
+        waits = {"plain": 0.0, "traj": 0.0}
+        done = {"plain": 0, "traj": 0}
+        rounds = 10
+        for r in range(rounds + 1):  # round 0 warms up; rounds alternate to cancel drift
+            for kind in ("plain", "traj"):
+                sb = plain if kind == "plain" else traj
+                s0, _ = _metric_sum_count(d.url, "dsec_trajectory_append_seconds")
+                t0 = time.perf_counter()
+                for _ in range(max(n // rounds, 10)):
+                    body = {"cmd": ["/bin/true"]}
+                    if kind == "traj":
+                        body["step"] = step
+                        step += 1
+                    _raw_exec(conn, sb.id, json.dumps(body).encode())
+                    if r:
+                        done[kind] += 1
+                if r:
+                    elapsed[kind] += time.perf_counter() - t0
+                    s1, _ = _metric_sum_count(d.url, "dsec_trajectory_append_seconds")
+                    waits[kind] += s1 - s0
+        for kind in ("plain", "traj"):
+            res[f"{kind}_per_s"] = done[kind] / elapsed[kind]
+            res[f"{kind}_rtt_ms"] = elapsed[kind] / done[kind] * 1e3
+            res[f"{kind}_append_ms"] = waits[kind] / done[kind] * 1e3
+            # The append is on each exec's critical path: its share of the round trip is
+            # what logging costs sequential throughput.
+            res[f"{kind}_log_share_pct"] = 100.0 * waits[kind] / elapsed[kind]
+        res["traj_vs_plain_pct"] = 100.0 * (1 - res["traj_per_s"] / res["plain_per_s"])
+
+        # Concurrent: 8 clients, each with its own sandbox (the RL shape), so commits are
+        # shared. The writer thread's share of the server's CPU is what logging takes
+        # from the server's capacity.
+        par = 8
+        boxes = [d.client.create(image=d.image, labels=d.labels) for _ in range(par)]
+        for b in boxes:
+            d.track(b.id)
+        try:
+
+            def client_loop(box_id: str, count: int) -> None:
+                c = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=60)
+                body = json.dumps({"cmd": ["/bin/true"]}).encode()
+                for _ in range(count):
+                    _raw_exec(c, box_id, body)
+                c.close()
+
+            pid = d.proc.pid if d.proc is not None else None
+            per = max(n // par, 20)
+            s0, c0 = _metric_sum_count(d.url, "dsec_trajectory_append_seconds")
+            cpu0 = (_cpu_ticks(pid), _cpu_ticks(pid, "dsec-trajectory")) if pid else None
+            t0 = time.perf_counter()
+            threads = [
+                threading.Thread(target=client_loop, args=(b.id, per)) for b in boxes
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            s1, c1 = _metric_sum_count(d.url, "dsec_trajectory_append_seconds")
+            res["c8_per_s"] = par * per / wall
+            res["c8_append_ms"] = (s1 - s0) / max(c1 - c0, 1) * 1e3
+            res["c8_log_share_pct"] = 100.0 * (s1 - s0) / (wall * par)
+            if cpu0 is not None and pid is not None:
+                all_ticks = _cpu_ticks(pid) - cpu0[0]
+                writer_ticks = _cpu_ticks(pid, "dsec-trajectory") - cpu0[1]
+                res["c8_writer_cpu_pct"] = 100.0 * writer_ticks / max(all_ticks, 1)
+        finally:
+            for b in boxes:
+                b.stop()
+                d.untrack(b.id)
+
+        # Fast-forward: a reconnected client re-issues 1,000 recorded steps.
+        ff = d.client.create(
+            image=d.image, labels=d.labels, trajectory_id=f"{TAG}-ff-{uuid.uuid4().hex[:8]}"
+        )
+        d.track(ff.id)
+        try:
+            bodies = [
+                json.dumps({"cmd": ["/bin/echo", str(i)], "step": i}).encode()
+                for i in range(1000)
+            ]
+            log("trajectory: recording 1,000 steps")
+            for b in bodies:
+                _raw_exec(conn, ff.id, b)
+            log("trajectory: fast-forwarding 1,000 steps")
+            t0 = time.perf_counter()
+            for i, b in enumerate(bodies):
+                r = _raw_exec(conn, ff.id, b)
+                if not r["replayed"] or r["stdout"] != f"{i}\n":
+                    raise RuntimeError(f"step {i} was not replayed: {r}")
+            res["replay_1000_s"] = time.perf_counter() - t0
+            again = d.client.get(ff.id)
+            t0 = time.perf_counter()
+            for i in range(1000):
+                again.run(["/bin/echo", str(i)])
+            res["replay_1000_sdk_s"] = time.perf_counter() - t0
+        finally:
+            ff.stop()
+            d.untrack(ff.id)
+    finally:
+        conn.close()
+        for sb in (plain, traj):
+            sb.stop()
+            d.untrack(sb.id)
+    return res
+
+
 def mem_available_kib() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -1171,6 +1434,64 @@ def report(
         )
         drow("exec round trip `/bin/true`, p99 ms", e["p99_ms"])
         drow("exec, server-side duration p50 ms", e["server_p50_ms"])
+    if "dsec-docker" in res:
+        dd = res["dsec-docker"]
+
+        def native(what: str, value: Any) -> str:
+            return f"native {what}: {fmt(value)}" if value is not None else ""
+
+        drow(
+            'backend="docker": create → first exec, p50 ms ⁸',
+            dd["seq"]["p50_ms"],
+            native("p50", get(res, "create", "seq", "p50_ms")),
+        )
+        drow(
+            'backend="docker": create → first exec, p99 ms ⁸',
+            dd["seq"]["p99_ms"],
+            native("p99", get(res, "create", "seq", "p99_ms")),
+        )
+        drow(
+            'backend="docker": whole lifecycle, p50 ms ⁸',
+            dd["lifecycle"]["p50_ms"],
+            native("p50", get(res, "create", "lifecycle", "p50_ms")),
+        )
+        drow(
+            'backend="docker": exec round trip `/bin/true`, p50 ms ⁸',
+            dd["exec"]["p50_ms"],
+            native("p50", get(res, "exec", "p50_ms")),
+        )
+        drow(
+            'backend="docker": exec round trip `/bin/true`, p99 ms ⁸',
+            dd["exec"]["p99_ms"],
+            native("p99", get(res, "exec", "p99_ms")),
+        )
+    if "trajectory" in res:
+        t = res["trajectory"]
+        ok = met(t["plain_log_share_pct"], TARGET_LOG_OVERHEAD_PCT, False)
+        drow(
+            "exec `/bin/true` waiting on its log append, % of round trip ⁷",
+            t["plain_log_share_pct"],
+            f"≤ {TARGET_LOG_OVERHEAD_PCT:g}% {ok}",
+        )
+        drow("log append (group commit, fsync), mean ms ⁷", t["plain_append_ms"])
+        drow("exec/s sequential, no trajectory id ⁷", t["plain_per_s"])
+        drow("exec/s, 8 clients × own sandbox ⁷", t["c8_per_s"])
+        drow(
+            "  … exec waiting on its log append, % of round trip ⁷",
+            t["c8_log_share_pct"],
+            f"≤ {TARGET_LOG_OVERHEAD_PCT:g}% {met(t['c8_log_share_pct'], TARGET_LOG_OVERHEAD_PCT, False)}",
+        )
+        if t.get("c8_writer_cpu_pct") is not None:
+            drow("  … log writer thread, % of server CPU ⁷", t["c8_writer_cpu_pct"])
+        drow("exec/s sequential, with trajectory id ⁷", t["traj_per_s"])
+        drow("trajectory id vs none, % slower ⁷", t["traj_vs_plain_pct"])
+        ok = met(t["replay_1000_s"], TARGET_REPLAY_1000_S, False)
+        drow(
+            "fast-forward of 1,000 recorded steps, s (lean client) ⁷",
+            t["replay_1000_s"],
+            f"≤ {TARGET_REPLAY_1000_S:g} s {ok}",
+        )
+        drow("fast-forward of 1,000 recorded steps, s (SDK) ⁷", t["replay_1000_sdk_s"])
     if "idle" in res:
         i = res["idle"]
         ok = met(i["mib_per_sandbox"], TARGET_IDLE_MIB, False)
@@ -1216,6 +1537,20 @@ def report(
         "demand) that is destroyed afterwards; compare with the whole-lifecycle rows above "
         "(a container created, used once, stopped) and `docker run`."
     )
+    if "trajectory" in res:
+        out.append(
+            "⁷ trajectory: every exec is appended to the SQLite trajectory log (WAL, "
+            "fsync per group commit) before its result returns. The log's cost is the time "
+            "an exec waits for its append, as a share of the round trip (sequential, one "
+            "client: no commit is shared); fast-forward re-issues 1,000 recorded steps one "
+            "after another over one kept-alive connection."
+        )
+    if "dsec-docker" in res:
+        out.append(
+            '⁸ dsec with `backend="docker"`: the same SDK calls, each sandbox a container '
+            "of the Docker daemon (the rootfs `docker import`ed), each command a docker exec; "
+            "sequential, one client. The native value of the same row is in the last column."
+        )
     failures = []
     for part, r in res.items():
         if isinstance(r, dict):
@@ -1264,6 +1599,12 @@ def main() -> int:
     )
     ap.add_argument("--rootfs", help="use this busybox rootfs instead of building one")
     ap.add_argument(
+        "--trajectory-sync",
+        choices=["full", "normal"],
+        default="full",
+        help="the server's trajectory log fsync policy (dsec serve --trajectory-sync)",
+    )
+    ap.add_argument(
         "--dsec-bin", help="dsec binary to start (default target/release/dsec)"
     )
     ap.add_argument(
@@ -1289,7 +1630,10 @@ def main() -> int:
     try:
         rootfs = prepare_rootfs(args.rootfs)
         dsec_parts = [
-            p for p in parts if p in ("create", "loadgen", "fncall", "exec", "idle")
+            p
+            for p in parts
+            if p
+            in ("create", "loadgen", "fncall", "dsec-docker", "exec", "trajectory", "idle")
         ]
         d = Dsec(args, rootfs) if dsec_parts else None
         if (
@@ -1305,9 +1649,14 @@ def main() -> int:
             ("runc", lambda: bench_runc(rootfs, args.n, cs)),
             ("docker", lambda: bench_docker(rootfs, args.n, cs)),
             ("create", lambda: bench_dsec_create(d, args.n, cs)),
+            (
+                "dsec-docker",
+                lambda: bench_dsec_docker(d, rootfs, args.n, args.exec_n),
+            ),
             ("loadgen", lambda: bench_dsec_loadgen(d, args.n, cs)),
             ("fncall", lambda: bench_dsec_fncall(d, args.n, cs)),
             ("exec", lambda: bench_dsec_exec(d, args.exec_n)),
+            ("trajectory", lambda: bench_dsec_trajectory(d, args.exec_n)),
             ("idle", lambda: bench_dsec_idle(d, args.idle_n)),
         ]
         for name, fn in steps:

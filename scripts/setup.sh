@@ -38,6 +38,7 @@ PACKAGES=(
     zstd
     busybox-static  # test and bench rootfs (scripts/make-busybox-rootfs.sh)
     runc            # reference runtime for the benchmarks
+    docker.io       # the docker backend's daemon (tests start dockerd; see scripts/test.sh)
     iproute2        # network namespaces, veth
     iptables        # egress policies
     erofs-utils     # EROFS image layers

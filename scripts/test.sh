@@ -6,6 +6,8 @@
 #   ./scripts/test.sh -k create  # extra arguments go to pytest
 #
 # Stages, stopping at the first failure: fmt, clippy, cargo test, debug build, pytest.
+# Before pytest it starts dockerd if no Docker daemon answers (stopping it again at the end)
+# and adds "docker" to $DSEC_TEST_BACKENDS, so the conformance suite runs on both backends.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,6 +24,7 @@ CURRENT_STAGE=""
 START_ALL=$SECONDS
 on_exit() {
     local rc=$?
+    if declare -F stop_dockerd >/dev/null; then stop_dockerd; fi
     if ((rc != 0)) && [[ -n "$CURRENT_STAGE" ]]; then
         printf '\n%s[test] FAILED at stage: %s (exit %d)%s\n' "$C_R" "$CURRENT_STAGE" "$rc" "$C_0" >&2
     fi
@@ -46,6 +49,44 @@ stage "fmt" cargo fmt --all --check
 stage "clippy" cargo clippy --workspace --all-targets -- -D warnings
 stage "cargo test" cargo test --workspace
 stage "debug build" cargo build --workspace
+
+# The docker backend's tests need a Docker daemon: start one for this run when none answers,
+# and stop it at the end only if this script started it. Without one they skip.
+DOCKERD_PID=""
+DOCKERD_LOG="${TMPDIR:-/tmp}/dsec-test-dockerd.log"
+start_dockerd() {
+    if ! command -v docker >/dev/null || ! command -v dockerd >/dev/null; then
+        echo "[test] docker: not installed (scripts/setup.sh installs docker.io); docker tests will skip"
+        return 0
+    fi
+    docker info >/dev/null 2>&1 && return 0
+    echo "[test] docker: starting dockerd (log: $DOCKERD_LOG)"
+    # Sandboxes use --network none: no bridge, no iptables rules on the host.
+    dockerd --host=unix:///var/run/docker.sock --bridge=none --iptables=false \
+        >"$DOCKERD_LOG" 2>&1 &
+    DOCKERD_PID=$!
+    for _ in $(seq 1 60); do
+        docker info >/dev/null 2>&1 && return 0
+        kill -0 "$DOCKERD_PID" 2>/dev/null || break
+        sleep 0.5
+    done
+    echo "[test] warning: dockerd did not come up; docker tests will skip. Log tail:" >&2
+    tail -n 20 "$DOCKERD_LOG" >&2 || true
+}
+stop_dockerd() {
+    if [[ -n "$DOCKERD_PID" ]]; then
+        echo "[test] docker: stopping the dockerd this run started"
+        kill "$DOCKERD_PID" 2>/dev/null || true
+        wait "$DOCKERD_PID" 2>/dev/null || true
+        DOCKERD_PID=""
+    fi
+}
+start_dockerd
+# With a daemon, the conformance suite runs on the docker backend too.
+if docker info >/dev/null 2>&1 && [[ ",${DSEC_TEST_BACKENDS:-container}," != *",docker,"* ]]; then
+    export DSEC_TEST_BACKENDS="${DSEC_TEST_BACKENDS:-container},docker"
+fi
+echo "[test] backends under test: ${DSEC_TEST_BACKENDS:-container}"
 
 pytest_stage() {
     local rc=0

@@ -16,9 +16,12 @@ import dsec
 import pytest
 from dsec_testlib import (
     BACKENDS,
+    DOCKER_TEST_IMAGE,
     MAKE_ROOTFS,
     STATEFUL,
     Server,
+    docker_import_rootfs,
+    docker_unavailable_reason,
     image_for,
     make_tempdir,
     safe_rmtree,
@@ -75,9 +78,21 @@ def busybox_image(client: dsec.Client, busybox_rootfs: Path) -> str:
     return img.name
 
 
+@pytest.fixture(scope="session")
+def docker_image(busybox_rootfs: Path) -> str:
+    """The busybox rootfs as a Docker image (skips when no daemon answers)."""
+    reason = docker_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"backend docker: {reason}")
+    docker_import_rootfs(busybox_rootfs, DOCKER_TEST_IMAGE)
+    return DOCKER_TEST_IMAGE
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest, busybox_image: str) -> str:
     """The backend under test; the conformance suite runs once per backend."""
+    if request.param == "docker":
+        request.getfixturevalue("docker_image")
     return str(request.param)
 
 

@@ -36,6 +36,8 @@ BACKENDS = [
     for b in os.environ.get("DSEC_TEST_BACKENDS", "container").split(",")
     if b.strip()
 ]
+#: The Docker reference the docker backend's tests use: the busybox rootfs, `docker import`ed.
+DOCKER_TEST_IMAGE = "dsec-test/busybox:latest"
 #: Backends whose sandboxes keep state between commands (fncall runs each call fresh).
 STATEFUL = {"container", "docker", "microvm", "vm"}
 
@@ -43,7 +45,7 @@ STATEFUL = {"container", "docker", "microvm", "vm"}
 def image_for(backend: str) -> str:
     """The image name a test sandbox of this backend uses."""
     if backend == "docker":
-        return os.environ.get("DSEC_TEST_DOCKER_IMAGE", "busybox:latest")
+        return os.environ.get("DSEC_TEST_DOCKER_IMAGE", DOCKER_TEST_IMAGE)
     return "busybox"
 
 
@@ -478,3 +480,46 @@ def unless_unimplemented(feature: str) -> Iterator[None]:
 
 def sh_lines(r: Any) -> list[str]:
     return [x for x in r.stdout.splitlines() if x.strip()]
+
+
+# ------------------------------------------------------------------ docker
+
+
+def docker_unavailable_reason() -> str | None:
+    """None when a Docker daemon answers `docker info`, else why not."""
+    if shutil.which("docker") is None:
+        return "no docker CLI on this host"
+    try:
+        r = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except subprocess.TimeoutExpired:
+        return "docker info timed out"
+    if r.returncode != 0:
+        return f"no Docker daemon: {r.stderr.strip()[:200]}"
+    return None
+
+
+def docker_import_rootfs(rootfs: Path, ref: str) -> None:
+    """`docker import` a rootfs directory as image ``ref`` (no registry needed)."""
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+    r = subprocess.run(
+        ["docker", "import", "-", ref], stdin=tar.stdout, capture_output=True, text=True
+    )
+    assert tar.stdout is not None
+    tar.stdout.close()
+    tar.wait()
+    if r.returncode != 0:
+        pytest.fail(f"docker import of {rootfs} as {ref} failed: {r.stderr}")
+
+
+def docker_containers(*filters: str) -> list[str]:
+    """Ids of all containers (running or not) matching every ``--filter``."""
+    argv = ["docker", "ps", "-aq", "--no-trunc"]
+    for f in filters:
+        argv += ["--filter", f]
+    r = subprocess.run(argv, capture_output=True, text=True, check=True)
+    return r.stdout.split()

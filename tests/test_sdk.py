@@ -459,17 +459,14 @@ def test_set_network(sb: dsec.Sandbox) -> None:
 @pytest.mark.usefixtures("stateful")
 def test_trajectory_replay(client: dsec.Client, make_sandbox: MakeSandbox) -> None:
     tid = "traj-" + uuid.uuid4().hex[:8]
-    with unless_unimplemented("trajectory"):
-        sb = make_sandbox(trajectory_id=tid)
-    if sb.info().trajectory_id != tid:
-        pytest.skip("server ignores trajectory_id")
+    sb = make_sandbox(trajectory_id=tid)
+    assert sb.info().trajectory_id == tid
     r0 = sb.run("echo $$ $(date +%s%N) > /tmp/n; cat /tmp/n")
     r1 = sb.run("echo second")
     assert not r0.replayed and not r1.replayed
     again = client.get(sb.id)
     s0 = again.run("echo $$ $(date +%s%N) > /tmp/n; cat /tmp/n")
-    if not s0.replayed:
-        pytest.skip("server does not replay trajectory steps yet")
+    assert s0.replayed
     assert s0.stdout == r0.stdout
     assert again.run("echo second").replayed
     with pytest.raises(dsec.TrajectoryDiverged):

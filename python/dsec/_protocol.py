@@ -308,6 +308,11 @@ def list_call(labels: Labels | None) -> Call[list[SandboxInfo]]:
     return Call("GET", "/v1/sandboxes", parse_infos, params=params or None)
 
 
+def log_call(id: str, trajectory_id: str | None) -> Call[dict[str, Any]]:
+    params = [("trajectory_id", trajectory_id)] if trajectory_id is not None else None
+    return Call("GET", _sb(id, "/log"), _obj, params=params)
+
+
 def stop_call(id: str) -> Call[None]:
     return Call("DELETE", _sb(id), parse_none, on_error=_swallow_not_found)
 
@@ -465,8 +470,10 @@ class StepCounter:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.next = 0
+        self._before = 0
 
     def take(self, step: int | None) -> int | None:
+        self._before = self.next
         if step is not None:
             self.next = int(step) + 1
             return int(step)
@@ -477,8 +484,9 @@ class StepCounter:
         return s
 
     def give_back(self, step: int | None) -> None:
+        """Undo :meth:`take` of ``step`` (the count goes back to what it was before)."""
         if step is not None and self.next == step + 1:
-            self.next = step
+            self.next = self._before
 
 
 class SandboxBase:

@@ -129,6 +129,10 @@ class AsyncClient:
         """Reconnect to a sandbox by id (its step count starts at 0 again)."""
         return AsyncSandbox(self, await self._do(p.get_call(id)))
 
+    async def log(self, id: str, trajectory_id: str | None = None) -> dict[str, Any]:
+        """The trajectory log of a sandbox, also after it is gone (see ``Client.log``)."""
+        return await self._do(p.log_call(id, trajectory_id))
+
     async def list(self, labels: Labels | None = None) -> builtins.list[AsyncSandbox]:
         return [AsyncSandbox(self, i) for i in await self._do(p.list_call(labels))]
 
@@ -301,6 +305,10 @@ class AsyncSandbox(p.SandboxBase):
 
     async def info(self) -> SandboxInfo:
         return await self.client._do(p.get_call(self.id))
+
+    async def log(self) -> dict[str, Any]:
+        """This sandbox's trajectory log (see ``Client.log``)."""
+        return await self.client.log(self.id)
 
     async def stop(self) -> None:
         await self.client._do(p.stop_call(self.id))

@@ -105,6 +105,11 @@ class Client:
         """Reconnect to a sandbox by id (its step count starts at 0 again)."""
         return Sandbox(self, self._do(p.get_call(id)))
 
+    def log(self, id: str, trajectory_id: str | None = None) -> dict[str, Any]:
+        """The trajectory log of a sandbox, also after it is gone: ``{"sandbox": {...},
+        "steps": [{"step", "request", "result", ...}]}`` (see docs/API.md)."""
+        return self._do(p.log_call(id, trajectory_id))
+
     def list(self, labels: Labels | None = None) -> builtins.list[Sandbox]:
         """The sandboxes having all the given labels."""
         return [Sandbox(self, i) for i in self._do(p.list_call(labels))]
@@ -260,6 +265,10 @@ class Sandbox(p.SandboxBase):
 
     def info(self) -> SandboxInfo:
         return self.client._do(p.get_call(self.id))
+
+    def log(self) -> dict[str, Any]:
+        """This sandbox's trajectory log (see :meth:`Client.log`)."""
+        return self.client.log(self.id)
 
     def stop(self) -> None:
         """Terminate and delete the sandbox; calling it again is harmless."""

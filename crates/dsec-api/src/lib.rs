@@ -271,6 +271,9 @@ pub enum StreamEvent {
         oom_killed: bool,
         /// As in [`CommandResult::duration_ms`].
         duration_ms: f64,
+        /// As in [`CommandResult::replayed`].
+        #[serde(default)]
+        replayed: bool,
     },
 }
 

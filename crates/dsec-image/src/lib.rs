@@ -1,7 +1,8 @@
 //! dsec's content-addressed image and layer store.
 //!
 //! Images come from OCI layout directories, `docker save` archives, rootfs
-//! directories or tarballs, and OCI registries. Whatever the source, every
+//! directories or tarballs, OCI registries, and the local Docker daemon
+//! (`docker://REF`). Whatever the source, every
 //! layer ends up unpacked once under `layers/sha256/<diff id>/`, with OCI
 //! whiteouts already turned into overlayfs ones, ready to be a lowerdir; an
 //! image is a small JSON record naming its layers and run-time defaults.
@@ -16,6 +17,7 @@
 #![warn(missing_docs)]
 
 mod digest;
+mod docker;
 mod error;
 mod oci;
 mod registry;

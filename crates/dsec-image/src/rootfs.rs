@@ -24,11 +24,27 @@ use crate::unpack::{unpack_layer, Unpacked};
 pub(crate) fn unpack_tree(staging: &Path, dir: &Path, skip: &Path) -> Result<Unpacked, Fault> {
     let skip =
         fs::metadata(skip).map_err(Fault::io(format!("cannot inspect {}", skip.display())))?;
-    let skip = (skip.dev(), skip.ino());
+    unpack_walk(staging, dir, Some((skip.dev(), skip.ino())), false)
+}
+
+/// Unpacks an overlayfs upper directory (a sandbox's writable layer) as a layer. Its
+/// whiteouts (0:0 character devices) and opaque directories (`trusted.overlay.opaque=y`)
+/// go into the stream as OCI whiteout entries, which the unpacker turns back into
+/// overlayfs form: the layer is exactly the diff the sandbox made.
+pub(crate) fn unpack_upper(staging: &Path, upper: &Path) -> Result<Unpacked, Fault> {
+    unpack_walk(staging, upper, None, true)
+}
+
+fn unpack_walk(
+    staging: &Path,
+    dir: &Path,
+    skip: Option<(u64, u64)>,
+    upper: bool,
+) -> Result<Unpacked, Fault> {
     let (reader, writer) = rustix::pipe::pipe_with(PipeFlags::CLOEXEC)
         .map_err(|e| Fault::Io("cannot create a pipe".into(), e.into()))?;
     let (unpacked, written) = std::thread::scope(|scope| {
-        let producer = scope.spawn(move || write_tree(dir, skip, File::from(writer)));
+        let producer = scope.spawn(move || write_tree(dir, skip, upper, File::from(writer)));
         let unpacked = unpack_layer(staging, File::from(reader));
         let written = producer
             .join()
@@ -45,12 +61,19 @@ pub(crate) fn unpack_tree(staging: &Path, dir: &Path, skip: &Path) -> Result<Unp
 }
 
 /// Writes the tree under `root` (not `root` itself) as a tar stream, leaving
-/// out the directory whose (device, inode) is `skip`.
-fn write_tree(root: &Path, skip: (u64, u64), out: impl Write) -> io::Result<()> {
+/// out the directory whose (device, inode) is `skip`; `upper` converts overlayfs
+/// whiteouts to OCI ones.
+fn write_tree(
+    root: &Path,
+    skip: Option<(u64, u64)>,
+    upper: bool,
+    out: impl Write,
+) -> io::Result<()> {
     let mut builder = tar::Builder::new(out);
     let mut walker = Walker {
         root,
         skip,
+        upper,
         links: HashMap::new(),
     };
     walker.walk(&mut builder, Path::new(""))?;
@@ -59,7 +82,9 @@ fn write_tree(root: &Path, skip: (u64, u64), out: impl Write) -> io::Result<()> 
 
 struct Walker<'a> {
     root: &'a Path,
-    skip: (u64, u64),
+    skip: Option<(u64, u64)>,
+    /// Converting an overlayfs upper directory.
+    upper: bool,
     /// First path seen of each multiply linked file, keyed by (device, inode).
     links: HashMap<(u64, u64), PathBuf>,
 }
@@ -74,11 +99,20 @@ impl Walker<'_> {
             let rel = rel.join(name);
             let path = self.root.join(&rel);
             let meta = fs::symlink_metadata(&path)?;
-            if meta.is_dir() && (meta.dev(), meta.ino()) == self.skip {
+            if meta.is_dir() && Some((meta.dev(), meta.ino())) == self.skip {
+                continue;
+            }
+            if self.upper && meta.file_type().is_char_device() && meta.rdev() == 0 {
+                let mut whiteout = OsString::from(".wh.");
+                whiteout.push(rel.file_name().unwrap_or_default());
+                append_marker(builder, &rel.with_file_name(whiteout))?;
                 continue;
             }
             append(builder, &path, &rel, &meta, &mut self.links)?;
             if meta.is_dir() {
+                if self.upper && xattr::get(&path, OPAQUE)?.is_some_and(|v| v == b"y") {
+                    append_marker(builder, &rel.join(".wh..wh..opq"))?;
+                }
                 self.walk(builder, &rel)?;
             }
         }
@@ -147,6 +181,21 @@ fn append<W: Write>(
     }
 }
 
+/// overlayfs's mark of a directory that hides the layers below it.
+const OPAQUE: &str = "trusted.overlay.opaque";
+
+/// An empty regular file: the OCI form of a whiteout.
+fn append_marker<W: Write>(builder: &mut tar::Builder<W>, rel: &Path) -> io::Result<()> {
+    let mut header = Header::new_gnu();
+    header.set_entry_type(EntryType::Regular);
+    header.set_mode(0o600);
+    header.set_uid(0);
+    header.set_gid(0);
+    header.set_mtime(0);
+    header.set_size(0);
+    builder.append_data(&mut header, rel, io::empty())
+}
+
 /// Emits a PAX header carrying the entry's xattrs (`SCHILY.xattr.*`), the
 /// form GNU tar, Docker and the `tar` crate's reader understand.
 fn append_xattrs<W: Write>(builder: &mut tar::Builder<W>, path: &Path) -> io::Result<()> {
@@ -159,7 +208,11 @@ fn append_xattrs<W: Write>(builder: &mut tar::Builder<W>, path: &Path) -> io::Re
     };
     names.sort();
     let mut records = Vec::new();
-    for name in names {
+    // overlayfs's own attributes describe the layer stack, not the file: never carried.
+    for name in names
+        .into_iter()
+        .filter(|n| !n.as_bytes().starts_with(b"trusted.overlay."))
+    {
         let Some(value) = xattr::get(path, &name)? else {
             continue;
         };

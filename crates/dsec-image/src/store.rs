@@ -10,6 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::digest::{sha256, sha256_hex, HashingReader};
+use crate::docker;
 use crate::error::{io_error, Fault, ImageError};
 use crate::oci::{self, Plan};
 use crate::registry::{self, ARCHIVE_SUFFIXES};
@@ -103,11 +104,24 @@ impl ImageStore {
     }
 
     /// Imports an image from an OCI layout directory, a rootfs directory, a
-    /// `docker save` archive, a rootfs tarball (plain, gzip or zstd) or a
-    /// registry reference, and stores it as `name` (default: the file's base
-    /// name without archive extensions, or the reference itself), replacing
-    /// any image of that name.
+    /// `docker save` archive, a rootfs tarball (plain, gzip or zstd), a
+    /// registry reference or `docker://REF` (exported from the Docker daemon),
+    /// and stores it as `name` (default: the file's base name without archive
+    /// extensions, or the reference itself), replacing any image of that name.
     pub async fn import(&self, source: &str, name: Option<&str>) -> Result<Image, ImageError> {
+        if let Some(reference) = source.strip_prefix(docker::SCHEME) {
+            let name = name.unwrap_or(reference).to_owned();
+            validate_name(&name, source)?;
+            let archive = docker::export(reference, source, &self.inner.staging_dir()).await?;
+            let inner = self.inner.clone();
+            let input = source.to_owned();
+            return blocking(move || {
+                let image = inner.import_path(archive.path(), name, &input);
+                drop(archive);
+                image
+            })
+            .await;
+        }
         let path = Path::new(source);
         let exists = match tokio::fs::metadata(path).await {
             Ok(_) => true,
@@ -224,6 +238,45 @@ impl ImageStore {
         }
         tracing::info!(image = %name, "removed image");
         Ok(())
+    }
+
+    /// Stores a sandbox's writable layer as a new image `name`: `base`'s layers plus the
+    /// diff in `upper` (an overlayfs upper directory), with `base`'s config. Only the diff
+    /// is copied; the base layers are shared.
+    pub async fn commit_upper(
+        &self,
+        base: &Image,
+        upper: &Path,
+        name: &str,
+    ) -> Result<Image, ImageError> {
+        validate_name(name, name)?;
+        let (inner, base, upper, name) = (
+            self.inner.clone(),
+            base.clone(),
+            upper.to_owned(),
+            name.to_owned(),
+        );
+        blocking(move || {
+            let input = format!("the writable layer of {}", upper.display());
+            let mut pins = Pins::new(inner.clone());
+            for layer in &base.layers {
+                if !pins.pin_if_stored(layer) {
+                    return Err(ImageError::NotFound {
+                        name: format!("{} (layer {layer})", base.name),
+                    });
+                }
+            }
+            let unpacked = crate::rootfs::unpack_upper(&inner.staging_dir(), &upper)
+                .map_err(|f| f.into_error(&input))?;
+            let diff_id = unpacked.diff_id.clone();
+            let size = base.size + unpacked.size;
+            let new = pins.commit(unpacked).map_err(|f| f.into_error(&input))?;
+            let mut layers = base.layers.clone();
+            layers.push(diff_id);
+            let id = sha256(&serde_json::to_vec(&layers).unwrap_or_default());
+            inner.finish(name, id, size, layers, base.config.clone(), new)
+        })
+        .await
     }
 
     /// Directories of the image's layers in overlayfs lowerdir order (topmost layer FIRST).

@@ -118,6 +118,7 @@ pub struct Container {
     cgroup: SandboxCgroup,
     dir: PathBuf,
     root: SandboxRoot,
+    upper: PathBuf,
     writer: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
     routes: Routes,
     next_exec: AtomicU32,
@@ -153,8 +154,8 @@ impl ContainerRuntime {
                 return Err(RuntimeError::Channel(format!("pidfd_open: {e}")));
             }
         };
-        let ready = match wait_ready(channel).await {
-            Ok(stream) => stream,
+        let (ready, upper_fd) = match wait_ready(channel).await {
+            Ok(ready) => ready,
             Err(e) => {
                 let _ = rustix::process::pidfd_send_signal(&pidfd, rustix::process::Signal::KILL);
                 self.discard(&cgroup, &dir).await;
@@ -171,6 +172,7 @@ impl ContainerRuntime {
             cgroup,
             dir,
             root: SandboxRoot::of_pid(pid),
+            upper: PathBuf::from(format!("/proc/{pid}/fd/{upper_fd}")),
             writer: Arc::new(tokio::sync::Mutex::new(writer)),
             routes,
             next_exec: AtomicU32::new(1),
@@ -270,7 +272,8 @@ fn remove_sandbox(cgroup: &SandboxCgroup, dir: &Path) {
     }
 }
 
-async fn wait_ready(channel: OwnedFd) -> Result<UnixStream, RuntimeError> {
+/// Waits for init's `Ready`; returns the channel and init's upper-directory descriptor.
+async fn wait_ready(channel: OwnedFd) -> Result<(UnixStream, i32), RuntimeError> {
     let std_stream = std::os::unix::net::UnixStream::from(channel);
     std_stream
         .set_nonblocking(true)
@@ -294,7 +297,7 @@ async fn wait_ready(channel: OwnedFd) -> Result<UnixStream, RuntimeError> {
                     proto::VERSION
                 )));
             }
-            Ok(stream)
+            Ok((stream, ready.upper_fd))
         }
         FrameKind::Error => Err(RuntimeError::Setup(
             frame
@@ -417,6 +420,13 @@ impl Container {
     /// Confined file access.
     pub fn root(&self) -> &SandboxRoot {
         &self.root
+    }
+
+    /// The writable layer's upper directory (overlayfs format: whiteouts are 0:0 character
+    /// devices, opaque directories carry `trusted.overlay.opaque`), as the host reaches it.
+    /// Read it only while the sandbox is frozen to get a consistent picture.
+    pub fn upper_dir(&self) -> &Path {
+        &self.upper
     }
 
     /// The sandbox's cgroups (usage, freezing).

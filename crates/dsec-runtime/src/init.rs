@@ -53,6 +53,7 @@ pub fn run(spec: &SandboxSpec, control: OwnedFd, seccomp: &SeccompProfile) -> ! 
                 0,
                 &proto::Ready {
                     version: proto::VERSION,
+                    upper_fd: prepared.upper.as_raw_fd(),
                 },
             );
             let mut init = Init::new(control, prepared, out);
@@ -70,6 +71,8 @@ pub fn run(spec: &SandboxSpec, control: OwnedFd, seccomp: &SeccompProfile) -> ! 
 }
 
 struct Prepared {
+    /// Held for the edge's snapshots; see [`crate::rootfs::setup`].
+    upper: OwnedFd,
     signals: SignalFd,
     devnull: OwnedFd,
 }
@@ -103,7 +106,7 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
     }
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWCGROUP)
         .map_err(|e| setup_error("unshare cgroup namespace", e, Some(e as i32)))?;
-    crate::rootfs::setup(spec).map_err(|e| setup_error("rootfs", &e, None))?;
+    let upper = crate::rootfs::setup(spec).map_err(|e| setup_error("rootfs", &e, None))?;
     crate::rootfs::set_hostname(&spec.id).map_err(|e| io("sethostname", e))?;
     crate::rootfs::loopback_up().map_err(|e| io("loopback", e))?;
     let devnull = std::fs::OpenOptions::new()
@@ -131,6 +134,7 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
         .apply()
         .map_err(|e| setup_error("install seccomp filter", e, None))?;
     Ok(Prepared {
+        upper,
         signals,
         devnull: devnull.into(),
     })

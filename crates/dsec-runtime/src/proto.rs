@@ -138,6 +138,8 @@ impl Frame {
 pub struct Ready {
     /// [`VERSION`] of the init.
     pub version: u32,
+    /// init's descriptor of the writable layer's upper directory.
+    pub upper_fd: i32,
 }
 
 /// A command for init to run.
@@ -215,7 +217,15 @@ mod tests {
     fn frames_round_trip_and_wait_for_completeness() {
         let mut buf = Vec::new();
         encode(&mut buf, FrameKind::Stdout, 7, b"hello");
-        encode_json(&mut buf, FrameKind::Ready, 0, &Ready { version: VERSION });
+        encode_json(
+            &mut buf,
+            FrameKind::Ready,
+            0,
+            &Ready {
+                version: VERSION,
+                upper_fd: 3,
+            },
+        );
         let mut partial = buf[..HEADER_LEN + 2].to_vec();
         assert_eq!(decode(&mut partial).unwrap(), None);
 

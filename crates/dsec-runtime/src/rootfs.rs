@@ -10,6 +10,7 @@
 //! top, with runc's masked and read-only paths, and `pivot_root` makes it `/`.
 
 use std::fs;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 
@@ -85,7 +86,11 @@ const NOSUID_NODEV_NOEXEC: MsFlags = MsFlags::MS_NOSUID
     .union(MsFlags::MS_NOEXEC);
 
 /// Builds the sandbox's root and pivots into it. Runs in init, in the new namespaces.
-pub fn setup(spec: &SandboxSpec) -> Result<(), RootfsError> {
+///
+/// Returns an `O_PATH` descriptor of the writable layer's upper directory: after the
+/// pivot nothing in the sandbox can name it, but the edge reaches it through
+/// `/proc/<init>/fd/<n>` to snapshot the sandbox.
+pub fn setup(spec: &SandboxSpec) -> Result<OwnedFd, RootfsError> {
     let root = Path::new("/");
     mount(
         None::<&str>,
@@ -109,6 +114,12 @@ pub fn setup(spec: &SandboxSpec) -> Result<(), RootfsError> {
     .step("mount writable layer on", &rw)?;
     let (upper, work) = (rw.join("upper"), rw.join("work"));
     fs::create_dir(&upper).step("mkdir", &upper)?;
+    let upper_fd = rustix::fs::open(
+        &upper,
+        rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .step("open", &upper)?;
     fs::create_dir(&work).step("mkdir", &work)?;
     let lower: Vec<String> = spec
         .layers
@@ -138,7 +149,8 @@ pub fn setup(spec: &SandboxSpec) -> Result<(), RootfsError> {
     for path in READONLY_PATHS {
         make_readonly(&rootfs.join(&path[1..]))?;
     }
-    pivot(&rootfs)
+    pivot(&rootfs)?;
+    Ok(upper_fd)
 }
 
 fn mount_proc_dev_sys(rootfs: &Path) -> Result<(), RootfsError> {

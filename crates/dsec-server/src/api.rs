@@ -25,8 +25,11 @@ use serde::Deserialize;
 use utoipa::OpenApi;
 
 use crate::backend::{Output, OutputStream};
-use crate::edge::Edge;
+use crate::edge::{Edge, Execution};
 use crate::error::ApiError;
+
+/// Files up to this size are read whole before the response starts.
+const READ_WHOLE_MAX_BYTES: u64 = 8 << 20;
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -88,8 +91,13 @@ pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
         .route("/sandboxes/{id}", get(get_sandbox).delete(delete_sandbox))
         .route("/sandboxes/{id}/exec", post(exec))
         .route("/sandboxes/{id}/exec/stream", post(exec_stream))
+        .route("/sandboxes/{id}/log", get(sandbox_log))
         .route("/sandboxes/{id}/files", get(read_file).put(write_file))
         .route("/sandboxes/{id}/files/list", get(list_files))
+        .route("/sandboxes/{id}/pause", post(pause_sandbox))
+        .route("/sandboxes/{id}/snapshot", post(snapshot_sandbox))
+        .route("/sandboxes/{id}/fork", post(fork_sandbox))
+        .route("/sandboxes/{id}/resume", post(resume_sandbox))
         .route("/images", post(import_image).get(list_images))
         .route("/images/{*name}", get(get_image).delete(delete_image))
         .fallback(|| async { ApiError::not_found("no such API route") });
@@ -204,6 +212,70 @@ async fn delete_sandbox(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause",
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorBody),
+              (status = 409, body = ErrorBody)))]
+async fn pause_sandbox(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    Ok(Json(state.edge.pause(&id).await?))
+}
+
+/// `POST /v1/sandboxes/{id}/snapshot`.
+#[derive(Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct SnapshotRequest {
+    /// Name of the new image; `<id>-snap-<random>` when omitted.
+    #[serde(default)]
+    name: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/fork`.
+#[derive(Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct ForkRequest {
+    /// How many children.
+    n: i64,
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshot", request_body = SnapshotRequest,
+    responses((status = 201, body = ImageInfo), (status = 404, body = ErrorBody),
+              (status = 409, body = ErrorBody)))]
+async fn snapshot_sandbox(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<SnapshotRequest>,
+) -> Result<(StatusCode, Json<ImageInfo>), ApiError> {
+    Ok((
+        StatusCode::CREATED,
+        Json(state.edge.snapshot(&id, req.name).await?),
+    ))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", request_body = ForkRequest,
+    responses((status = 201, body = [SandboxInfo]), (status = 400, body = ErrorBody),
+              (status = 404, body = ErrorBody)))]
+async fn fork_sandbox(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<ForkRequest>,
+) -> Result<(StatusCode, Json<Vec<SandboxInfo>>), ApiError> {
+    Ok((
+        StatusCode::CREATED,
+        Json(state.edge.fork(&id, req.n).await?),
+    ))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume",
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorBody)))]
+async fn resume_sandbox(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    Ok(Json(state.edge.resume(&id).await?))
+}
+
 /// Turns output chunks into UTF-8 text without splitting a character across chunks.
 #[derive(Default)]
 struct Utf8Decoder {
@@ -253,9 +325,15 @@ async fn exec(
     ApiJson(req): ApiJson<ExecRequest>,
 ) -> Result<Json<CommandResult>, ApiError> {
     let started = Instant::now();
-    let mut stream = state.edge.exec(&id, req).await?;
+    let Execution {
+        mut stream,
+        replayed,
+    } = state.edge.exec(&id, req).await?;
     let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
-    let mut result = CommandResult::default();
+    let mut result = CommandResult {
+        replayed,
+        ..Default::default()
+    };
     while let Some(event) = stream.next().await {
         match event? {
             Output::Stdout(d) => stdout.extend_from_slice(&d),
@@ -288,7 +366,7 @@ async fn exec_stream(
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("text/event-stream"));
-    let stream = state.edge.exec(&id, req).await?;
+    let Execution { stream, replayed } = state.edge.exec(&id, req).await?;
     let decoders = (Utf8Decoder::default(), Utf8Decoder::default());
     let events = futures::stream::unfold(
         (Some(stream), decoders),
@@ -314,6 +392,7 @@ async fn exec_stream(
                         truncated: exit.truncated,
                         oom_killed: exit.oom_killed,
                         duration_ms: exit.duration_ms,
+                        replayed: false,
                     });
                     return Some((tail, (None, dec)));
                 }
@@ -330,7 +409,10 @@ async fn exec_stream(
         },
     )
     .flat_map(futures::stream::iter)
-    .map(move |event| {
+    .map(move |mut event| {
+        if let StreamEvent::Exit { replayed: r, .. } = &mut event {
+            *r = replayed;
+        }
         let json = serde_json::to_string(&event).expect("events serialize");
         let line = if sse {
             format!("data: {json}\n\n")
@@ -352,6 +434,25 @@ async fn exec_stream(
         Body::from_stream(events),
     )
         .into_response())
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+struct LogQuery {
+    /// Only the steps of this trajectory.
+    trajectory_id: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/log", params(LogQuery),
+    responses((status = 200, description = "The sandbox and its recorded commands, in order",
+               body = dsec_trajectory::SandboxLog),
+              (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+async fn sandbox_log(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    query: Result<Query<LogQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<dsec_trajectory::SandboxLog>, ApiError> {
+    let Query(q) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
+    Ok(Json(state.edge.sandbox_log(&id, q.trajectory_id).await?))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -380,19 +481,27 @@ async fn read_file(
 ) -> Result<Response, ApiError> {
     let q = path_query(query)?;
     let file = state.edge.read_file(&id, &q.path).await?;
-    let len = file.metadata().map(|m| m.len()).ok();
-    let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::from_std(file));
-    let mut response = Response::new(Body::from_stream(stream));
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/octet-stream"),
-    );
-    if let Some(len) = len {
-        response
-            .headers_mut()
-            .insert(header::CONTENT_LENGTH, header::HeaderValue::from(len));
-    }
-    Ok(response)
+    // The sandbox may be rewriting the file as we read it, so the size it had at open is
+    // no promise: small files are read whole and sent with their real length, large ones
+    // streamed chunked (no Content-Length to break).
+    let small = file
+        .metadata()
+        .is_ok_and(|m| m.len() <= READ_WHOLE_MAX_BYTES);
+    let body = if small {
+        let data = tokio::task::spawn_blocking(move || {
+            let mut data = Vec::new();
+            std::io::Read::read_to_end(&mut &file, &mut data).map(|_| data)
+        })
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(|e| ApiError::internal(format!("reading {:?}: {e}", q.path)))?;
+        Body::from(data)
+    } else {
+        Body::from_stream(tokio_util::io::ReaderStream::new(
+            tokio::fs::File::from_std(file),
+        ))
+    };
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response())
 }
 
 #[utoipa::path(put, path = "/v1/sandboxes/{id}/files", params(PathQuery),
@@ -468,12 +577,17 @@ async fn delete_image(
     ),
     paths(
         healthz,
+        pause_sandbox,
+        resume_sandbox,
+        snapshot_sandbox,
+        fork_sandbox,
         create_sandbox,
         list_sandboxes,
         get_sandbox,
         delete_sandbox,
         exec,
         exec_stream,
+        sandbox_log,
         read_file,
         write_file,
         list_files,

@@ -51,6 +51,7 @@ const MIN_PIDS: u64 = 4;
 const MIN_MEMORY_MB: u64 = 8;
 const MAX_TTL_S: f64 = 30.0 * 86400.0;
 const MAX_OUTPUT_BYTES: u64 = 1 << 30;
+const MAX_FORKS: i64 = 256;
 const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 struct Entry {
@@ -65,6 +66,8 @@ struct Entry {
     busy: AtomicUsize,
     /// Where its next command goes in its trajectory.
     position: Position,
+    /// The request it was created from, for its forks.
+    request: CreateSandboxRequest,
     sandbox: Box<dyn Sandbox>,
 }
 
@@ -84,7 +87,7 @@ impl Entry {
     fn snapshot(&self) -> SandboxInfo {
         let mut info = self.info.clone();
         info.state = self.state();
-        if info.state == SandboxState::Running {
+        if matches!(info.state, SandboxState::Running | SandboxState::Paused) {
             info.usage = self.sandbox.usage();
         }
         info
@@ -251,11 +254,15 @@ impl Edge {
         Ok(entry)
     }
 
-    /// An entry that can take requests now.
-    fn live_entry(&self, id: &str) -> Result<Arc<Entry>, ApiError> {
+    /// An entry that can take requests now; a paused sandbox is resumed transparently.
+    async fn live_entry(&self, id: &str) -> Result<Arc<Entry>, ApiError> {
         let entry = self.entry(id)?;
         match entry.state() {
             SandboxState::Running => Ok(entry),
+            SandboxState::Paused => {
+                self.resume(id).await?;
+                Ok(entry)
+            }
             SandboxState::Failed => Err(ApiError::conflict(format!(
                 "sandbox {id:?} has failed (its init exited); stop it and create a new one"
             ))),
@@ -289,6 +296,7 @@ impl Edge {
 
     /// Creates a sandbox.
     pub async fn create(&self, req: CreateSandboxRequest) -> Result<SandboxInfo, ApiError> {
+        let request = req.clone();
         let backend = self.backends.get(&req.backend)?;
         let (cpus, memory_mb, pids, disk_mb) = self.validate(&req)?;
         let ttl_s = check_duration("ttl_s", req.ttl_s)?;
@@ -387,6 +395,7 @@ impl Edge {
             created: Instant::now(),
             last_active: Mutex::new(Instant::now()),
             busy: AtomicUsize::new(0),
+            request,
             sandbox,
         });
         self.sandboxes.write().expect("lock").insert(id, entry);
@@ -411,6 +420,91 @@ impl Edge {
         let mut infos: Vec<SandboxInfo> = entries.iter().map(|e| e.snapshot()).collect();
         infos.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
         infos
+    }
+
+    /// Freezes a running sandbox: it uses no CPU until resumed (explicitly, or by the next
+    /// request to it).
+    pub async fn pause(&self, id: &str) -> Result<SandboxInfo, ApiError> {
+        let entry = self.entry(id)?;
+        match entry.state() {
+            SandboxState::Paused => return Ok(entry.snapshot()),
+            SandboxState::Running => {}
+            other => {
+                return Err(ApiError::conflict(format!(
+                    "sandbox {id:?} is {} and cannot be paused",
+                    other.as_str()
+                )))
+            }
+        }
+        if entry.busy.load(Ordering::Acquire) > 0 {
+            return Err(ApiError::conflict(format!(
+                "sandbox {id:?} is running a command; pause it between commands"
+            )));
+        }
+        entry.sandbox.pause().await?;
+        entry.set_state(SandboxState::Paused);
+        Ok(entry.snapshot())
+    }
+
+    /// Thaws a paused sandbox; resuming a running one is harmless.
+    pub async fn resume(&self, id: &str) -> Result<SandboxInfo, ApiError> {
+        let entry = self.entry(id)?;
+        if entry.state() == SandboxState::Paused {
+            entry.sandbox.resume().await?;
+            entry.set_state(SandboxState::Running);
+        }
+        Ok(entry.snapshot())
+    }
+
+    /// Stores a sandbox's filesystem as image `name` (default `<id>-snap-<random>`). The
+    /// sandbox is frozen for the copy, a running command included: the image is one
+    /// consistent point in time, and only the writable layer is copied.
+    pub async fn snapshot(&self, id: &str, name: Option<String>) -> Result<ImageInfo, ApiError> {
+        let entry = self.entry(id)?;
+        let running = match entry.state() {
+            SandboxState::Running => true,
+            SandboxState::Paused => false,
+            other => {
+                return Err(ApiError::conflict(format!(
+                    "sandbox {id:?} is {} and cannot be snapshotted",
+                    other.as_str()
+                )))
+            }
+        };
+        let name = name.unwrap_or_else(|| format!("{id}-snap-{:08x}", rand::rng().random::<u32>()));
+        if running {
+            entry.sandbox.pause().await?;
+        }
+        let image = entry.sandbox.snapshot(&name).await;
+        if running {
+            entry.sandbox.resume().await?;
+        }
+        image
+    }
+
+    /// `n` new sandboxes from a sandbox's current filesystem, with its settings: the
+    /// parent is snapshotted once (image `<id>-fork-<random>`, listed with the others so
+    /// it can be deleted once the forks are done) and each child starts from it.
+    pub async fn fork(&self, id: &str, n: i64) -> Result<Vec<SandboxInfo>, ApiError> {
+        let n = check_range("n", n, 1, MAX_FORKS, "")? as usize;
+        let request = self.entry(id)?.request.clone();
+        let name = format!("{id}-fork-{:08x}", rand::rng().random::<u32>());
+        let image = self.snapshot(id, Some(name)).await?;
+        let child = CreateSandboxRequest {
+            image: image.name,
+            trajectory_id: None,
+            ..request
+        };
+        let created = futures::future::join_all((0..n).map(|_| self.create(child.clone()))).await;
+        let (ok, failed): (Vec<_>, Vec<_>) = created.into_iter().partition(Result::is_ok);
+        let children: Vec<SandboxInfo> = ok.into_iter().flatten().collect();
+        if let Some(Err(e)) = failed.into_iter().next() {
+            for c in &children {
+                let _ = self.stop(&c.id).await;
+            }
+            return Err(e);
+        }
+        Ok(children)
     }
 
     /// Stops and removes a sandbox.
@@ -441,7 +535,7 @@ impl Edge {
 
     /// Starts a command after writing its files.
     pub async fn exec(&self, id: &str, req: ExecRequest) -> Result<Execution, ApiError> {
-        let entry = self.live_entry(id)?;
+        let entry = self.live_entry(id).await?;
         let argv = match req.cmd {
             Command::Shell(s) if s.is_empty() => {
                 return Err(ApiError::invalid("cmd must not be empty"))
@@ -559,7 +653,7 @@ impl Edge {
 
     /// Opens a file of a sandbox for reading.
     pub async fn read_file(&self, id: &str, path: &str) -> Result<File, ApiError> {
-        self.live_entry(id)?.sandbox.read_file(path).await
+        self.live_entry(id).await?.sandbox.read_file(path).await
     }
 
     /// Writes a file into a sandbox.
@@ -571,7 +665,8 @@ impl Edge {
         mode: u32,
     ) -> Result<(), ApiError> {
         check_absolute("path", path)?;
-        self.live_entry(id)?
+        self.live_entry(id)
+            .await?
             .sandbox
             .write_file(path, data, mode & 0o7777)
             .await
@@ -579,7 +674,7 @@ impl Edge {
 
     /// Lists a directory of a sandbox.
     pub async fn list_files(&self, id: &str, path: &str) -> Result<Vec<FileInfo>, ApiError> {
-        self.live_entry(id)?.sandbox.list_files(path).await
+        self.live_entry(id).await?.sandbox.list_files(path).await
     }
 
     /// Stops sandboxes past their TTL or idle TTL, and marks failed those whose init died.
@@ -687,7 +782,8 @@ impl Drop for Busy {
     }
 }
 
-fn image_info(image: Image) -> ImageInfo {
+/// The API's view of a stored image.
+pub(crate) fn image_info(image: Image) -> ImageInfo {
     ImageInfo {
         name: image.name,
         id: image.id,

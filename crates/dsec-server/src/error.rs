@@ -7,6 +7,7 @@ use dsec_api::{ErrorBody, ErrorDetail, ErrorKind};
 use dsec_image::ImageError;
 use dsec_runtime::container::RuntimeError;
 use dsec_runtime::files::FileError;
+use dsec_trajectory::LogError;
 
 /// An error as the API reports it: a kind (the SDK's exception) and a message a user can
 /// act on.
@@ -101,6 +102,16 @@ impl From<FileError> for ApiError {
             FileError::NotFound(_) => ErrorKind::NotFound,
             FileError::Io { .. } => ErrorKind::Internal,
             _ => ErrorKind::InvalidArgument,
+        };
+        ApiError::new(kind, e.to_string())
+    }
+}
+
+impl From<LogError> for ApiError {
+    fn from(e: LogError) -> ApiError {
+        let kind = match &e {
+            LogError::TrajectoryTaken { .. } => ErrorKind::Conflict,
+            _ => ErrorKind::Internal,
         };
         ApiError::new(kind, e.to_string())
     }

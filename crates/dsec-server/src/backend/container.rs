@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use dsec_api::{FileInfo, Usage};
-use dsec_image::ImageStore;
+use dsec_api::{FileInfo, ImageInfo, Usage};
+use dsec_image::{Image, ImageStore};
 use dsec_runtime::cgroup::CgroupLimits;
 use dsec_runtime::container::{Container, ContainerRuntime, CreateOptions, ExecEvent, ExecHandle};
 use dsec_runtime::proto::ExecSpec;
@@ -43,7 +43,11 @@ impl Backend for ContainerBackend {
             .await
             .map_err(|e| ApiError::internal(format!("creating the container: {e}")))?;
         Ok(Created {
-            sandbox: Box::new(ContainerSandbox(Arc::new(container))),
+            sandbox: Box::new(ContainerSandbox {
+                container: Arc::new(container),
+                image: image.clone(),
+                images: self.images.clone(),
+            }),
             image: ImageDefaults {
                 env: image.config.env,
                 workdir: image.config.workdir,
@@ -53,7 +57,12 @@ impl Backend for ContainerBackend {
     }
 }
 
-struct ContainerSandbox(Arc<Container>);
+struct ContainerSandbox {
+    container: Arc<Container>,
+    /// The image it was created from: the base of its snapshots.
+    image: Image,
+    images: ImageStore,
+}
 
 /// The output of a command in a native container.
 pub(crate) struct ContainerOutput {
@@ -132,7 +141,7 @@ impl ContainerSandbox {
         &self,
         f: impl FnOnce(&Container) -> Result<T, ApiError> + Send + 'static,
     ) -> Result<T, ApiError> {
-        let c = Arc::clone(&self.0);
+        let c = Arc::clone(&self.container);
         tokio::task::spawn_blocking(move || f(&c))
             .await
             .map_err(|e| ApiError::internal(e.to_string()))?
@@ -142,7 +151,7 @@ impl ContainerSandbox {
 #[async_trait]
 impl Sandbox for ContainerSandbox {
     async fn exec(&self, cmd: CommandSpec) -> Result<Box<dyn OutputStream>, ApiError> {
-        Ok(Box::new(run(&self.0, cmd).await?))
+        Ok(Box::new(run(&self.container, cmd).await?))
     }
 
     async fn read_file(&self, path: &str) -> Result<File, ApiError> {
@@ -191,8 +200,16 @@ impl Sandbox for ContainerSandbox {
         .await
     }
 
+    async fn snapshot(&self, name: &str) -> Result<ImageInfo, ApiError> {
+        let image = self
+            .images
+            .commit_upper(&self.image, self.container.upper_dir(), name)
+            .await?;
+        Ok(crate::edge::image_info(image))
+    }
+
     fn usage(&self) -> Usage {
-        let u = self.0.cgroup().usage();
+        let u = self.container.cgroup().usage();
         Usage {
             memory_bytes: u.memory_bytes,
             pids: u.pids,
@@ -201,10 +218,10 @@ impl Sandbox for ContainerSandbox {
     }
 
     fn is_alive(&self) -> bool {
-        self.0.is_alive()
+        self.container.is_alive()
     }
 
     async fn stop(&self) {
-        self.0.stop().await;
+        self.container.stop().await;
     }
 }

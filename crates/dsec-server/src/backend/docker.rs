@@ -925,6 +925,7 @@ impl Sandbox for DockerSandbox {
             ),
             next_poll: tokio::time::Instant::from_std(started + EXIT_POLL),
             exited_at: None,
+            give_up_at: None,
             max_output: cmd.max_output_bytes,
             sent: [0, 0],
             truncated: false,
@@ -1168,14 +1169,118 @@ struct DockerOutput {
     deadline: tokio::time::Instant,
     next_poll: tokio::time::Instant,
     exited_at: Option<tokio::time::Instant>,
+    /// Set by a timeout: past it, the command is given up on even if it still runs (its
+    /// tree could not be killed from here).
+    give_up_at: Option<tokio::time::Instant>,
     max_output: u64,
     sent: [u64; 2],
     truncated: bool,
     timed_out: bool,
     done: bool,
+    /// `argv[0]` and the working directory, to report a command that could not start.
+    program: String,
+    cwd: String,
+    /// A first stdout chunk that looks like runc's "could not start" report, held until
+    /// the exit code says whether it was one.
+    held: Option<Vec<u8>>,
+    seen_output: bool,
+    queue: VecDeque<Result<Output, ApiError>>,
+}
+
+/// How runc reports, on the exec's stdout, a command it could not start.
+const RUNC_LAUNCH_FAILURE: &[u8] = b"OCI runtime exec failed";
+
+/// Why runc could not start a command, as the native backend reports it.
+#[derive(Debug, PartialEq)]
+enum LaunchFailure {
+    /// The working directory: an `InvalidArgument` error.
+    Cwd(String),
+    /// The program: a message on stderr and a shell's exit code.
+    Exec { code: i32, stderr: String },
+}
+
+/// Reads runc's report; `None` when it is not one dsec recognises.
+fn launch_failure(report: &[u8], program: &str, cwd: &str) -> Option<LaunchFailure> {
+    let text = String::from_utf8_lossy(report).to_lowercase();
+    let errno = if text.contains("no such file or directory")
+        || text.contains("executable file not found")
+    {
+        libc::ENOENT
+    } else if text.contains("permission denied") {
+        libc::EACCES
+    } else if text.contains("not a directory") {
+        libc::ENOTDIR
+    } else if text.contains("exec format error") {
+        libc::ENOEXEC
+    } else {
+        return None;
+    };
+    let err = std::io::Error::from_raw_os_error(errno);
+    if text.contains("chdir to cwd") {
+        return Some(LaunchFailure::Cwd(format!("working directory {cwd:?}: {err}")));
+    }
+    Some(LaunchFailure::Exec {
+        code: if errno == libc::ENOENT { 127 } else { 126 },
+        stderr: format!("dsec: cannot execute {program:?}: {err}\n"),
+    })
 }
 
 impl DockerOutput {
+    /// Queues a chunk of output, within its stream's bound.
+    fn push(&mut self, stream: usize, data: &[u8]) {
+        if let Some(chunk) = self.bound(stream, data) {
+            self.queue.push_back(Ok(if stream == 0 {
+                Output::Stdout(chunk)
+            } else {
+                Output::Stderr(chunk)
+            }));
+        }
+    }
+
+    /// Output as it arrives; a first chunk that may be runc's launch failure waits.
+    fn take_output(&mut self, stream: usize, data: &[u8]) {
+        if !self.seen_output && stream == 0 && data.starts_with(RUNC_LAUNCH_FAILURE) {
+            self.seen_output = true;
+            self.held = Some(data.to_vec());
+            return;
+        }
+        self.seen_output = true;
+        if let Some(held) = self.held.take() {
+            self.push(0, &held);
+        }
+        self.push(stream, data);
+    }
+
+    /// Queues the end: the exit, or what runc's launch failure means.
+    fn take_exit(&mut self, exit: Result<Output, ApiError>) {
+        let Some(held) = self.held.take() else {
+            self.queue.push_back(exit);
+            return;
+        };
+        if let Ok(Output::Exit(mut status)) = exit {
+            if matches!(status.exit_code, Some(126 | 127)) {
+                match launch_failure(&held, &self.program, &self.cwd) {
+                    Some(LaunchFailure::Cwd(message)) => {
+                        self.queue.push_back(Err(ApiError::invalid(message)));
+                        return;
+                    }
+                    Some(LaunchFailure::Exec { code, stderr }) => {
+                        self.push(1, stderr.as_bytes());
+                        status.exit_code = Some(code);
+                        self.queue.push_back(Ok(Output::Exit(status)));
+                        return;
+                    }
+                    None => {}
+                }
+            }
+            self.push(0, &held);
+            self.queue.push_back(Ok(Output::Exit(status)));
+            return;
+        }
+        self.push(0, &held);
+        self.queue.push_back(exit);
+    }
+
     /// Keeps what fits under the stream's bound; the rest is dropped and flagged.
     fn bound(&mut self, stream: usize, data: &[u8]) -> Option<Vec<u8>> {
         let room = self.max_output.saturating_sub(self.sent[stream]) as usize;
@@ -1189,13 +1294,13 @@ impl DockerOutput {
 
     async fn time_out(&mut self) {
         self.timed_out = true;
+        self.give_up_at = Some(tokio::time::Instant::now() + KILL_GRACE);
         self.inner.kill_exec(&self.exec_id).await;
     }
 
     /// The exit code, once the daemon reports the exec gone.
     async fn finish(&mut self) -> Result<Output, ApiError> {
         let mut wait = Duration::from_millis(2);
-        let mut given_up_at: Option<tokio::time::Instant> = None;
         let exit_code = loop {
             let info = self
                 .inner
@@ -1210,11 +1315,9 @@ impl DockerOutput {
             if !self.timed_out && now >= self.deadline {
                 self.time_out().await;
             }
-            if self.timed_out {
-                let since = *given_up_at.get_or_insert(now);
-                if now.duration_since(since) > KILL_GRACE {
-                    break None;
-                }
+            if self.give_up_at.is_some_and(|t| now >= t) {
+                tracing::warn!(exec = %self.exec_id, "a timed-out command is still running");
+                break None;
             }
             tokio::time::sleep(wait).await;
             wait = (wait * 2).min(EXIT_POLL);
@@ -1241,29 +1344,31 @@ impl DockerOutput {
 #[async_trait]
 impl OutputStream for DockerOutput {
     async fn next(&mut self) -> Option<Result<Output, ApiError>> {
-        if self.done {
-            return None;
-        }
         loop {
+            if let Some(event) = self.queue.pop_front() {
+                return Some(event);
+            }
+            if self.done {
+                return None;
+            }
             let Some(output) = self.output.as_mut() else {
                 let exit = self.finish().await;
                 self.done = true;
-                return Some(exit);
+                self.take_exit(exit);
+                continue;
             };
-            let drain_end = self.exited_at.map(|t| t + DRAIN);
+            // Output stops being read shortly after the exit, or when a timed-out command
+            // outlives its grace.
+            let stop_reading = match (self.exited_at, self.give_up_at) {
+                (Some(t), Some(g)) => Some((t + DRAIN).min(g)),
+                (Some(t), None) => Some(t + DRAIN),
+                (None, g) => g,
+            };
             tokio::select! {
                 biased;
                 item = output.next() => match item {
-                    Some(Ok(LogOutput::StdOut { message })) => {
-                        if let Some(chunk) = self.bound(0, &message) {
-                            return Some(Ok(Output::Stdout(chunk)));
-                        }
-                    }
-                    Some(Ok(LogOutput::StdErr { message })) => {
-                        if let Some(chunk) = self.bound(1, &message) {
-                            return Some(Ok(Output::Stderr(chunk)));
-                        }
-                    }
+                    Some(Ok(LogOutput::StdOut { message })) => self.take_output(0, &message),
+                    Some(Ok(LogOutput::StdErr { message })) => self.take_output(1, &message),
                     Some(Ok(_)) => {}
                     Some(Err(e)) => {
                         tracing::debug!(error = %e, "docker exec output ended with an error");
@@ -1282,7 +1387,7 @@ impl OutputStream for DockerOutput {
                         _ => self.next_poll = tokio::time::Instant::now() + EXIT_POLL,
                     }
                 }
-                _ = tokio::time::sleep_until(drain_end.unwrap_or(self.deadline)), if drain_end.is_some() => {
+                _ = tokio::time::sleep_until(stop_reading.unwrap_or(self.deadline)), if stop_reading.is_some() => {
                     self.output = None;
                 }
             }

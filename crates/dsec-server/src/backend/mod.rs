@@ -13,7 +13,7 @@ use std::fs::File;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use dsec_api::{FileInfo, Usage};
+use dsec_api::{FileInfo, ImageInfo, Usage};
 
 use crate::error::ApiError;
 
@@ -138,6 +138,14 @@ pub trait Sandbox: Send + Sync {
     async fn resume(&self) -> Result<(), ApiError> {
         Err(ApiError::unavailable(
             "this backend cannot resume sandboxes",
+        ))
+    }
+    /// Stores the sandbox's filesystem as a new image `name`. The edge freezes the
+    /// sandbox around the call, so the picture is consistent.
+    async fn snapshot(&self, name: &str) -> Result<ImageInfo, ApiError> {
+        let _ = name;
+        Err(ApiError::unavailable(
+            "this backend cannot snapshot sandboxes",
         ))
     }
     /// Resource usage now.

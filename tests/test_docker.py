@@ -1,0 +1,211 @@
+"""The docker backend: ownership of its containers, a daemon that is not there, hardening
+as Docker applies it, and `docker://` image import. The SDK conformance suite runs on it too
+(DSEC_TEST_BACKENDS=container,docker).
+
+Containers are found through Docker's labels: dsec marks its own with dsec.managed=true,
+dsec.id=<sandbox> and dsec.edge=<state-dir tag>.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import dsec
+import pytest
+from dsec_testlib import (
+    Server,
+    docker_containers,
+    docker_unavailable_reason,
+    wait_until,
+)
+
+_REASON = docker_unavailable_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"docker: {_REASON}")
+
+
+def containers_of(sandbox_id: str) -> list[str]:
+    return docker_containers(f"label=dsec.id={sandbox_id}")
+
+
+def inspect(container: str) -> dict:
+    r = subprocess.run(
+        ["docker", "inspect", container], capture_output=True, text=True, check=True
+    )
+    return json.loads(r.stdout)[0]
+
+
+def running(container: str) -> bool:
+    r = subprocess.run(
+        ["docker", "inspect", "-f", "{{.State.Running}}", container],
+        capture_output=True,
+        text=True,
+    )
+    return r.returncode == 0 and r.stdout.strip() == "true"
+
+
+@pytest.fixture
+def foreign(docker_image: str) -> Iterator[list[str]]:
+    """Two containers dsec did not create: one unlabelled, one labelled as another dsec
+    server's. Everything dsec does must leave both running."""
+    tag = uuid.uuid4().hex[:8]
+    names = [f"dsec-test-foreign-{tag}", f"dsec-test-other-edge-{tag}"]
+    labels = [[], ["--label", "dsec.managed=true", "--label", "dsec.edge=someone-else"]]
+    for name, extra in zip(names, labels):
+        subprocess.run(
+            ["docker", "run", "-d", "--name", name, "--network", "none", *extra]
+            + [docker_image, "sleep", "600"],
+            capture_output=True,
+            check=True,
+        )
+    yield names
+    for name in names:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+
+
+def test_container_is_labelled_limited_and_hardened(
+    client: dsec.Client, docker_image: str
+) -> None:
+    with client.create(
+        backend="docker", image=docker_image, cpus=0.5, memory_mb=96, pids=50
+    ) as sb:
+        (cid,) = containers_of(sb.id)
+        c = inspect(cid)
+        labels = c["Config"]["Labels"]
+        assert labels["dsec.managed"] == "true" and labels["dsec.id"] == sb.id
+        assert labels["dsec.edge"]
+        hc = c["HostConfig"]
+        assert hc["NetworkMode"] == "none"
+        assert hc["NanoCpus"] == 500_000_000
+        assert hc["Memory"] == 96 * 1024 * 1024
+        assert hc["MemorySwap"] == hc["Memory"]
+        assert hc["PidsLimit"] == 50
+        assert hc["CapDrop"] == ["ALL"]
+        assert "CAP_MKNOD" not in hc["CapAdd"]
+        assert "no-new-privileges" in hc["SecurityOpt"]
+        assert hc["Init"] is True
+        assert "/proc/kpagecgroup" in hc["MaskedPaths"]
+        assert c["Config"]["Hostname"] == sb.id
+        # the limits are the ones the sandbox reports
+        assert sb.info().limits.memory_mb == 96
+
+
+def test_stop_removes_the_container(client: dsec.Client, docker_image: str) -> None:
+    sb = client.create(backend="docker", image=docker_image)
+    sb.run("sleep 1000 > /dev/null 2>&1 &")
+    (cid,) = containers_of(sb.id)
+    assert running(cid)
+    sb.stop()
+    assert containers_of(sb.id) == []
+    sb.stop()  # harmless
+
+
+def test_ttl_removes_the_container(client: dsec.Client, docker_image: str) -> None:
+    sb = client.create(backend="docker", image=docker_image, ttl_s=1)
+    assert containers_of(sb.id)
+    assert wait_until(lambda: not containers_of(sb.id), 15, 0.25), (
+        "container still there 15 s after ttl_s=1"
+    )
+    with pytest.raises(dsec.NotFound):
+        sb.run("true")
+
+
+def test_usage_and_oom_come_from_the_container(
+    client: dsec.Client, docker_image: str
+) -> None:
+    with client.create(backend="docker", image=docker_image, memory_mb=64) as sb:
+        sb.run("sleep 30 > /dev/null 2>&1 &")
+        usage = sb.info().usage
+        assert usage.memory_bytes > 0 and usage.pids >= 2
+        r = sb.run("head -c 300m /dev/zero | tail", timeout=60)
+        assert (r.exit_code, r.oom_killed) == (137, True)
+        assert sb.run("echo alive").stdout == "alive\n"
+        assert sb.run("true").oom_killed is False
+
+
+@pytest.mark.timeout(180)
+def test_kill9_restart_removes_own_containers_only(
+    make_server: Callable[..., Server], docker_image: str, foreign: list[str]
+) -> None:
+    s = make_server()
+    with s.client() as c:
+        sbs = [c.create(backend="docker", image=docker_image) for _ in range(2)]
+        for sb in sbs:
+            sb.run("sleep 1000 > /dev/null 2>&1 &")
+        stopped = c.create(backend="docker", image=docker_image)
+        stopped.stop()
+        ttl = c.create(backend="docker", image=docker_image, ttl_s=1)
+        assert wait_until(lambda: not containers_of(ttl.id), 15, 0.25)
+    ids = [cid for sb in sbs for cid in containers_of(sb.id)]
+    assert len(ids) == 2
+    s.kill9()
+    assert all(running(cid) for cid in ids), "sanity: a SIGKILLed server stops nothing"
+    s.restart()
+    assert wait_until(lambda: not any(containers_of(sb.id) for sb in sbs), 20, 0.25), (
+        "the restarted server did not remove the containers of the killed one"
+    )
+    with s.client() as c, c.create(backend="docker", image=docker_image) as fresh:
+        assert fresh.run("echo new").stdout == "new\n"
+    s.stop()
+    assert containers_of(fresh.id) == []
+    for name in foreign:
+        assert running(name), f"dsec touched {name}, which it did not create"
+
+
+def test_graceful_shutdown_removes_containers(
+    make_server: Callable[..., Server], docker_image: str, foreign: list[str]
+) -> None:
+    s = make_server()
+    with s.client() as c:
+        sbs = [c.create(backend="docker", image=docker_image) for _ in range(2)]
+    assert all(containers_of(sb.id) for sb in sbs)
+    assert s.stop() == 0
+    assert not any(containers_of(sb.id) for sb in sbs)
+    for name in foreign:
+        assert running(name)
+
+
+def test_no_daemon_is_unavailable_and_the_rest_works(
+    make_server: Callable[..., Server],
+    monkeypatch: pytest.MonkeyPatch,
+    docker_image: str,
+) -> None:
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent-dsec-test.sock")
+    s = make_server()
+    monkeypatch.undo()
+    with s.client() as c:
+        t0 = time.monotonic()
+        with pytest.raises(dsec.Unavailable) as e:
+            c.create(backend="docker", image=docker_image)
+        assert time.monotonic() - t0 < 10
+        assert "nonexistent-dsec-test.sock" in str(e.value)
+        assert "docker" in str(e.value).lower()
+        with pytest.raises(dsec.Unavailable):
+            c.import_image("docker://" + docker_image, name="from-docker")
+        with c.create(backend="container", image="busybox") as sb:
+            assert sb.run("echo fine").stdout == "fine\n"
+
+
+def test_unknown_image_is_not_found(client: dsec.Client, docker_image: str) -> None:
+    with pytest.raises(dsec.NotFound) as e:
+        client.create(backend="docker", image="dsec-test/no-such-image:nope")
+    assert "dsec-test/no-such-image:nope" in str(e.value)
+
+
+def test_import_from_docker_runs_on_the_native_backend(
+    client: dsec.Client, docker_image: str
+) -> None:
+    name = "from-docker-" + uuid.uuid4().hex[:8]
+    img = client.import_image("docker://" + docker_image, name=name)
+    try:
+        assert img.name == name and img.size > 1_000_000
+        with client.create(backend="container", image=name) as sb:
+            assert sb.run("busybox echo same image").stdout == "same image\n"
+    finally:
+        client.delete_image(name)
+    with pytest.raises(dsec.InvalidArgument):
+        client.import_image("docker://dsec-test/no-such-image:nope")
+
