@@ -207,15 +207,11 @@ def prepare_rootfs(arg: str | None) -> Path:
             (d / "bin" / "true").exists() or (d / "bin" / "true").is_symlink()
         ):
             return d
-        log(
-            f"{script.name} failed ({r.returncode}): {r.stderr.strip()[-300:]}; building it here"
-        )
+        log(f"{script.name} failed ({r.returncode}): {r.stderr.strip()[-300:]}; building it here")
         remove_tree(d)
     busybox = shutil.which("busybox") or "/bin/busybox"
     if not os.path.exists(busybox):
-        sys.exit(
-            "busybox not found: apt-get install busybox-static (or run scripts/setup.sh)"
-        )
+        sys.exit("busybox not found: apt-get install busybox-static (or run scripts/setup.sh)")
     log("building the busybox rootfs (busybox --install -s)")
     for sub in [
         "bin",
@@ -429,18 +425,14 @@ def docker_available() -> bool:
         return False
 
 
-def bench_docker(
-    rootfs: Path, n: int, concurrencies: list[int]
-) -> dict[str, Any] | None:
+def bench_docker(rootfs: Path, n: int, concurrencies: list[int]) -> dict[str, Any] | None:
     if not docker_available():
         print("docker: no daemon", flush=True)
         log("docker: no daemon, skipped")
         return None
     image = f"{TAG}:latest"
     log(f"docker import {rootfs} -> {image}")
-    tar = subprocess.Popen(
-        ["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE
-    )
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
     r = subprocess.run(
         ["docker", "import", "-", image],
         stdin=tar.stdout,
@@ -522,17 +514,13 @@ class Dsec:
 
     def __init__(self, args: argparse.Namespace, rootfs: Path) -> None:
         if importlib.util.find_spec("dsec") is None:
-            sys.exit(
-                "the dsec Python SDK is not installed: python3 -m pip install -e python/"
-            )
+            sys.exit("the dsec Python SDK is not installed: python3 -m pip install -e python/")
         self.args = args
         self.rootfs = rootfs
         self.proc: subprocess.Popen | None = None
         self.url = os.environ.get("DSEC_URL") or self._start_server()
         self.image = f"{TAG}-busybox"
-        self.labels = {
-            "dsec-bench": TAG
-        }  # finds sandboxes whose create was interrupted
+        self.labels = {"dsec-bench": TAG}  # finds sandboxes whose create was interrupted
         self.live: set[str] = set()  # sandboxes created and not yet stopped
         self.live_lock = threading.Lock()
         self.client = self._client()
@@ -553,19 +541,13 @@ class Dsec:
 
     def _start_server(self) -> str:
         exe = (
-            Path(self.args.dsec_bin)
-            if self.args.dsec_bin
-            else REPO / "target" / "release" / "dsec"
+            Path(self.args.dsec_bin) if self.args.dsec_bin else REPO / "target" / "release" / "dsec"
         )
         if not exe.exists():
             debug = REPO / "target" / "debug" / "dsec"
             if self.args.dsec_bin or not debug.exists():
-                sys.exit(
-                    f"{exe} not found: cargo build --release (or set DSEC_URL / --dsec-bin)"
-                )
-            log(
-                "WARNING: no target/release/dsec, using the DEBUG build: not representative"
-            )
+                sys.exit(f"{exe} not found: cargo build --release (or set DSEC_URL / --dsec-bin)")
+            log("WARNING: no target/release/dsec, using the DEBUG build: not representative")
             exe = debug
         self.server_exe = exe
         state = make_tempdir("state")
@@ -597,9 +579,7 @@ class Dsec:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                sys.exit(
-                    f"dsec serve exited with {self.proc.returncode}:\n{self._log_tail()}"
-                )
+                sys.exit(f"dsec serve exited with {self.proc.returncode}:\n{self._log_tail()}")
             try:
                 with urllib.request.urlopen(f"{url}/healthz", timeout=1) as r:
                     if r.status == 200:
@@ -903,9 +883,7 @@ def bench_dsec_exec(d: Dsec, n: int) -> dict[str, Any]:
         d.untrack(sb.id)
 
 
-def bench_dsec_docker(
-    d: Dsec, rootfs: Path, n: int, exec_n: int
-) -> dict[str, Any] | None:
+def bench_dsec_docker(d: Dsec, rootfs: Path, n: int, exec_n: int) -> dict[str, Any] | None:
     """dsec's docker backend: create -> first exec -> stop, and exec round trips."""
     if not docker_available():
         log("dsec-docker: no daemon, skipped")
@@ -1090,9 +1068,7 @@ def bench_dsec_trajectory(d: Dsec, n: int) -> dict[str, Any]:
             s0, c0 = _metric_sum_count(d.url, "dsec_trajectory_append_seconds")
             cpu0 = (_cpu_ticks(pid), _cpu_ticks(pid, "dsec-trajectory")) if pid else None
             t0 = time.perf_counter()
-            threads = [
-                threading.Thread(target=client_loop, args=(b.id, per)) for b in boxes
-            ]
+            threads = [threading.Thread(target=client_loop, args=(b.id, per)) for b in boxes]
             for t in threads:
                 t.start()
             for t in threads:
@@ -1113,24 +1089,29 @@ def bench_dsec_trajectory(d: Dsec, n: int) -> dict[str, Any]:
 
         # Fast-forward: a reconnected client re-issues 1,000 recorded steps.
         ff = d.client.create(
-            image=d.image, labels=d.labels, trajectory_id=f"{TAG}-ff-{uuid.uuid4().hex[:8]}"
+            image=d.image,
+            labels=d.labels,
+            trajectory_id=f"{TAG}-ff-{uuid.uuid4().hex[:8]}",
         )
         d.track(ff.id)
         try:
             bodies = [
-                json.dumps({"cmd": ["/bin/echo", str(i)], "step": i}).encode()
-                for i in range(1000)
+                json.dumps({"cmd": ["/bin/echo", str(i)], "step": i}).encode() for i in range(1000)
             ]
             log("trajectory: recording 1,000 steps")
             for b in bodies:
                 _raw_exec(conn, ff.id, b)
             log("trajectory: fast-forwarding 1,000 steps")
+            h0, _ = _metric_sum_count(d.url, "dsec_exec_seconds")
             t0 = time.perf_counter()
             for i, b in enumerate(bodies):
                 r = _raw_exec(conn, ff.id, b)
                 if not r["replayed"] or r["stdout"] != f"{i}\n":
                     raise RuntimeError(f"step {i} was not replayed: {r}")
             res["replay_1000_s"] = time.perf_counter() - t0
+            # The server's own time in the exec handler (the rest is HTTP and the client).
+            h1, _ = _metric_sum_count(d.url, "dsec_exec_seconds")
+            res["replay_1000_server_s"] = h1 - h0
             again = d.client.get(ff.id)
             t0 = time.perf_counter()
             for i in range(1000):
@@ -1217,12 +1198,8 @@ def bench_dsec_idle(d: Dsec, count: int) -> dict[str, Any]:
         "failed": len(errors),
         "create_s": create_s,
         "mib_per_sandbox": (before - after) / len(ids) / 1024,
-        "cgroup_usage_mib_per_sandbox": usage_sum / len(ids) / 2**20
-        if usage_sum
-        else None,
-        "server_rss_mib_per_sandbox": (rss1 - rss0) / len(ids) / 1024
-        if rss0 and rss1
-        else None,
+        "cgroup_usage_mib_per_sandbox": usage_sum / len(ids) / 2**20 if usage_sum else None,
+        "server_rss_mib_per_sandbox": (rss1 - rss0) / len(ids) / 1024 if rss0 and rss1 else None,
     }
     log(f"dsec: stopping {len(ids)} idle sandboxes")
 
@@ -1310,17 +1287,13 @@ def rounded(x: Any) -> Any:
     return x
 
 
-def report(
-    res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: list[str]
-) -> str:
+def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: list[str]) -> str:
     out = []
     git = (
         run_cmd(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]).stdout.strip()
         or "uncommitted"
     )
-    out.append(
-        f"### dsec bench — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} ({git})"
-    )
+    out.append(f"### dsec bench — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} ({git})")
     out.append("")
     out.append(
         f"Host: {host_description()}. Rootfs: busybox. n={args.n} sequential; "
@@ -1491,6 +1464,9 @@ def report(
             t["replay_1000_s"],
             f"≤ {TARGET_REPLAY_1000_S:g} s {ok}",
         )
+        drow(
+            "  … of which in the server's exec handler, s ⁷", t["replay_1000_server_s"]
+        )
         drow("fast-forward of 1,000 recorded steps, s (SDK) ⁷", t["replay_1000_sdk_s"])
     if "idle" in res:
         i = res["idle"]
@@ -1515,9 +1491,7 @@ def report(
         "`/bin/true` (create, start, exit, delete): more work, so there the ratio flatters "
         "dsec; the lifecycle rows compare equal work.  "
     )
-    out.append(
-        "² dsec: create → exec → stop, the same work as one runc/docker/floor run.  "
-    )
+    out.append("² dsec: create → exec → stop, the same work as one runc/docker/floor run.  ")
     out.append(
         "³ create → exec `/bin/true` → stop cycles completed per second with c in flight "
         "(dsec: AsyncClient; runc/docker: c parallel command lines; floor: c worker "
@@ -1588,25 +1562,17 @@ def main() -> int:
         default=200,
         help="sequential runs per measurement (default 200)",
     )
-    ap.add_argument(
-        "--concurrency", default="16,32", help="concurrency levels (default 16,32)"
-    )
-    ap.add_argument(
-        "--exec-n", type=int, default=500, help="exec round trips (default 500)"
-    )
-    ap.add_argument(
-        "--idle-n", type=int, default=500, help="idle sandboxes (default 500)"
-    )
+    ap.add_argument("--concurrency", default="16,32", help="concurrency levels (default 16,32)")
+    ap.add_argument("--exec-n", type=int, default=500, help="exec round trips (default 500)")
+    ap.add_argument("--idle-n", type=int, default=500, help="idle sandboxes (default 500)")
     ap.add_argument("--rootfs", help="use this busybox rootfs instead of building one")
     ap.add_argument(
         "--trajectory-sync",
         choices=["full", "normal"],
-        default="full",
+        default="normal",
         help="the server's trajectory log fsync policy (dsec serve --trajectory-sync)",
     )
-    ap.add_argument(
-        "--dsec-bin", help="dsec binary to start (default target/release/dsec)"
-    )
+    ap.add_argument("--dsec-bin", help="dsec binary to start (default target/release/dsec)")
     ap.add_argument(
         "--json",
         action="store_true",
@@ -1633,17 +1599,19 @@ def main() -> int:
             p
             for p in parts
             if p
-            in ("create", "loadgen", "fncall", "dsec-docker", "exec", "trajectory", "idle")
+            in (
+                "create",
+                "loadgen",
+                "fncall",
+                "dsec-docker",
+                "exec",
+                "trajectory",
+                "idle",
+            )
         ]
         d = Dsec(args, rootfs) if dsec_parts else None
-        if (
-            d is not None
-            and getattr(d, "server_exe", None)
-            and "debug" in str(d.server_exe)
-        ):
-            notes.append(
-                "dsec ran from the DEBUG build (target/debug/dsec): not representative."
-            )
+        if d is not None and getattr(d, "server_exe", None) and "debug" in str(d.server_exe):
+            notes.append("dsec ran from the DEBUG build (target/debug/dsec): not representative.")
         steps: list[tuple[str, Callable[[], Any]]] = [
             ("floor", lambda: bench_floor(rootfs, args.n, cs)),
             ("runc", lambda: bench_runc(rootfs, args.n, cs)),

@@ -278,6 +278,7 @@ def create_call(
     network: Network,
     labels: Labels | None,
     trajectory_id: str | None,
+    ca_bundle: bool | None = None,
 ) -> Call[SandboxInfo]:
     body = _drop_none(
         {
@@ -292,6 +293,7 @@ def create_call(
             "env": dict(env) if env is not None else None,
             "workdir": workdir,
             "network": _network(network),
+            "ca_bundle": ca_bundle,
             "labels": dict(labels) if labels is not None else None,
             "trajectory_id": trajectory_id,
         }

@@ -102,6 +102,7 @@ class AsyncClient:
         network: Network = False,
         labels: Labels | None = None,
         trajectory_id: str | None = None,
+        ca_bundle: bool | None = None,
     ) -> PendingSandbox:
         """Create a sandbox: ``sb = await client.create(...)``, or
         ``async with client.create(...) as sb:`` to stop it on exit."""
@@ -119,6 +120,7 @@ class AsyncClient:
             network=network,
             labels=labels,
             trajectory_id=trajectory_id,
+            ca_bundle=ca_bundle,
         )
         return PendingSandbox(self._create(call))
 

@@ -80,6 +80,7 @@ class Client:
         network: Network = False,
         labels: Labels | None = None,
         trajectory_id: str | None = None,
+        ca_bundle: bool | None = None,
     ) -> Sandbox:
         """Create a sandbox. ``with client.create(...) as sb:`` stops it on exit."""
         info = self._do(
@@ -97,6 +98,7 @@ class Client:
                 network=network,
                 labels=labels,
                 trajectory_id=trajectory_id,
+                ca_bundle=ca_bundle,
             )
         )
         return Sandbox(self, info)

@@ -80,12 +80,24 @@ pub struct CreateSandboxRequest {
     /// Egress policy.
     #[serde(default)]
     pub network: Network,
+    /// Copy the host's CA bundle into the sandbox (`/etc/ssl/certs/ca-certificates.crt`);
+    /// `None` means yes when the sandbox has a network.
+    #[serde(default)]
+    pub ca_bundle: Option<bool>,
     /// Free-form labels, filterable in `GET /v1/sandboxes`.
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
     /// Opt in to the trajectory log's fast-forward replay.
     #[serde(default)]
     pub trajectory_id: Option<String>,
+}
+
+/// `PUT /v1/sandboxes/{id}/network`.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetNetworkRequest {
+    /// The new egress policy.
+    pub network: Network,
 }
 
 fn default_backend() -> String {

@@ -5,7 +5,7 @@
 //! channel, whose reader task routes output frames to the exec that asked for them.
 
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -89,6 +89,8 @@ pub struct CreateOptions {
     pub limits: CgroupLimits,
     /// Size of the writable layer.
     pub disk_bytes: u64,
+    /// A fncall worker (see [`SandboxSpec::worker`]).
+    pub worker: bool,
 }
 
 /// Creates containers on this host.
@@ -114,11 +116,13 @@ type Routes = Arc<Mutex<HashMap<u32, mpsc::UnboundedSender<Result<ExecEvent, Run
 /// A running native container.
 pub struct Container {
     id: String,
+    pid: i32,
     pidfd: OwnedFd,
     cgroup: SandboxCgroup,
     dir: PathBuf,
     root: SandboxRoot,
     upper: PathBuf,
+    worker: bool,
     writer: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
     routes: Routes,
     next_exec: AtomicU32,
@@ -140,6 +144,7 @@ impl ContainerRuntime {
     pub async fn create(self: &Arc<Self>, opts: CreateOptions) -> Result<Container, RuntimeError> {
         let this = Arc::clone(self);
         let id = opts.id.clone();
+        let worker = opts.worker;
         let (pid, channel, cgroup, dir) =
             tokio::task::spawn_blocking(move || this.create_blocking(&opts))
                 .await
@@ -168,11 +173,13 @@ impl ContainerRuntime {
         tokio::spawn(read_frames(reader, Arc::clone(&routes), alive_tx));
         Ok(Container {
             id,
+            pid,
             pidfd,
             cgroup,
             dir,
             root: SandboxRoot::of_pid(pid),
             upper: PathBuf::from(format!("/proc/{pid}/fd/{upper_fd}")),
+            worker,
             writer: Arc::new(tokio::sync::Mutex::new(writer)),
             routes,
             next_exec: AtomicU32::new(1),
@@ -210,6 +217,7 @@ impl ContainerRuntime {
                 layers: opts.layers.clone(),
                 disk_bytes: opts.disk_bytes,
                 cgroup_dirs: cgroup.dirs().to_vec(),
+                worker: opts.worker,
             };
             Ok(self.zygote.create(&spec)?)
         })();
@@ -412,6 +420,27 @@ impl Container {
         &self.id
     }
 
+    /// The sandbox's network namespace, opened through init (networking plugs a veth
+    /// into it). Checked against the pidfd afterwards, so a recycled pid is never used.
+    pub fn open_netns(&self) -> Result<OwnedFd, RuntimeError> {
+        let path = PathBuf::from(format!("/proc/{}/ns/net", self.pid));
+        let fd = std::fs::File::open(&path).map_err(io_err("open", &path))?;
+        // SAFETY: signal 0 through a pidfd we own only probes that the process exists.
+        let probe = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.pidfd.as_raw_fd(),
+                0,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        if probe != 0 {
+            return Err(RuntimeError::Gone);
+        }
+        Ok(fd.into())
+    }
+
     /// Whether init is still there.
     pub fn is_alive(&self) -> bool {
         *self.alive.borrow()
@@ -420,6 +449,11 @@ impl Container {
     /// Confined file access.
     pub fn root(&self) -> &SandboxRoot {
         &self.root
+    }
+
+    /// Whether this is a fncall worker (each command in a root of its own).
+    pub fn is_worker(&self) -> bool {
+        self.worker
     }
 
     /// The writable layer's upper directory (overlayfs format: whiteouts are 0:0 character
@@ -434,8 +468,13 @@ impl Container {
         &self.cgroup
     }
 
-    /// Starts a command.
-    pub async fn exec(&self, spec: &ExecSpec, stdin: &[u8]) -> Result<ExecHandle, RuntimeError> {
+    /// Starts a command; `files` are the contents of `spec.files`.
+    pub async fn exec(
+        &self,
+        spec: &ExecSpec,
+        stdin: &[u8],
+        files: &[&[u8]],
+    ) -> Result<ExecHandle, RuntimeError> {
         if !self.is_alive() {
             return Err(RuntimeError::Gone);
         }
@@ -443,7 +482,7 @@ impl Container {
         let (tx, rx) = mpsc::unbounded_channel();
         self.routes.lock().expect("routes lock").insert(id, tx);
         let mut frame = Vec::new();
-        proto::encode_exec(&mut frame, id, spec, stdin);
+        proto::encode_exec(&mut frame, id, spec, stdin, files);
         let sent = self.writer.lock().await.write_all(&frame).await;
         if sent.is_err() {
             self.routes.lock().expect("routes lock").remove(&id);

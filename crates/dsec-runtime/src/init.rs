@@ -73,6 +73,9 @@ pub fn run(spec: &SandboxSpec, control: OwnedFd, seccomp: &SeccompProfile) -> ! 
 struct Prepared {
     /// Held for the edge's snapshots; see [`crate::rootfs::setup`].
     upper: OwnedFd,
+    /// For a fncall worker: how each command confines itself (init stays privileged to
+    /// build each call's namespaces).
+    calls: Option<CallSetup>,
     signals: SignalFd,
     devnull: OwnedFd,
 }
@@ -106,14 +109,15 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
     }
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWCGROUP)
         .map_err(|e| setup_error("unshare cgroup namespace", e, Some(e as i32)))?;
-    let upper = crate::rootfs::setup(spec).map_err(|e| setup_error("rootfs", &e, None))?;
-    crate::rootfs::set_hostname(&spec.id).map_err(|e| io("sethostname", e))?;
-    crate::rootfs::loopback_up().map_err(|e| io("loopback", e))?;
+    // Opened before the pivot: a fncall worker's root has no /dev of its own.
     let devnull = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open("/dev/null")
         .map_err(|e| io("open /dev/null", e))?;
+    let upper = crate::rootfs::setup(spec).map_err(|e| setup_error("rootfs", &e, None))?;
+    crate::rootfs::set_hostname(&spec.id).map_err(|e| io("sethostname", e))?;
+    crate::rootfs::loopback_up().map_err(|e| io("loopback", e))?;
     for fd in 0..3 {
         // SAFETY: dup2 onto the standard descriptors, which init owns.
         unsafe { libc::dup2(devnull.as_raw_fd(), fd) };
@@ -126,15 +130,25 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
         .map_err(|e| setup_error("block SIGCHLD", e, Some(e as i32)))?;
     let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
         .map_err(|e| setup_error("signalfd", e, Some(e as i32)))?;
-    // Confine init itself: every command is a fork of it and inherits the reduced
-    // capability sets, no_new_privs and the seccomp filter, so none of that costs anything
-    // per command. init needs nothing beyond them once the sandbox is built.
-    crate::caps::drop_to_default().map_err(|e| setup_error("drop capabilities", e, None))?;
-    seccomp
-        .apply()
-        .map_err(|e| setup_error("install seccomp filter", e, None))?;
+    let calls = if spec.worker {
+        Some(CallSetup {
+            layer_count: spec.layers.len(),
+            disk_bytes: spec.disk_bytes,
+            seccomp: seccomp.clone(),
+        })
+    } else {
+        // Confine init itself: every command is a fork of it and inherits the reduced
+        // capability sets, no_new_privs and the seccomp filter, so none of that costs
+        // anything per command. init needs nothing beyond them once the sandbox is built.
+        crate::caps::drop_to_default().map_err(|e| setup_error("drop capabilities", e, None))?;
+        seccomp
+            .apply()
+            .map_err(|e| setup_error("install seccomp filter", e, None))?;
+        None
+    };
     Ok(Prepared {
         upper,
+        calls,
         signals,
         devnull: devnull.into(),
     })
@@ -346,15 +360,16 @@ impl Init {
     fn handle(&mut self, frame: Frame) {
         match frame.kind {
             FrameKind::Exec => match proto::decode_exec(&frame) {
-                Ok((spec, stdin)) => {
+                Ok((spec, stdin, files)) => {
                     let stdin = stdin.to_vec();
-                    self.start(frame.exec_id, spec, stdin);
+                    let files = files.iter().map(|f| f.to_vec()).collect();
+                    self.start(frame.exec_id, spec, stdin, files);
                 }
                 Err(e) => self.send_error(frame.exec_id, "decode", None, e.to_string()),
             },
             FrameKind::Kill => {
                 if let Some(ex) = self.execs.get(&frame.exec_id) {
-                    kill_tree(ex.pid);
+                    kill_command(ex.pid, self.prepared.calls.is_some());
                 }
             }
             _ => {}
@@ -374,8 +389,8 @@ impl Init {
         );
     }
 
-    fn start(&mut self, id: u32, spec: ExecSpec, stdin: Vec<u8>) {
-        match self.spawn(id, &spec, stdin) {
+    fn start(&mut self, id: u32, spec: ExecSpec, stdin: Vec<u8>, files: Vec<Vec<u8>>) {
+        match self.spawn(id, &spec, stdin, files) {
             Ok(()) => {}
             Err(Spawn::Setup(stage, errno, message)) => self.send_error(id, stage, errno, message),
             Err(Spawn::Exec(errno)) => {
@@ -399,8 +414,14 @@ impl Init {
         }
     }
 
-    fn spawn(&mut self, id: u32, spec: &ExecSpec, stdin: Vec<u8>) -> Result<(), Spawn> {
-        let launch = Launch::new(spec).map_err(|m| Spawn::Setup("spec", None, m))?;
+    fn spawn(
+        &mut self,
+        id: u32,
+        spec: &ExecSpec,
+        stdin: Vec<u8>,
+        files: Vec<Vec<u8>>,
+    ) -> Result<(), Spawn> {
+        let launch = Launch::new(spec, files).map_err(|m| Spawn::Setup("spec", None, m))?;
         let errno = |stage: &'static str| {
             move |e: std::io::Error| Spawn::Setup(stage, e.raw_os_error(), e.to_string())
         };
@@ -416,8 +437,24 @@ impl Init {
             .as_ref()
             .map_or(self.prepared.devnull.as_raw_fd(), |(r, _)| r.as_raw_fd());
         let started = Instant::now();
-        // SAFETY: init is single-threaded, so the child may run arbitrary code.
-        let pid = unsafe { libc::fork() };
+        // A fncall worker's command gets mount, pid and IPC namespaces of its own, so it
+        // is PID 1 there and everything it leaves behind dies with it.
+        let flags = match self.prepared.calls {
+            Some(_) => libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC,
+            None => 0,
+        };
+        // SAFETY: clone(2) without CLONE_VM and with a null stack behaves like fork(2); init
+        // is single-threaded, so the child may run arbitrary code.
+        let pid = unsafe {
+            libc::syscall(
+                libc::SYS_clone,
+                (flags | libc::SIGCHLD) as libc::c_ulong,
+                std::ptr::null_mut::<libc::c_void>(),
+                std::ptr::null_mut::<libc::c_int>(),
+                std::ptr::null_mut::<libc::c_int>(),
+                0 as libc::c_ulong,
+            )
+        } as i32;
         if pid < 0 {
             return Err(errno("fork")(std::io::Error::last_os_error()));
         }
@@ -428,7 +465,7 @@ impl Init {
                 stderr: err_w.as_raw_fd(),
                 report: report_w.as_raw_fd(),
             };
-            launch.exec_child(&fds);
+            launch.exec_child(&fds, self.prepared.calls.as_ref());
         }
         drop((out_w, err_w, report_w));
         let stdin_w = stdin_pipe.map(|(r, w)| {
@@ -599,7 +636,7 @@ impl Init {
             if ex.deadline.is_some_and(|d| d <= now) {
                 ex.deadline = None;
                 ex.timed_out = true;
-                kill_tree(ex.pid);
+                kill_command(ex.pid, self.prepared.calls.is_some());
             }
         }
     }
@@ -638,6 +675,17 @@ fn forward(outbuf: &mut Vec<u8>, id: u32, ex: &mut Exec, stream: usize, data: &[
         };
         proto::encode(outbuf, kind, id, &data[..n]);
         ex.sent[stream] += n as u64;
+    }
+}
+
+/// Kills a command and everything it started. A fncall call is PID 1 of its own pid
+/// namespace: killing it makes the kernel kill the rest.
+fn kill_command(pid: i32, own_pid_namespace: bool) {
+    if own_pid_namespace {
+        // SAFETY: kill(2) with integer arguments, on the command's own process.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    } else {
+        kill_tree(pid);
     }
 }
 
@@ -723,12 +771,18 @@ enum ChildStage {
     Stdio = 2,
     Chdir = 3,
     Exec = 4,
+    CallRoot = 5,
+    Confine = 6,
+    Files = 7,
 }
 
 impl ChildStage {
     fn from_u32(v: u32) -> ChildStage {
         match v {
             1 => ChildStage::Subreaper,
+            5 => ChildStage::CallRoot,
+            6 => ChildStage::Confine,
+            7 => ChildStage::Files,
             2 => ChildStage::Stdio,
             3 => ChildStage::Chdir,
             _ => ChildStage::Exec,
@@ -738,11 +792,32 @@ impl ChildStage {
     fn name(self) -> &'static str {
         match self {
             ChildStage::Subreaper => "become subreaper",
+            ChildStage::CallRoot => "build the call\'s root",
+            ChildStage::Confine => "drop privileges",
+            ChildStage::Files => "write the command\'s files",
             ChildStage::Stdio => "set up stdio",
             ChildStage::Chdir => "chdir",
             ChildStage::Exec => "exec",
         }
     }
+}
+
+/// Writes a file (parents created) in the command's own root.
+fn write_file(path: &str, mode: u32, data: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::path::Path::new(path);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::write(path, data)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode & 0o7777))
+}
+
+/// How a fncall worker's commands are set up (see [`crate::spec::SandboxSpec::worker`]).
+struct CallSetup {
+    layer_count: usize,
+    disk_bytes: u64,
+    seccomp: SeccompProfile,
 }
 
 struct ChildFds {
@@ -759,6 +834,8 @@ struct Launch {
     env: Vec<CString>,
     candidates: Vec<CString>,
     cwd: CString,
+    /// Files to write in the command's root first: (path, mode, contents).
+    files: Vec<(String, u32, Vec<u8>)>,
 }
 
 fn cstring(s: &str, what: &str) -> Result<CString, String> {
@@ -766,7 +843,7 @@ fn cstring(s: &str, what: &str) -> Result<CString, String> {
 }
 
 impl Launch {
-    fn new(spec: &ExecSpec) -> Result<Launch, String> {
+    fn new(spec: &ExecSpec, contents: Vec<Vec<u8>>) -> Result<Launch, String> {
         let argv = spec
             .argv
             .iter()
@@ -796,13 +873,19 @@ impl Launch {
             env,
             candidates,
             cwd: cstring(&spec.cwd, "working directory")?,
+            files: spec
+                .files
+                .iter()
+                .zip(contents)
+                .map(|(f, data)| (f.path.clone(), f.mode, data))
+                .collect(),
         })
     }
 
     /// Runs in the forked child: becomes a subreaper, wires stdio, enters the working
     /// directory and execs; capabilities, no_new_privs and seccomp are inherited from
     /// init. Reports a failing step through the report pipe and exits.
-    fn exec_child(&self, fds: &ChildFds) -> ! {
+    fn exec_child(&self, fds: &ChildFds, call: Option<&CallSetup>) -> ! {
         let fail = |stage: ChildStage, errno: i32| -> ! {
             let mut msg = [0u8; 8];
             msg[..4].copy_from_slice(&(stage as u32).to_le_bytes());
@@ -823,11 +906,25 @@ impl Launch {
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
         // SAFETY: setsid(2) has no arguments.
         unsafe { libc::setsid() };
-        // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) takes integer arguments only.
-        if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } < 0 {
-            fail(ChildStage::Subreaper, last_errno());
+        match call {
+            Some(call) => {
+                if let Err(e) = crate::rootfs::setup_call(call.layer_count, call.disk_bytes) {
+                    fail(ChildStage::CallRoot, e.errno());
+                }
+            }
+            // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) takes integer arguments only.
+            None if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } < 0 => {
+                fail(ChildStage::Subreaper, last_errno());
+            }
+            None => {}
         }
+        // init is exempt from the OOM killer; its commands must not be.
         let _ = std::fs::write("/proc/self/oom_score_adj", "0");
+        for (path, mode, data) in &self.files {
+            if let Err(e) = write_file(path, *mode, data) {
+                fail(ChildStage::Files, e.raw_os_error().unwrap_or(libc::EIO));
+            }
+        }
         for (from, to) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
             // SAFETY: dup2 between descriptors this process owns.
             if unsafe { libc::dup2(from, to) } < 0 {
@@ -837,6 +934,14 @@ impl Launch {
         // SAFETY: cwd is a valid NUL-terminated string.
         if unsafe { libc::chdir(self.cwd.as_ptr()) } < 0 {
             fail(ChildStage::Chdir, last_errno());
+        }
+        if let Some(call) = call {
+            if crate::caps::drop_to_default().is_err() {
+                fail(ChildStage::Confine, libc::EPERM);
+            }
+            if call.seccomp.apply().is_err() {
+                fail(ChildStage::Confine, last_errno());
+            }
         }
         let mut argv: Vec<*const libc::c_char> = self.argv.iter().map(|a| a.as_ptr()).collect();
         argv.push(std::ptr::null());

@@ -155,6 +155,22 @@ pub struct ExecSpec {
     pub timeout_ms: Option<u64>,
     /// Bound on each output stream.
     pub max_output_bytes: u64,
+    /// Files init writes in the command's root right before it starts (fncall workers,
+    /// whose commands each get a root of their own); their contents follow stdin in the
+    /// frame, in order.
+    #[serde(default)]
+    pub files: Vec<ExecFile>,
+}
+
+/// A file carried in an [`FrameKind::Exec`] frame.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecFile {
+    /// Absolute path in the command's root.
+    pub path: String,
+    /// Permission bits.
+    pub mode: u32,
+    /// Bytes of content in the frame.
+    pub len: u64,
 }
 
 /// How a command ended.
@@ -183,18 +199,29 @@ pub struct InitError {
     pub message: String,
 }
 
-/// Builds the payload of an [`FrameKind::Exec`] frame.
-pub fn encode_exec(out: &mut Vec<u8>, exec_id: u32, spec: &ExecSpec, stdin: &[u8]) {
+/// Builds the payload of an [`FrameKind::Exec`] frame: the spec, stdin, then the
+/// contents of `spec.files` in order.
+pub fn encode_exec(
+    out: &mut Vec<u8>,
+    exec_id: u32,
+    spec: &ExecSpec,
+    stdin: &[u8],
+    files: &[&[u8]],
+) {
     let json = serde_json::to_vec(spec).expect("protocol types serialize");
-    let mut payload = Vec::with_capacity(4 + json.len() + stdin.len());
+    let data: usize = files.iter().map(|f| f.len()).sum();
+    let mut payload = Vec::with_capacity(4 + json.len() + stdin.len() + data);
     payload.extend_from_slice(&(json.len() as u32).to_le_bytes());
     payload.extend_from_slice(&json);
     payload.extend_from_slice(stdin);
+    for f in files {
+        payload.extend_from_slice(f);
+    }
     encode(out, FrameKind::Exec, exec_id, &payload);
 }
 
-/// Splits an [`FrameKind::Exec`] payload into the spec and stdin.
-pub fn decode_exec(frame: &Frame) -> Result<(ExecSpec, &[u8]), ProtoError> {
+/// Splits an [`FrameKind::Exec`] payload into the spec, stdin and the files' contents.
+pub fn decode_exec(frame: &Frame) -> Result<(ExecSpec, &[u8], Vec<&[u8]>), ProtoError> {
     let bad = |reason: &str| ProtoError::Payload {
         kind: FrameKind::Exec,
         reason: reason.to_owned(),
@@ -205,8 +232,20 @@ pub fn decode_exec(frame: &Frame) -> Result<(ExecSpec, &[u8]), ProtoError> {
     }
     let n = u32::from_le_bytes(p[0..4].try_into().expect("4 bytes")) as usize;
     let json = p.get(4..4 + n).ok_or_else(|| bad("spec past the end"))?;
-    let spec = serde_json::from_slice(json).map_err(|e| bad(&e.to_string()))?;
-    Ok((spec, &p[4 + n..]))
+    let spec: ExecSpec = serde_json::from_slice(json).map_err(|e| bad(&e.to_string()))?;
+    let rest = &p[4 + n..];
+    let data: u64 = spec.files.iter().map(|f| f.len).sum();
+    let stdin_len = (rest.len() as u64)
+        .checked_sub(data)
+        .ok_or_else(|| bad("file contents past the end"))? as usize;
+    let (stdin, mut tail) = rest.split_at(stdin_len);
+    let mut files = Vec::with_capacity(spec.files.len());
+    for f in &spec.files {
+        let (head, rest) = tail.split_at(f.len as usize);
+        files.push(head);
+        tail = rest;
+    }
+    Ok((spec, stdin, files))
 }
 
 #[cfg(test)]
@@ -247,11 +286,38 @@ mod tests {
             ..Default::default()
         };
         let mut buf = Vec::new();
-        encode_exec(&mut buf, 3, &spec, b"input");
+        encode_exec(&mut buf, 3, &spec, b"input", &[]);
         let frame = decode(&mut buf).unwrap().unwrap();
-        let (got, stdin) = decode_exec(&frame).unwrap();
+        let (got, stdin, files) = decode_exec(&frame).unwrap();
         assert_eq!(got, spec);
         assert_eq!(stdin, b"input");
+        assert!(files.is_empty());
+    }
+
+    #[test]
+    fn exec_payload_carries_files_after_stdin() {
+        let spec = ExecSpec {
+            argv: vec!["sh".into()],
+            files: vec![
+                ExecFile {
+                    path: "/a".into(),
+                    mode: 0o644,
+                    len: 2,
+                },
+                ExecFile {
+                    path: "/b".into(),
+                    mode: 0o755,
+                    len: 3,
+                },
+            ],
+            ..Default::default()
+        };
+        let mut buf = Vec::new();
+        encode_exec(&mut buf, 1, &spec, b"in", &[b"aa", b"bbb"]);
+        let frame = decode(&mut buf).unwrap().unwrap();
+        let (_, stdin, files) = decode_exec(&frame).unwrap();
+        assert_eq!(stdin, b"in");
+        assert_eq!(files, vec![&b"aa"[..], &b"bbb"[..]]);
     }
 
     #[test]

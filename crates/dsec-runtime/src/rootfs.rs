@@ -28,6 +28,13 @@ pub struct RootfsError {
     source: std::io::Error,
 }
 
+impl RootfsError {
+    /// The OS error number, for reports across a pipe.
+    pub fn errno(&self) -> i32 {
+        self.source.raw_os_error().unwrap_or(libc::EIO)
+    }
+}
+
 trait Step<T> {
     fn step(self, step: &'static str, path: &Path) -> Result<T, RootfsError>;
 }
@@ -85,12 +92,47 @@ const NOSUID_NODEV_NOEXEC: MsFlags = MsFlags::MS_NOSUID
     .union(MsFlags::MS_NODEV)
     .union(MsFlags::MS_NOEXEC);
 
+/// Where a fncall worker keeps what its calls build their roots from.
+pub const WORKER_DIR: &str = "/.dsec";
+
 /// Builds the sandbox's root and pivots into it. Runs in init, in the new namespaces.
 ///
 /// Returns an `O_PATH` descriptor of the writable layer's upper directory: after the
 /// pivot nothing in the sandbox can name it, but the edge reaches it through
 /// `/proc/<init>/fd/<n>` to snapshot the sandbox.
+///
+/// A fncall worker's root gets no `/proc`, `/dev` or `/sys` (nothing runs in it directly);
+/// instead the image layers are bound read-only under [`WORKER_DIR`], where each call
+/// builds a root of its own ([`setup_call`]).
 pub fn setup(spec: &SandboxSpec) -> Result<OwnedFd, RootfsError> {
+    make_private()?;
+    let rootfs = spec.dir.join("rootfs");
+    let upper = build_overlay(&spec.dir.join("rw"), &rootfs, &spec.layers, spec.disk_bytes)?;
+    if spec.worker {
+        expose_layers(&rootfs, &spec.layers)?;
+    } else {
+        build_view(&rootfs)?;
+    }
+    pivot(&rootfs)?;
+    Ok(upper)
+}
+
+/// Builds a call's root inside a fncall worker and pivots into it. Runs in the call's
+/// first process, in mount, pid and IPC namespaces of its own: its writable layer, mounts
+/// and processes all vanish when it exits, and the worker is untouched.
+pub fn setup_call(layer_count: usize, disk_bytes: u64) -> Result<(), RootfsError> {
+    make_private()?;
+    let base = Path::new(WORKER_DIR);
+    let layers: Vec<PathBuf> = (0..layer_count)
+        .map(|i| base.join("layers").join(i.to_string()))
+        .collect();
+    let rootfs = base.join("root");
+    build_overlay(&base.join("rw"), &rootfs, &layers, disk_bytes)?;
+    build_view(&rootfs)?;
+    pivot(&rootfs)
+}
+
+fn make_private() -> Result<(), RootfsError> {
     let root = Path::new("/");
     mount(
         None::<&str>,
@@ -99,19 +141,26 @@ pub fn setup(spec: &SandboxSpec) -> Result<OwnedFd, RootfsError> {
         MsFlags::MS_REC | MsFlags::MS_PRIVATE,
         None::<&str>,
     )
-    .step("make private", root)?;
+    .step("make private", root)
+}
 
-    let rw = spec.dir.join("rw");
-    let rootfs = spec.dir.join("rootfs");
-    let size = format!("size={},mode=0755", spec.disk_bytes);
+/// Mounts a `disk_bytes` tmpfs on `rw` and an overlay of it over `layers` on `rootfs`;
+/// returns the upper directory.
+fn build_overlay(
+    rw: &Path,
+    rootfs: &Path,
+    layers: &[PathBuf],
+    disk_bytes: u64,
+) -> Result<OwnedFd, RootfsError> {
+    let size = format!("size={disk_bytes},mode=0755");
     mount(
         Some("tmpfs"),
-        &rw,
+        rw,
         Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         Some(size.as_str()),
     )
-    .step("mount writable layer on", &rw)?;
+    .step("mount writable layer on", rw)?;
     let (upper, work) = (rw.join("upper"), rw.join("work"));
     fs::create_dir(&upper).step("mkdir", &upper)?;
     let upper_fd = rustix::fs::open(
@@ -121,8 +170,7 @@ pub fn setup(spec: &SandboxSpec) -> Result<OwnedFd, RootfsError> {
     )
     .step("open", &upper)?;
     fs::create_dir(&work).step("mkdir", &work)?;
-    let lower: Vec<String> = spec
-        .layers
+    let lower: Vec<String> = layers
         .iter()
         .map(|l| l.to_string_lossy().into_owned())
         .collect();
@@ -134,23 +182,60 @@ pub fn setup(spec: &SandboxSpec) -> Result<OwnedFd, RootfsError> {
     );
     mount(
         Some("overlay"),
-        &rootfs,
+        rootfs,
         Some("overlay"),
         MsFlags::empty(),
         Some(opts.as_str()),
     )
-    .step("mount overlay on", &rootfs)?;
+    .step("mount overlay on", rootfs)?;
+    Ok(upper_fd)
+}
 
-    mount_proc_dev_sys(&rootfs)?;
+/// `/proc`, `/dev`, `/sys`, the masked and the read-only paths.
+fn build_view(rootfs: &Path) -> Result<(), RootfsError> {
+    mount_proc_dev_sys(rootfs)?;
     let mut empty_dir = None;
     for path in MASKED_PATHS {
-        mask(&rootfs, path, &mut empty_dir)?;
+        mask(rootfs, path, &mut empty_dir)?;
     }
     for path in READONLY_PATHS {
         make_readonly(&rootfs.join(&path[1..]))?;
     }
-    pivot(&rootfs)?;
-    Ok(upper_fd)
+    Ok(())
+}
+
+/// Binds each image layer read-only at `WORKER_DIR/layers/<i>` (topmost first, as
+/// overlayfs wants them) and makes the mount points a call needs.
+fn expose_layers(rootfs: &Path, layers: &[PathBuf]) -> Result<(), RootfsError> {
+    let base = rootfs.join(&WORKER_DIR[1..]);
+    for dir in [
+        base.clone(),
+        base.join("layers"),
+        base.join("rw"),
+        base.join("root"),
+    ] {
+        ensure_dir(&dir)?;
+    }
+    for (i, layer) in layers.iter().enumerate() {
+        let target = ensure_dir(&base.join("layers").join(i.to_string()))?;
+        mount(
+            Some(layer.as_path()),
+            &target,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .step("bind layer on", &target)?;
+        mount(
+            None::<&str>,
+            &target,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY,
+            None::<&str>,
+        )
+        .step("remount read-only", &target)?;
+    }
+    Ok(())
 }
 
 fn mount_proc_dev_sys(rootfs: &Path) -> Result<(), RootfsError> {

@@ -18,4 +18,8 @@ pub struct SandboxSpec {
     pub disk_bytes: u64,
     /// Cgroup directories init joins before anything else.
     pub cgroup_dirs: Vec<PathBuf>,
+    /// A fncall worker: each command runs in mount, pid and IPC namespaces of its own
+    /// with a fresh writable layer, so the worker stays pristine between calls.
+    #[serde(default)]
+    pub worker: bool,
 }

@@ -13,7 +13,7 @@ use axum::extract::{FromRequest, Path, Query, RawQuery, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use dsec_api::{
     CommandResult, CreateSandboxRequest, ErrorBody, ErrorKind, ExecRequest, FileInfo, ImageInfo,
@@ -98,6 +98,7 @@ pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
         .route("/sandboxes/{id}/snapshot", post(snapshot_sandbox))
         .route("/sandboxes/{id}/fork", post(fork_sandbox))
         .route("/sandboxes/{id}/resume", post(resume_sandbox))
+        .route("/sandboxes/{id}/network", put(set_network))
         .route("/images", post(import_image).get(list_images))
         .route("/images/{*name}", get(get_image).delete(delete_image))
         .fallback(|| async { ApiError::not_found("no such API route") });
@@ -146,6 +147,7 @@ async fn healthz() -> Json<serde_json::Value> {
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     state.edge.publish_gauges();
+    state.edge.publish_network_metrics().await;
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(),
@@ -265,6 +267,18 @@ async fn fork_sandbox(
         StatusCode::CREATED,
         Json(state.edge.fork(&id, req.n).await?),
     ))
+}
+
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/network", request_body = dsec_api::SetNetworkRequest,
+    responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 503, body = ErrorBody)))]
+async fn set_network(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<dsec_api::SetNetworkRequest>,
+) -> Result<StatusCode, ApiError> {
+    state.edge.set_network(&id, &req.network).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/resume",
@@ -579,6 +593,7 @@ async fn delete_image(
         healthz,
         pause_sandbox,
         resume_sandbox,
+        set_network,
         snapshot_sandbox,
         fork_sandbox,
         create_sandbox,
@@ -638,6 +653,7 @@ mod tests {
         let doc = openapi_json();
         for route in [
             "/v1/sandboxes/{id}/exec/stream",
+            "/v1/sandboxes/{id}/network",
             "/v1/images/{name}",
             "/healthz",
         ] {

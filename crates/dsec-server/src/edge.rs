@@ -212,6 +212,25 @@ fn decode_b64(field: &str, data: &str) -> Result<Vec<u8>, ApiError> {
         .map_err(|e| ApiError::invalid(format!("{field} is not valid base64: {e}")))
 }
 
+/// The policy a `network` field asks for: `InvalidArgument` naming a malformed rule, and
+/// `Unavailable` for a network on a backend that cannot give one.
+fn network_policy(backend: &str, network: &Network) -> Result<dsec_net::Policy, ApiError> {
+    let policy = match network {
+        Network::Enabled(false) => dsec_net::Policy::Off,
+        Network::Enabled(true) => dsec_net::Policy::Full,
+        Network::Allow { allow } => {
+            dsec_net::Policy::allow(allow).map_err(|e| ApiError::invalid(e.to_string()))?
+        }
+    };
+    if !policy.is_off() && backend != "container" {
+        return Err(ApiError::unavailable(format!(
+            "backend {backend:?} has no sandbox networking yet: only \"container\" sandboxes \
+             take network=True or an allow-list"
+        )));
+    }
+    Ok(policy)
+}
+
 /// `true` when the sandbox has every one of `labels`.
 fn has_labels(info: &SandboxInfo, labels: &[(String, String)]) -> bool {
     labels
@@ -301,12 +320,7 @@ impl Edge {
         let (cpus, memory_mb, pids, disk_mb) = self.validate(&req)?;
         let ttl_s = check_duration("ttl_s", req.ttl_s)?;
         let idle_ttl_s = check_duration("idle_ttl_s", req.idle_ttl_s)?;
-        if req.network != Network::Enabled(false) {
-            return Err(ApiError::unavailable(
-                "sandbox networking is not available yet: sandboxes have loopback only \
-                 (network=False); network=True and allow-lists arrive with the networking work",
-            ));
-        }
+        let network = network_policy(&req.backend, &req.network)?;
         if let Some(w) = &req.workdir {
             check_absolute("workdir", w)?;
         }
@@ -332,6 +346,8 @@ impl Edge {
                 memory_mb,
                 pids,
                 disk_mb,
+                ca_bundle: req.ca_bundle.unwrap_or(true),
+                network,
             })
             .await?;
         metrics::histogram!("dsec_create_seconds", "backend" => req.backend.clone())
@@ -505,6 +521,20 @@ impl Edge {
             return Err(e);
         }
         Ok(children)
+    }
+
+    /// Replaces the egress policy of a running sandbox.
+    pub async fn set_network(&self, id: &str, network: &Network) -> Result<(), ApiError> {
+        let entry = self.live_entry(id).await?;
+        let policy = network_policy(&entry.info.backend, network)?;
+        entry.sandbox.set_network(policy).await
+    }
+
+    /// Publishes `dsec_network_refused_total` (called before each metrics scrape): the
+    /// refused-packet counters of the nftables rules, read now.
+    pub async fn publish_network_metrics(&self) {
+        let refused = self.backends.container.network_refused().await;
+        metrics::counter!("dsec_network_refused_total").absolute(refused);
     }
 
     /// Stops and removes a sandbox.

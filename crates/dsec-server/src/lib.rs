@@ -46,6 +46,8 @@ pub struct ServerConfig {
     pub trajectory_sync: dsec_trajectory::Sync,
     /// Sizing of the fncall worker pools.
     pub fncall: PoolConfig,
+    /// Addresses of sandboxes with a network: (network, prefix length).
+    pub net_pool: (std::net::Ipv4Addr, u8),
 }
 
 /// Why the server could not start.
@@ -181,13 +183,17 @@ pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError
         .state_dir
         .canonicalize()
         .map_or_else(|_| state_tag(&config.state_dir), |p| state_tag(&p));
+    // Sandbox networking: the bridge, nftables tables and resolver carry the same tag.
+    let net = Arc::new(dsec_net::Networking::start(&docker_tag, config.net_pool).await);
     let docker = Arc::new(DockerBackend::new(docker_tag));
-    tokio::spawn({
-        let docker = Arc::clone(&docker);
-        async move { docker.clean_leftovers().await }
-    });
+    // Before serving, so that a server stopped right after it started still cleans up.
+    docker.clean_leftovers().await;
     let backends = Backends {
-        container: Arc::new(ContainerBackend::new(Arc::clone(&runtime), images.clone())),
+        container: Arc::new(ContainerBackend::new(
+            Arc::clone(&runtime),
+            images.clone(),
+            Arc::clone(&net),
+        )),
         fncall: Arc::clone(&fncall),
         docker,
     };
@@ -226,6 +232,7 @@ pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError
         })?;
     edge.stop_all().await;
     fncall.shutdown().await;
+    net.shutdown().await;
     let runtime_ = Arc::clone(&runtime);
     let _ = tokio::task::spawn_blocking(move || runtime_.release_host()).await;
     Ok(())

@@ -156,10 +156,15 @@ struct ServeArgs {
     /// Default bound on each of stdout and stderr, in bytes.
     #[arg(long, default_value_t = 16 << 20)]
     max_output_bytes: u64,
-    /// Trajectory log commits: `full` fsyncs each (group) commit, surviving power loss;
-    /// `normal` does not, surviving a crash of the server but not of the machine.
-    #[arg(long, default_value = "full", value_parser = parse_sync)]
+    /// Trajectory log commits: `normal` writes each (group) commit to the WAL without
+    /// fsync, surviving a crash of the server but not of the machine; `full` also fsyncs,
+    /// surviving power loss, at one fsync per commit.
+    #[arg(long, default_value = "normal", value_parser = parse_sync)]
     trajectory_sync: dsec_trajectory::Sync,
+    /// Private IPv4 network (a /12 to /28) that sandboxes with a network get their
+    /// addresses from; the first address is the bridge's (and dsec's DNS resolver's).
+    #[arg(long, default_value = dsec_net::DEFAULT_POOL, value_parser = dsec_net::parse_pool)]
+    net_pool: (std::net::Ipv4Addr, u8),
     /// fncall: warm workers kept per image (and limits) while it is in use.
     #[arg(long, default_value_t = 2)]
     fncall_min_warm: usize,
@@ -264,6 +269,7 @@ fn run(cmd: Cmd) -> Result<()> {
                 env: BTreeMap::new(),
                 workdir: None,
                 network: Default::default(),
+                ca_bundle: None,
                 labels: labels.into_iter().collect(),
                 trajectory_id: None,
             };
@@ -378,6 +384,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             max_output_bytes: args.max_output_bytes,
         },
         trajectory_sync: args.trajectory_sync,
+        net_pool: args.net_pool,
         fncall: PoolConfig {
             min_warm: args.fncall_min_warm,
             max_warm: args.fncall_max_warm.max(1),
@@ -445,6 +452,7 @@ fn replay(client: &Client, log: &SandboxLog) -> Result<bool> {
         env: rec.env.clone(),
         workdir: None,
         network: Default::default(),
+        ca_bundle: None,
         labels: BTreeMap::from([("dsec.replay-of".to_owned(), rec.id.clone())]),
         trajectory_id: None,
     };

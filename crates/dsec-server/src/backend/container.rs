@@ -7,13 +7,14 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use dsec_api::{FileInfo, ImageInfo, Usage};
 use dsec_image::{Image, ImageStore};
+use dsec_net::{Attachment, NetError, Networking, Policy};
 use dsec_runtime::cgroup::CgroupLimits;
 use dsec_runtime::container::{Container, ContainerRuntime, CreateOptions, ExecEvent, ExecHandle};
-use dsec_runtime::proto::ExecSpec;
+use dsec_runtime::proto::{ExecFile, ExecSpec};
 
 use super::{
-    Backend, CommandSpec, Created, ExitStatus, ImageDefaults, Output, OutputStream, Sandbox,
-    SandboxRequest,
+    Backend, CommandSpec, Created, ExitStatus, FileWrite, ImageDefaults, Output, OutputStream,
+    Sandbox, SandboxRequest,
 };
 use crate::error::ApiError;
 
@@ -23,13 +24,61 @@ const MIB: u64 = 1 << 20;
 pub struct ContainerBackend {
     runtime: Arc<ContainerRuntime>,
     images: ImageStore,
+    net: Arc<Networking>,
 }
 
 impl ContainerBackend {
-    /// A backend over `runtime`, taking image layers from `images`.
-    pub fn new(runtime: Arc<ContainerRuntime>, images: ImageStore) -> Self {
-        ContainerBackend { runtime, images }
+    /// A backend over `runtime`, taking image layers from `images` and giving networks
+    /// through `net`.
+    pub fn new(runtime: Arc<ContainerRuntime>, images: ImageStore, net: Arc<Networking>) -> Self {
+        ContainerBackend {
+            runtime,
+            images,
+            net,
+        }
     }
+
+    /// Packets refused by sandbox network policies so far (for `/metrics`).
+    pub async fn network_refused(&self) -> u64 {
+        self.net.refused_total().await
+    }
+}
+
+impl From<NetError> for ApiError {
+    fn from(e: NetError) -> ApiError {
+        match e {
+            NetError::Unavailable(_) => ApiError::unavailable(e.to_string()),
+            NetError::Rule(_) => ApiError::invalid(e.to_string()),
+            _ => ApiError::internal(format!("sandbox network: {e}")),
+        }
+    }
+}
+
+/// Connects a new or running container to the network: veth, then `/etc/resolv.conf`
+/// naming dsec's resolver and, when asked, the host's CA bundle, all before any command
+/// of the sandbox can use them.
+async fn plug(
+    container: &Arc<Container>,
+    attachment: &Attachment,
+    ca_bundle: bool,
+) -> Result<(), ApiError> {
+    let netns = container.open_netns()?;
+    attachment.plug(netns).await?;
+    let c = Arc::clone(container);
+    let resolv = attachment.resolv_conf();
+    tokio::task::spawn_blocking(move || -> Result<(), ApiError> {
+        c.root()
+            .write(dsec_net::RESOLV_CONF, resolv.as_bytes(), 0o644)?;
+        if ca_bundle {
+            match std::fs::read(dsec_net::CA_BUNDLE) {
+                Ok(pem) => c.root().write(dsec_net::CA_BUNDLE, &pem, 0o644)?,
+                Err(e) => tracing::warn!(error = %e, "host CA bundle unreadable; not copied"),
+            }
+        }
+        Ok(())
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))?
 }
 
 #[async_trait]
@@ -37,16 +86,52 @@ impl Backend for ContainerBackend {
     async fn create(&self, req: SandboxRequest) -> Result<Created, ApiError> {
         let image = self.images.get(&req.image)?;
         let opts = create_options(&req, self.images.layer_dirs(&image));
-        let container = self
-            .runtime
-            .create(opts)
-            .await
-            .map_err(|e| ApiError::internal(format!("creating the container: {e}")))?;
+        // The address and the nftables rules are set up while the container is built.
+        let reserve = async {
+            match req.network.is_off() {
+                true => Ok(None),
+                false => self.net.reserve(&req.network).await.map(Some),
+            }
+        };
+        let (container, attachment) = tokio::join!(self.runtime.create(opts), reserve);
+        let (container, attachment) = match (container, attachment) {
+            (Ok(c), Ok(a)) => (Arc::new(c), a),
+            (c, a) => {
+                let failed = match c {
+                    Ok(c) => {
+                        c.stop().await;
+                        None
+                    }
+                    Err(e) => Some(ApiError::internal(format!("creating the container: {e}"))),
+                };
+                let net_failed = match a {
+                    Ok(Some(a)) => {
+                        a.release().await;
+                        None
+                    }
+                    Ok(None) => None,
+                    Err(e) => Some(ApiError::from(e)),
+                };
+                return Err(net_failed.or(failed).expect("one of the two failed"));
+            }
+        };
+        if let Some(a) = &attachment {
+            if let Err(e) = plug(&container, a, req.ca_bundle).await {
+                container.stop().await;
+                if let Some(a) = attachment {
+                    a.release().await;
+                }
+                return Err(e);
+            }
+        }
         Ok(Created {
             sandbox: Box::new(ContainerSandbox {
-                container: Arc::new(container),
+                container,
                 image: image.clone(),
                 images: self.images.clone(),
+                net: Arc::clone(&self.net),
+                attachment: tokio::sync::Mutex::new(attachment),
+                ca_bundle: req.ca_bundle,
             }),
             image: ImageDefaults {
                 env: image.config.env,
@@ -62,6 +147,11 @@ struct ContainerSandbox {
     /// The image it was created from: the base of its snapshots.
     image: Image,
     images: ImageStore,
+    net: Arc<Networking>,
+    /// Its place on the network; `None` while it has never had one.
+    attachment: tokio::sync::Mutex<Option<Attachment>>,
+    /// Whether a network given later brings the host's CA bundle.
+    ca_bundle: bool,
 }
 
 /// The output of a command in a native container.
@@ -104,6 +194,7 @@ pub(crate) fn create_options(req: &SandboxRequest, layers: Vec<PathBuf>) -> Crea
             pids: req.pids,
         },
         disk_bytes: req.disk_mb * MIB,
+        worker: false,
     }
 }
 
@@ -112,28 +203,52 @@ pub(crate) async fn run(
     container: &Arc<Container>,
     cmd: CommandSpec,
 ) -> Result<ContainerOutput, ApiError> {
-    if !cmd.files.is_empty() {
-        let (c, files) = (Arc::clone(container), cmd.files);
-        tokio::task::spawn_blocking(move || {
-            files
-                .iter()
-                .try_for_each(|f| c.root().write(&f.path, &f.data, f.mode))
-        })
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))??;
-    }
+    // A fncall worker's command builds a root of its own: its files travel with it and
+    // init writes them there. A container's files go straight into its root.
+    let (carried, contents): (Vec<ExecFile>, Vec<Vec<u8>>) = if container.is_worker() {
+        cmd.files
+            .into_iter()
+            .map(|f| {
+                let spec = ExecFile {
+                    path: f.path,
+                    mode: f.mode,
+                    len: f.data.len() as u64,
+                };
+                (spec, f.data)
+            })
+            .unzip()
+    } else {
+        if !cmd.files.is_empty() {
+            write_files(container, cmd.files).await?;
+        }
+        (Vec::new(), Vec::new())
+    };
     let spec = ExecSpec {
         argv: cmd.argv,
         env: cmd.env,
         cwd: cmd.cwd,
         timeout_ms: Some(cmd.timeout_ms),
         max_output_bytes: cmd.max_output_bytes,
+        files: carried,
     };
-    let handle = container.exec(&spec, &cmd.stdin).await?;
+    let data: Vec<&[u8]> = contents.iter().map(Vec::as_slice).collect();
+    let handle = container.exec(&spec, &cmd.stdin, &data).await?;
     Ok(ContainerOutput {
         handle,
         container: Arc::clone(container),
     })
+}
+
+async fn write_files(container: &Arc<Container>, files: Vec<FileWrite>) -> Result<(), ApiError> {
+    let c = Arc::clone(container);
+    tokio::task::spawn_blocking(move || {
+        files
+            .iter()
+            .try_for_each(|f| c.root().write(&f.path, &f.data, f.mode))
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??;
+    Ok(())
 }
 
 impl ContainerSandbox {
@@ -221,7 +336,27 @@ impl Sandbox for ContainerSandbox {
         self.container.is_alive()
     }
 
+    async fn set_network(&self, policy: Policy) -> Result<(), ApiError> {
+        let mut attachment = self.attachment.lock().await;
+        match &*attachment {
+            Some(a) => Ok(a.set_policy(&policy).await?),
+            None if policy.is_off() => Ok(()),
+            None => {
+                let a = self.net.reserve(&policy).await?;
+                if let Err(e) = plug(&self.container, &a, self.ca_bundle).await {
+                    a.release().await;
+                    return Err(e);
+                }
+                *attachment = Some(a);
+                Ok(())
+            }
+        }
+    }
+
     async fn stop(&self) {
         self.container.stop().await;
+        if let Some(a) = self.attachment.lock().await.take() {
+            a.release().await;
+        }
     }
 }

@@ -350,6 +350,11 @@ impl Backend for DockerBackend {
         let docker = self.docker().await?;
         let image = self.image(&docker, &req.image).await?;
         let id = self.create_container(&docker, &req).await?;
+        // From here on an error, or this request being dropped, removes the container.
+        let mut unfinished = Unfinished {
+            docker: docker.clone(),
+            id: Some(id.clone()),
+        };
         let started = async {
             docker
                 .start_container(&id, None)
@@ -371,13 +376,7 @@ impl Backend for DockerBackend {
             Ok(state.pid.unwrap_or_default() as i32)
         }
         .await;
-        let pid = match started {
-            Ok(pid) => pid,
-            Err(e) => {
-                let _ = remove(&docker, &id).await;
-                return Err(e);
-            }
-        };
+        let pid = started?;
         let local = LocalView::find(&id, pid);
         if local.is_none() {
             tracing::warn!(
@@ -394,10 +393,31 @@ impl Backend for DockerBackend {
             local,
         });
         tokio::spawn(watch(Arc::clone(&inner)));
+        unfinished.id = None;
         Ok(Created {
             sandbox: Box::new(DockerSandbox(inner)),
             image,
         })
+    }
+}
+
+/// A container whose sandbox was not handed over yet: dropped armed, it is removed.
+struct Unfinished {
+    docker: Docker,
+    id: Option<String>,
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        let Some(id) = self.id.take() else { return };
+        let docker = self.docker.clone();
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Err(e) = remove(&docker, &id).await {
+                    tracing::warn!(container = %id, error = %e, "removing an unfinished container");
+                }
+            });
+        }
     }
 }
 
@@ -876,6 +896,8 @@ impl Sandbox for DockerSandbox {
         }
         let inner = &self.0;
         let attach_stdin = !cmd.stdin.is_empty();
+        let program = cmd.argv.first().cloned().unwrap_or_default();
+        let cwd = cmd.cwd.clone();
         let config = CreateExecOptions {
             attach_stdin: Some(attach_stdin),
             attach_stdout: Some(true),
@@ -931,6 +953,11 @@ impl Sandbox for DockerSandbox {
             truncated: false,
             timed_out: false,
             done: false,
+            program,
+            cwd,
+            held: None,
+            seen_output: false,
+            queue: VecDeque::new(),
         }))
     }
 
@@ -1070,6 +1097,22 @@ impl Sandbox for DockerSandbox {
             tracing::warn!(container = %inner.id, error = %e, "removing the container");
         }
         inner.alive.store(false, Ordering::Release);
+    }
+}
+
+impl Drop for DockerSandbox {
+    /// A sandbox dropped without `stop` (the edge failed to register it) must not leave
+    /// its container running.
+    fn drop(&mut self) {
+        if !self.0.alive.load(Ordering::Acquire) {
+            return;
+        }
+        let inner = Arc::clone(&self.0);
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                let _ = remove(&inner.docker, &inner.id).await;
+            });
+        }
     }
 }
 
@@ -1217,7 +1260,9 @@ fn launch_failure(report: &[u8], program: &str, cwd: &str) -> Option<LaunchFailu
     };
     let err = std::io::Error::from_raw_os_error(errno);
     if text.contains("chdir to cwd") {
-        return Some(LaunchFailure::Cwd(format!("working directory {cwd:?}: {err}")));
+        return Some(LaunchFailure::Cwd(format!(
+            "working directory {cwd:?}: {err}"
+        )));
     }
     Some(LaunchFailure::Exec {
         code: if errno == libc::ENOENT { 127 } else { 126 },
@@ -1417,6 +1462,33 @@ mod tests {
     use std::io::Write;
 
     use super::*;
+
+    #[test]
+    fn runc_launch_failures_read_like_the_native_ones() {
+        let not_found = b"OCI runtime exec failed: exec failed: unable to start container \
+            process: exec: \"/no/such\": stat /no/such: no such file or directory: unknown\r\n";
+        assert_eq!(
+            launch_failure(not_found, "/no/such", "/"),
+            Some(LaunchFailure::Exec {
+                code: 127,
+                stderr: "dsec: cannot execute \"/no/such\": No such file or directory \
+                         (os error 2)\n"
+                    .into()
+            })
+        );
+        let cwd = b"OCI runtime exec failed: exec failed: unable to start container process: \
+            chdir to cwd (\"/no/dir\") set in config.json failed: no such file or directory";
+        assert_eq!(
+            launch_failure(cwd, "pwd", "/no/dir"),
+            Some(LaunchFailure::Cwd(
+                "working directory \"/no/dir\": No such file or directory (os error 2)".into()
+            ))
+        );
+        assert_eq!(
+            launch_failure(b"OCI runtime exec failed: other", "x", "/"),
+            None
+        );
+    }
 
     #[test]
     fn join_makes_absolute_paths() {

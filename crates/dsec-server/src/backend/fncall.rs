@@ -1,13 +1,20 @@
 //! `backend="fncall"`: stateless calls on pools of pre-warmed native containers.
 //!
-//! A fncall sandbox is only a handle (image + limits): every `run` takes a fresh worker —
-//! a native container created ahead of demand — from the pool of that image and limits,
-//! runs the command in it, and destroys it. Nothing (files, processes, environment) can
-//! carry from one call to the next because no worker ever serves two calls; that is the
-//! simplest state one can show is pristine. The price is one container lifecycle per call,
-//! paid in the background: a call that finds a warm worker costs an exec, and one that
-//! finds the pool empty waits (up to its deadline) for the next worker, which costs no more
-//! than a container create.
+//! A fncall sandbox is only a handle (image + limits): every `run` takes a worker — a
+//! native container created ahead of demand — from the pool of that image and limits and
+//! runs the command in it, one call per worker at a time.
+//!
+//! Why a worker is pristine after a call: the call never runs in the worker itself. Its
+//! first process is cloned into mount, pid and IPC namespaces of its own and builds its
+//! own root (a fresh tmpfs writable layer over the image's layers, its own `/proc`, `/dev`
+//! and `/tmp`), so every file it writes, every process it leaves behind (they die with
+//! their pid namespace's PID 1) and every IPC object goes away when it exits. What the
+//! worker shares with its calls — the network namespace (loopback only), the hostname
+//! and the cgroups — cannot be changed without the capabilities and syscalls the call no
+//! longer has. A call that timed out or hit its memory limit is not trusted to have left
+//! nothing behind, and its worker is destroyed; so is a worker after
+//! [`MAX_CALLS_PER_WORKER`] calls. A call that finds the pool empty waits (up to its
+//! deadline) for the next worker, which costs no more than a container create.
 //!
 //! Each pool keeps `ready + creating` at a target that follows the call rate of the last
 //! second (`rate × REFILL_HORIZON`, between the per-pool minimum and maximum), under a
@@ -38,6 +45,8 @@ const REFILL_HORIZON: Duration = Duration::from_millis(100);
 const POOL_IDLE: Duration = Duration::from_secs(60);
 /// How often each pool re-evaluates its target.
 const TICK: Duration = Duration::from_millis(20);
+/// Calls one worker serves before it is replaced (hygiene: bounded page-cache charge).
+const MAX_CALLS_PER_WORKER: u32 = 256;
 
 /// Sizing of the worker pools.
 #[derive(Clone, Copy, Debug)]
@@ -66,7 +75,7 @@ struct Pool {
     key: PoolKey,
     request: SandboxRequest,
     layers: Vec<std::path::PathBuf>,
-    ready: Mutex<VecDeque<Container>>,
+    ready: Mutex<VecDeque<Worker>>,
     creating: AtomicUsize,
     /// Calls waiting for a worker.
     waiting: AtomicUsize,
@@ -96,9 +105,20 @@ impl Pool {
         *self.last_call.lock().expect("lock") = now;
     }
 
-    fn take(&self) -> Option<Container> {
+    fn take(&self) -> Option<Worker> {
         self.ready.lock().expect("lock").pop_front()
     }
+
+    fn give_back(&self, worker: Worker) {
+        self.ready.lock().expect("lock").push_back(worker);
+        self.ready_changed.notify_one();
+    }
+}
+
+/// A warm container and how many calls it has served.
+struct Worker {
+    container: Arc<Container>,
+    calls: u32,
 }
 
 /// The fncall backend: pools of warm workers, keyed by image and limits.
@@ -202,14 +222,14 @@ impl FnCallBackend {
                 }
             }
             if ready > target {
-                let extra: Vec<Container> = {
+                let extra: Vec<Worker> = {
                     let mut q = pool.ready.lock().expect("lock");
                     let n = q.len().saturating_sub(target);
                     q.drain(..n).collect()
                 };
                 self.total.fetch_sub(extra.len(), Ordering::AcqRel);
                 for worker in extra {
-                    tokio::spawn(async move { worker.stop().await });
+                    tokio::spawn(async move { worker.container.stop().await });
                 }
             }
             let mut deficit = target.saturating_sub(ready + creating);
@@ -237,6 +257,7 @@ impl FnCallBackend {
     async fn create_worker(self: Arc<Self>, pool: Arc<Pool>) {
         let mut opts = create_options(&pool.request, pool.layers.clone());
         opts.id = self.worker_id();
+        opts.worker = true;
         let created = self.runtime.create(opts).await;
         pool.creating.fetch_sub(1, Ordering::AcqRel);
         match created {
@@ -244,10 +265,10 @@ impl FnCallBackend {
                 worker.stop().await;
                 self.total.fetch_sub(1, Ordering::AcqRel);
             }
-            Ok(worker) => {
-                pool.ready.lock().expect("lock").push_back(worker);
-                pool.ready_changed.notify_one();
-            }
+            Ok(container) => pool.give_back(Worker {
+                container: Arc::new(container),
+                calls: 0,
+            }),
             Err(e) => {
                 self.total.fetch_sub(1, Ordering::AcqRel);
                 tracing::warn!(image = %pool.key.image, error = %e, "creating a fncall worker");
@@ -270,7 +291,7 @@ impl FnCallBackend {
         for pool in pools {
             workers.extend(pool.ready.lock().expect("lock").drain(..));
         }
-        futures::future::join_all(workers.iter().map(|w| w.stop())).await;
+        futures::future::join_all(workers.iter().map(|w| w.container.stop())).await;
     }
 }
 
@@ -303,7 +324,7 @@ struct FnCallSandbox {
 
 impl FnCallSandbox {
     /// A warm worker, waiting for one until `deadline` when the pool is empty.
-    async fn worker(&self, deadline: Instant) -> Option<Container> {
+    async fn worker(&self, deadline: Instant) -> Option<Worker> {
         let started = Instant::now();
         let image = self.pool.key.image.clone();
         if let Some(w) = self.pool.take() {
@@ -332,21 +353,25 @@ impl FnCallSandbox {
     }
 }
 
-/// A call's output; when the call ends (or its caller leaves) the worker is destroyed.
+/// A call's output; when the call ends the worker goes back to its pool, or is destroyed
+/// if the call timed out, hit its memory limit or was abandoned by its caller.
 struct CallOutput {
     inner: ContainerOutput,
-    worker: Option<Arc<Container>>,
+    worker: Option<Worker>,
+    /// The call ended cleanly: its worker may serve another.
+    reusable: bool,
+    pool: Arc<Pool>,
     total: Arc<AtomicUsize>,
     started: Instant,
-    image: String,
 }
 
 #[async_trait]
 impl OutputStream for CallOutput {
     async fn next(&mut self) -> Option<Result<Output, ApiError>> {
         let event = self.inner.next().await;
-        if matches!(event, Some(Ok(Output::Exit(_)))) {
-            metrics::histogram!("dsec_fncall_call_seconds", "image" => self.image.clone())
+        if let Some(Ok(Output::Exit(exit))) = &event {
+            self.reusable = !exit.timed_out && !exit.oom_killed;
+            metrics::histogram!("dsec_fncall_call_seconds", "image" => self.pool.key.image.clone())
                 .record(self.started.elapsed().as_secs_f64());
         }
         event
@@ -355,16 +380,25 @@ impl OutputStream for CallOutput {
 
 impl Drop for CallOutput {
     fn drop(&mut self) {
-        let Some(worker) = self.worker.take() else {
+        let Some(mut worker) = self.worker.take() else {
             return;
         };
-        let total = Arc::clone(&self.total);
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            handle.spawn(async move {
-                worker.stop().await;
-                total.fetch_sub(1, Ordering::AcqRel);
-            });
+        worker.calls += 1;
+        if self.reusable && worker.calls < MAX_CALLS_PER_WORKER && worker.container.is_alive() {
+            self.pool.give_back(worker);
+            return;
         }
+        destroy(worker.container, Arc::clone(&self.total));
+    }
+}
+
+/// Stops a worker in the background and frees its slot under the global cap.
+fn destroy(container: Arc<Container>, total: Arc<AtomicUsize>) {
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        handle.spawn(async move {
+            container.stop().await;
+            total.fetch_sub(1, Ordering::AcqRel);
+        });
     }
 }
 
@@ -387,25 +421,21 @@ impl Sandbox for FnCallSandbox {
                 self.pool.key.image
             )));
         };
-        let worker = Arc::new(worker);
         let total = Arc::clone(&self.total);
-        let result = run(&worker, cmd).await;
+        let inner = match run(&worker.container, cmd).await {
+            Ok(inner) => inner,
+            Err(e) => {
+                destroy(worker.container, total);
+                return Err(e);
+            }
+        };
         let output = CallOutput {
-            inner: match result {
-                Ok(inner) => inner,
-                Err(e) => {
-                    let w = Arc::clone(&worker);
-                    tokio::spawn(async move {
-                        w.stop().await;
-                        total.fetch_sub(1, Ordering::AcqRel);
-                    });
-                    return Err(e);
-                }
-            },
+            inner,
             worker: Some(worker),
+            reusable: false,
+            pool: Arc::clone(&self.pool),
             total,
             started,
-            image: self.pool.key.image.clone(),
         };
         // Replacement starts now, not when the old worker is gone.
         self.pool.demand_changed.notify_one();

@@ -33,6 +33,10 @@ pub struct SandboxRequest {
     pub pids: u64,
     /// Writable layer size in MiB.
     pub disk_mb: u64,
+    /// Egress policy (the edge refuses anything but `Off` for backends without networking).
+    pub network: dsec_net::Policy,
+    /// Copy the host's CA bundle in when the sandbox has a network.
+    pub ca_bundle: bool,
 }
 
 /// What the edge needs to know of a sandbox's image.
@@ -146,6 +150,13 @@ pub trait Sandbox: Send + Sync {
         let _ = name;
         Err(ApiError::unavailable(
             "this backend cannot snapshot sandboxes",
+        ))
+    }
+    /// Replaces the egress policy of the running sandbox.
+    async fn set_network(&self, policy: dsec_net::Policy) -> Result<(), ApiError> {
+        let _ = policy;
+        Err(ApiError::unavailable(
+            "this backend cannot change a sandbox's network",
         ))
     }
     /// Resource usage now.

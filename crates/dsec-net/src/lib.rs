@@ -1,0 +1,543 @@
+//! Sandbox networking for the native container backend.
+//!
+//! One bridge per server (`dsec<tag>`, the pool's first address), one veth pair per
+//! sandbox with a network (`dv<tag><n>` on the host, `eth0` in the sandbox), NAT for
+//! outbound traffic, and an egress policy per sandbox in nftables ([`nft`] explains the
+//! layout). Domain names in allow-lists are enforced through dsec's own resolver
+//! ([`dns`]), which answers only allowed names and opens the answered addresses.
+//!
+//! Every host object carries this server's tag, so a server restarted after a crash finds
+//! and removes what it left ([`Networking::start`] begins with that), and never touches
+//! anything else.
+#![warn(missing_docs)]
+
+mod dns;
+mod netlink;
+mod nft;
+pub mod policy;
+
+use std::collections::HashSet;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::os::fd::OwnedFd;
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+pub use policy::{Policy, Rule, RuleError};
+
+use crate::dns::{Clients, Resolver};
+use crate::netlink::Rtnl;
+use crate::nft::Names;
+
+/// The default address pool: private, and unlikely to be used by anything else on a host.
+pub const DEFAULT_POOL: &str = "10.209.0.0/16";
+
+/// Where a sandbox's own DNS configuration is written.
+pub const RESOLV_CONF: &str = "/etc/resolv.conf";
+
+/// The host's CA bundle, offered to sandboxes with a network.
+pub const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// A networking operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// This host cannot give sandboxes a network; the reason says why.
+    #[error("sandbox networking is unavailable on this server: {0}")]
+    Unavailable(String),
+    /// An allow-list entry is malformed.
+    #[error(transparent)]
+    Rule(#[from] RuleError),
+    /// Every address of the pool is in use.
+    #[error("the sandbox address pool {0} is exhausted")]
+    Exhausted(String),
+    /// An nftables transaction failed.
+    #[error("nftables: {0}")]
+    Nft(String),
+    /// A netlink request failed.
+    #[error("{action}: {source}")]
+    Netlink {
+        /// What was being done.
+        action: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+fn nl_err(action: impl Into<String>) -> impl FnOnce(std::io::Error) -> NetError {
+    let action = action.into();
+    move |source| NetError::Netlink { action, source }
+}
+
+/// Parses `a.b.c.d/len` with a prefix of 12 to 28 bits into (network, prefix).
+pub fn parse_pool(pool: &str) -> Result<(Ipv4Addr, u8), String> {
+    let bad = || format!("{pool:?} is not an IPv4 network with a /12 to /28 prefix");
+    let (addr, prefix) = pool.split_once('/').ok_or_else(bad)?;
+    let addr: Ipv4Addr = addr.parse().map_err(|_| bad())?;
+    let prefix: u8 = prefix.parse().map_err(|_| bad())?;
+    if !(12..=28).contains(&prefix) {
+        return Err(bad());
+    }
+    let mask = u32::MAX << (32 - prefix);
+    Ok((Ipv4Addr::from(u32::from(addr) & mask), prefix))
+}
+
+/// The server's networking: running, or the reason it could not start.
+pub struct Networking {
+    state: Result<Arc<Active>, String>,
+    tag: String,
+}
+
+struct Active {
+    names: Names,
+    bridge_index: i32,
+    gateway: Ipv4Addr,
+    pool: (Ipv4Addr, u8),
+    tag: String,
+    clients: Clients,
+    used: Mutex<(HashSet<u32>, u32)>,
+    /// Refused packets counted by chains already removed.
+    refused_gone: AtomicU64,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// One sandbox's place on the network: its address, veth and policy.
+pub struct Attachment {
+    active: Arc<Active>,
+    n: u32,
+    ip: Ipv4Addr,
+    veth: String,
+}
+
+fn bridge_name(tag: &str) -> String {
+    format!("dsec{tag}")
+}
+
+fn veth_prefix(tag: &str) -> String {
+    format!("dv{tag}")
+}
+
+fn table_name(tag: &str) -> String {
+    format!("dsec_{tag}")
+}
+
+/// `iptables` chains that may hold our accept rules (see [`allow_through_iptables`]).
+const IPTABLES_CHAINS: [&str; 2] = ["DOCKER-USER", "FORWARD"];
+
+fn iptables(args: &[&str]) -> Option<String> {
+    let out = Command::new("iptables")
+        .arg("-w")
+        .args(args)
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// A host whose iptables `FORWARD` policy is DROP (Docker sets that) would drop every
+/// forwarded sandbox packet whatever dsec's own table allows. dsec then adds two accept
+/// rules, commented with its table name, to `DOCKER-USER` (Docker's place for them) or
+/// else `FORWARD`; its own forward chain has already refused what the policies refuse.
+fn allow_through_iptables(bridge: &str, table: &str) -> Result<(), String> {
+    let Some(forward) = iptables(&["-S", "FORWARD"]) else {
+        return Ok(());
+    };
+    if !forward.lines().any(|l| l.trim() == "-P FORWARD DROP") {
+        return Ok(());
+    }
+    let chain = if iptables(&["-S", "DOCKER-USER"]).is_some() {
+        "DOCKER-USER"
+    } else {
+        "FORWARD"
+    };
+    let rules: [&[&str]; 2] = [
+        &["-i", bridge],
+        &[
+            "-o",
+            bridge,
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "RELATED,ESTABLISHED",
+        ],
+    ];
+    for rule in rules {
+        let mut args = vec!["-I", chain, "1"];
+        args.extend_from_slice(rule);
+        args.extend_from_slice(&["-m", "comment", "--comment", table, "-j", "ACCEPT"]);
+        iptables(&args).ok_or_else(|| {
+            format!("the host's iptables FORWARD policy is DROP and adding an accept rule to {chain} failed")
+        })?;
+    }
+    Ok(())
+}
+
+/// Removes everything of server `tag` from the host, by name only: veths, the bridge, the
+/// nftables tables, the iptables rules carrying its comment.
+fn remove_host_state(tag: &str) {
+    let (bridge, prefix, table) = (bridge_name(tag), veth_prefix(tag), table_name(tag));
+    if let Ok(mut rtnl) = Rtnl::open() {
+        let links: Vec<String> = std::fs::read_dir("/sys/class/net")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(&prefix) || *n == bridge)
+            .collect();
+        for link in links {
+            if let Ok(i) = netlink::index(&link) {
+                if let Err(e) = rtnl.delete(i) {
+                    tracing::warn!(link, error = %e, "removing interface");
+                }
+            }
+        }
+    }
+    let tables = nft::query(&["list", "tables"]).unwrap_or_default();
+    for family in ["inet", "bridge"] {
+        if tables
+            .lines()
+            .any(|l| l.trim() == format!("table {family} {table}"))
+        {
+            if let Err(e) = nft::apply(&format!("delete table {family} {table}\n")) {
+                tracing::warn!(error = %e, "removing nftables table");
+            }
+        }
+    }
+    for chain in IPTABLES_CHAINS {
+        let Some(rules) = iptables(&["-S", chain]) else {
+            continue;
+        };
+        for rule in rules
+            .lines()
+            .filter(|l| l.starts_with("-A ") && l.split_whitespace().any(|w| w == table.as_str()))
+        {
+            let mut args: Vec<&str> = rule.split_whitespace().collect();
+            args[0] = "-D";
+            iptables(&args);
+        }
+    }
+}
+
+/// A route of the host that overlaps `pool`, as "network/prefix on device".
+fn overlapping_route(pool: (Ipv4Addr, u8)) -> Option<String> {
+    let table = std::fs::read_to_string("/proc/net/route").ok()?;
+    let pool_lo = u32::from(pool.0);
+    let pool_hi = pool_lo | !(u32::MAX << (32 - pool.1));
+    for line in table.lines().skip(1) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 8 {
+            continue;
+        }
+        // The kernel prints the address's bytes as a host-order number.
+        let hex = |s: &str| {
+            u32::from_str_radix(s, 16)
+                .ok()
+                .map(|v| u32::from(Ipv4Addr::from(v.to_ne_bytes())))
+        };
+        let (Some(dst), Some(mask)) = (hex(f[1]), hex(f[7])) else {
+            continue;
+        };
+        if mask == 0 {
+            continue; // the default route overlaps everything by design
+        }
+        let lo = dst & mask;
+        let hi = lo | !mask;
+        if lo <= pool_hi && pool_lo <= hi {
+            return Some(format!(
+                "{}/{} on {}",
+                Ipv4Addr::from(lo),
+                mask.count_ones(),
+                f[0]
+            ));
+        }
+    }
+    None
+}
+
+impl Networking {
+    /// Removes what an earlier run of server `tag` left, then sets up the bridge, the
+    /// nftables tables and the resolver. Never fails: a host that cannot do it gets a
+    /// `Networking` whose every attach is `Unavailable` with the reason.
+    pub async fn start(tag: &str, pool: (Ipv4Addr, u8)) -> Networking {
+        let t = tag.to_owned();
+        let _ = tokio::task::spawn_blocking(move || remove_host_state(&t)).await;
+        let state = match Self::setup(tag, pool).await {
+            Ok(active) => {
+                tracing::info!(bridge = %active.names.bridge, pool = %format!("{}/{}", pool.0, pool.1), "sandbox networking ready");
+                Ok(Arc::new(active))
+            }
+            Err(reason) => {
+                tracing::warn!(%reason, "sandbox networking unavailable");
+                let t = tag.to_owned();
+                let _ = tokio::task::spawn_blocking(move || remove_host_state(&t)).await;
+                Err(reason)
+            }
+        };
+        Networking {
+            state,
+            tag: tag.to_owned(),
+        }
+    }
+
+    async fn setup(tag: &str, pool: (Ipv4Addr, u8)) -> Result<Active, String> {
+        let names = Names {
+            table: table_name(tag),
+            bridge: bridge_name(tag),
+            veth_prefix: veth_prefix(tag),
+        };
+        let gateway = Ipv4Addr::from(u32::from(pool.0) + 1);
+        let pool_text = format!("{}/{}", pool.0, pool.1);
+        let n2 = names.clone();
+        let bridge_index = tokio::task::spawn_blocking(move || -> Result<i32, String> {
+            if nft::query(&["--version"]).is_none() {
+                return Err("the nft command (nftables) is not installed".into());
+            }
+            let forward = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
+                .unwrap_or_default();
+            if forward.trim() != "1" {
+                return Err("IP forwarding is off on this host (net.ipv4.ip_forward=0)".into());
+            }
+            if let Some(route) = overlapping_route(pool) {
+                return Err(format!(
+                    "the address pool {pool_text} overlaps the host's route {route}; choose another with --net-pool"
+                ));
+            }
+            let mut rtnl = Rtnl::open().map_err(|e| format!("netlink: {e}"))?;
+            rtnl.add_bridge(&n2.bridge)
+                .map_err(|e| format!("creating bridge {}: {e}", n2.bridge))?;
+            let index = netlink::index(&n2.bridge).map_err(|e| format!("bridge index: {e}"))?;
+            rtnl.add_addr(index, gateway, pool.1)
+                .map_err(|e| format!("addressing bridge {}: {e}", n2.bridge))?;
+            nft::apply(&nft::base(&n2, &pool_text, gateway))
+                .map_err(|e| format!("installing nftables rules: {e}"))?;
+            allow_through_iptables(&n2.bridge, &n2.table)?;
+            Ok(index)
+        })
+        .await
+        .map_err(|e| e.to_string())??;
+        let listen = SocketAddr::from((gateway, 53));
+        let udp = tokio::net::UdpSocket::bind(listen)
+            .await
+            .map_err(|e| format!("DNS resolver on {listen}/udp: {e}"))?;
+        let tcp = tokio::net::TcpListener::bind(listen)
+            .await
+            .map_err(|e| format!("DNS resolver on {listen}/tcp: {e}"))?;
+        let clients: Clients = Arc::default();
+        let upstream = dns::host_resolvers();
+        if upstream.is_empty() {
+            tracing::warn!("no nameserver in /etc/resolv.conf: sandboxes will resolve nothing");
+        }
+        let resolver = Arc::new(Resolver {
+            clients: Arc::clone(&clients),
+            upstream,
+            names: names.clone(),
+            pool,
+        });
+        let tasks = vec![
+            tokio::spawn(Arc::clone(&resolver).serve_udp(udp)),
+            tokio::spawn(resolver.serve_tcp(tcp)),
+        ];
+        Ok(Active {
+            names,
+            bridge_index,
+            gateway,
+            pool,
+            tag: tag.to_owned(),
+            clients,
+            used: Mutex::new((HashSet::new(), 2)),
+            refused_gone: AtomicU64::new(0),
+            tasks,
+        })
+    }
+
+    /// Why networking is unavailable, if it is.
+    pub fn unavailable(&self) -> Option<&str> {
+        self.state.as_ref().err().map(String::as_str)
+    }
+
+    /// Gives a new sandbox an address and installs its policy. The sandbox has no route
+    /// until [`Attachment::plug`]; call this while its container is being built.
+    pub async fn reserve(&self, policy: &Policy) -> Result<Attachment, NetError> {
+        let active = self
+            .state
+            .as_ref()
+            .map_err(|r| NetError::Unavailable(r.clone()))?;
+        let n = active.allocate()?;
+        let ip = Ipv4Addr::from(u32::from(active.pool.0) + n);
+        let script = nft::attach(&active.names, n, ip, policy);
+        let attachment = Attachment {
+            active: Arc::clone(active),
+            n,
+            ip,
+            veth: format!("{}{n:x}", veth_prefix(&active.tag)),
+        };
+        active
+            .clients
+            .write()
+            .expect("lock")
+            .insert(ip, (n, policy.clone()));
+        match tokio::task::spawn_blocking(move || nft::apply(&script)).await {
+            Ok(Ok(())) => Ok(attachment),
+            failed => {
+                attachment.release().await;
+                Err(failed
+                    .unwrap_or_else(|e| Err(NetError::Nft(e.to_string())))
+                    .unwrap_err())
+            }
+        }
+    }
+
+    /// Packets refused so far by every sandbox's policy and by the bridge's input rules.
+    pub async fn refused_total(&self) -> u64 {
+        let Ok(active) = &self.state else {
+            return 0;
+        };
+        let names = active.names.clone();
+        let now: u64 = tokio::task::spawn_blocking(move || nft::refused(&names))
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(_, p)| p)
+            .sum();
+        active.refused_gone.load(Ordering::Relaxed) + now
+    }
+
+    /// Tears everything down (server shutdown); attachments still held are gone after.
+    pub async fn shutdown(&self) {
+        if let Ok(active) = &self.state {
+            for t in &active.tasks {
+                t.abort();
+            }
+        }
+        let tag = self.tag.clone();
+        let _ = tokio::task::spawn_blocking(move || remove_host_state(&tag)).await;
+    }
+}
+
+impl Active {
+    fn allocate(&self) -> Result<u32, NetError> {
+        let size = 1u32 << (32 - self.pool.1);
+        let mut used = self.used.lock().expect("lock");
+        let (set, next) = &mut *used;
+        // Round-robin from the last one given, so a freed address rests before reuse.
+        for k in 0..size {
+            let n = 2 + (*next - 2 + k) % (size - 3);
+            if set.insert(n) {
+                *next = n + 1;
+                return Ok(n);
+            }
+        }
+        Err(NetError::Exhausted(format!(
+            "{}/{}",
+            self.pool.0, self.pool.1
+        )))
+    }
+
+    /// Refused packets counted by chain `n` now.
+    fn refused_by(&self, n: u32) -> u64 {
+        nft::refused(&self.names)
+            .into_iter()
+            .filter(|(c, _)| *c == Some(n))
+            .map(|(_, p)| p)
+            .sum()
+    }
+}
+
+impl Attachment {
+    /// The sandbox's address.
+    pub fn ip(&self) -> Ipv4Addr {
+        self.ip
+    }
+
+    /// What the sandbox's `/etc/resolv.conf` must say: dsec's resolver.
+    pub fn resolv_conf(&self) -> String {
+        format!("nameserver {}\noptions edns0\n", self.active.gateway)
+    }
+
+    /// Connects the network namespace `netns` (the sandbox's, e.g. `/proc/<init>/ns/net`)
+    /// to the bridge: `eth0` with the sandbox's address and a default route.
+    pub async fn plug(&self, netns: OwnedFd) -> Result<(), NetError> {
+        let (veth, master, ip) = (self.veth.clone(), self.active.bridge_index, self.ip);
+        let (gateway, prefix) = (self.active.gateway, self.active.pool.1);
+        tokio::task::spawn_blocking(move || {
+            let mut rtnl = Rtnl::open().map_err(nl_err("netlink socket"))?;
+            rtnl.add_veth(&veth, master, "eth0", &netns)
+                .map_err(nl_err(format!("creating veth {veth}")))?;
+            netlink::in_netns(&netns, || {
+                let mut inner = Rtnl::open()?;
+                let eth0 = netlink::index("eth0")?;
+                inner.add_addr(eth0, ip, prefix)?;
+                inner.set_up(eth0)?;
+                inner.add_default_route(eth0, gateway)
+            })
+            .map_err(nl_err("configuring eth0 in the sandbox"))
+        })
+        .await
+        .map_err(|e| NetError::Nft(e.to_string()))?
+    }
+
+    /// Replaces the policy of a running sandbox; addresses its earlier answers opened are
+    /// closed. `Policy::Off` keeps the interface but refuses everything.
+    pub async fn set_policy(&self, policy: &Policy) -> Result<(), NetError> {
+        let active = Arc::clone(&self.active);
+        let script = nft::replace(&active.names, self.n, policy);
+        let n = self.n;
+        tokio::task::spawn_blocking(move || {
+            let before = active.refused_by(n);
+            nft::apply(&script)?;
+            active.refused_gone.fetch_add(before, Ordering::Relaxed);
+            Ok::<_, NetError>(())
+        })
+        .await
+        .map_err(|e| NetError::Nft(e.to_string()))??;
+        self.active
+            .clients
+            .write()
+            .expect("lock")
+            .insert(self.ip, (self.n, policy.clone()));
+        Ok(())
+    }
+
+    /// Removes the sandbox's veth (if its namespace has not taken it already), rules and
+    /// address. Call after the sandbox's processes are gone.
+    pub async fn release(self) {
+        self.active.clients.write().expect("lock").remove(&self.ip);
+        let active = Arc::clone(&self.active);
+        let (n, ip, veth) = (self.n, self.ip, self.veth.clone());
+        let _ = tokio::task::spawn_blocking(move || {
+            if let (Ok(mut rtnl), Ok(i)) = (Rtnl::open(), netlink::index(&veth)) {
+                let _ = rtnl.delete(i);
+            }
+            let before = active.refused_by(n);
+            if let Err(e) = nft::apply(&nft::detach(&active.names, n, ip)) {
+                tracing::warn!(error = %e, "removing a sandbox's nftables rules");
+            }
+            active.refused_gone.fetch_add(before, Ordering::Relaxed);
+            active.used.lock().expect("lock").0.remove(&n);
+        })
+        .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pools_are_checked_and_normalised() {
+        assert_eq!(
+            parse_pool("10.209.3.4/16").unwrap(),
+            (Ipv4Addr::new(10, 209, 0, 0), 16)
+        );
+        assert!(parse_pool("10.209.0.0/8").is_err());
+        assert!(parse_pool("10.209.0.0").is_err());
+        assert!(parse_pool("x/16").is_err());
+    }
+
+    #[test]
+    fn names_fit_the_kernel_limit() {
+        let tag = "0123abcd";
+        assert!(bridge_name(tag).len() <= 15);
+        assert!(format!("{}{:x}", veth_prefix(tag), (1u32 << 20) - 1).len() <= 15);
+    }
+}

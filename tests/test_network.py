@@ -1,0 +1,404 @@
+"""Sandbox networking (issue 7): network=True, allow-lists, isolation, set_network, cleanup.
+
+Traffic goes only to loopback, to test hosts in network namespaces this file creates
+(`ip netns add dsec-test-...`, a veth with a /30 to the host), and, in the one test that
+allows it on purpose, to PyPI. Nothing else is ever addressed: to check that a destination
+is refused, it is stood up here first.
+
+The servers here run with their own address pool (a /16 no host route overlaps), so they
+never collide with another dsec server on the machine.
+"""
+
+from __future__ import annotations
+
+import http.server
+import ipaddress
+import json
+import os
+import re
+import secrets
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import dsec
+import pytest
+from dsec_testlib import REPO, Server, free_port, make_tempdir, safe_rmtree, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+DEBIAN_ROOTFS = Path(
+    os.environ.get("DSEC_TEST_DEBIAN_ROOTFS", "/var/tmp/dsec-test-debian-rootfs")
+)
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, check=check, capture_output=True, text=True)
+
+
+def _routes() -> list[ipaddress.IPv4Network]:
+    out = json.loads(_sh("ip", "-j", "-4", "route", "show", "table", "all").stdout or "[]")
+    nets = []
+    for r in out:
+        dst = r.get("dst", "")
+        if dst in ("default", "") or ":" in dst:
+            continue
+        try:
+            nets.append(ipaddress.ip_network(dst if "/" in dst else dst + "/32", strict=False))
+        except ValueError:
+            continue
+    return nets
+
+
+_TAKEN: list[ipaddress.IPv4Network] = []
+
+
+def free_net16() -> ipaddress.IPv4Network:
+    """A 10.x.0.0/16 that no host route and no earlier pick of this run overlaps."""
+    routes = _routes() + _TAKEN
+    for second in range(212, 250):
+        net = ipaddress.ip_network(f"10.{second}.0.0/16")
+        if not any(net.overlaps(r) for r in routes):
+            _TAKEN.append(net)
+            return net
+    pytest.skip("no free 10.x.0.0/16 for a test address pool")
+
+
+def state_tag(state_dir: Path) -> str:
+    """The server's tag (FNV-1a of the canonical state dir), as dsec computes it."""
+    h = 0xCBF29CE484222325
+    for b in os.fsencode(str(state_dir.resolve())):
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h & 0xFFFFFFFF:08x}"
+
+
+def host_state(tag: str) -> list[str]:
+    """Everything on the host carrying server `tag`'s names."""
+    found = []
+    links = _sh("ip", "-o", "link", "show").stdout
+    for m in re.finditer(r"^\d+: ([^:@]+)", links, re.M):
+        name = m.group(1)
+        if name == f"dsec{tag}" or name.startswith(f"dv{tag}"):
+            found.append(f"link {name}")
+    tables = _sh("nft", "list", "tables").stdout
+    found += [f"nft {t.strip()}" for t in tables.splitlines() if f"dsec_{tag}" in t]
+    for chain in ("DOCKER-USER", "FORWARD"):
+        r = _sh("iptables", "-w", "-S", chain, check=False)
+        found += [f"iptables {line}" for line in r.stdout.splitlines() if f"dsec_{tag}" in line]
+    return found
+
+
+class TestHost:
+    """A web server in a network namespace of its own, routed from the host over a /30."""
+
+    def __init__(self, net: ipaddress.IPv4Network, ports: tuple[int, ...] = (8080, 8081)):
+        suffix = secrets.token_hex(3)
+        self.ns = f"dsec-test-{suffix}"
+        self.veth = f"dsect{suffix}"
+        hosts = list(net.hosts())
+        self.gw, self.ip = str(hosts[0]), str(hosts[1])
+        self.ports = ports
+        self.dir = make_tempdir("dsec-test-www-")
+        (self.dir / "hello.txt").write_text(f"hello from {self.ns}\n")
+        self.procs: list[subprocess.Popen[bytes]] = []
+        _sh("ip", "netns", "add", self.ns)
+        try:
+            _sh("ip", "link", "add", self.veth, "type", "veth", "peer", "name", "eth0", "netns", self.ns)
+            _sh("ip", "addr", "add", f"{self.gw}/{net.prefixlen}", "dev", self.veth)
+            _sh("ip", "link", "set", self.veth, "up")
+            _sh("ip", "-n", self.ns, "addr", "add", f"{self.ip}/{net.prefixlen}", "dev", "eth0")
+            _sh("ip", "-n", self.ns, "link", "set", "eth0", "up")
+            _sh("ip", "-n", self.ns, "link", "set", "lo", "up")
+            _sh("ip", "-n", self.ns, "route", "add", "default", "via", self.gw)
+            for port in ports:
+                self.procs.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", self.ns, "python3", "-m", "http.server",
+                         str(port), "--bind", self.ip, "--directory", str(self.dir)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    )
+                )
+            for port in ports:
+                wait_until(lambda p=port: self._up(p), timeout=10)
+        except BaseException:
+            self.close()
+            raise
+
+    def _up(self, port: int) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.ip}:{port}/hello.txt", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def url(self, port: int | None = None) -> str:
+        return f"http://{self.ip}:{port or self.ports[0]}/hello.txt"
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait(5)
+        _sh("ip", "netns", "del", self.ns, check=False)
+        _sh("ip", "link", "del", self.veth, check=False)
+        safe_rmtree(self.dir)
+
+
+def fetch(sb: dsec.Sandbox, url: str) -> dsec.CommandResult:
+    return sb.run(["wget", "-q", "-T", "3", "-O", "-", url], timeout=15)
+
+
+def reaches(sb: dsec.Sandbox, host: TestHost, port: int | None = None) -> bool:
+    r = fetch(sb, host.url(port))
+    return r.exit_code == 0 and f"hello from {host.ns}" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def net_server(busybox_rootfs: Path) -> Iterator[tuple[Server, ipaddress.IPv4Network]]:
+    """A server of this module's own, with its own address pool."""
+    pool = free_net16()
+    d = make_tempdir("dsec-test-net-")
+    s = Server(d / "state", log_path=d / "server.log", extra_args=["--net-pool", str(pool)])
+    s.start()
+    try:
+        with s.client() as c:
+            c.import_image(str(busybox_rootfs), name="busybox")
+        if "sandbox networking unavailable" in s.log_tail(200):
+            pytest.skip("sandbox networking unavailable here:\n" + s.log_tail(20))
+        yield s, pool
+    finally:
+        s.cleanup()
+        tag = state_tag(s.state_dir)
+        safe_rmtree(d)
+        assert host_state(tag) == [], "networking left host state after a graceful stop"
+
+
+@pytest.fixture(scope="module")
+def net_client(net_server: tuple[Server, ipaddress.IPv4Network]) -> Iterator[dsec.Client]:
+    with net_server[0].client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[tuple[TestHost, TestHost]]:
+    """Two test hosts, each in its own namespace."""
+    base = free_net16()
+    subnets = list(base.subnets(new_prefix=30))
+    a = TestHost(subnets[0])
+    try:
+        b = TestHost(subnets[1])
+    except BaseException:
+        a.close()
+        raise
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def make(net_client: dsec.Client) -> Iterator[Callable[..., dsec.Sandbox]]:
+    made: list[dsec.Sandbox] = []
+
+    def create(**kw: object) -> dsec.Sandbox:
+        kw.setdefault("image", "busybox")
+        sb = net_client.create(**kw)  # type: ignore[arg-type]
+        made.append(sb)
+        return sb
+
+    yield create
+    for sb in made:
+        sb.stop()
+
+
+def eth0_ip(sb: dsec.Sandbox) -> str:
+    r = sb.run("ip -o -4 addr show eth0")
+    assert r.exit_code == 0, r.stderr
+    return r.stdout.split()[3].split("/")[0]
+
+
+def test_network_true_reaches_a_test_host(make, hosts) -> None:
+    a, b = hosts
+    sb = make(network=True)
+    assert reaches(sb, a) and reaches(sb, b, 8081)
+    assert sb.read_file("/etc/resolv.conf").startswith(b"nameserver ")
+    host_ca = Path("/etc/ssl/certs/ca-certificates.crt")
+    if host_ca.exists():
+        assert sb.read_file(str(host_ca)) == host_ca.read_bytes()
+
+
+def test_network_false_is_loopback_only(make, hosts) -> None:
+    sb = make(network=False)
+    links = sb.run("ip -o link").stdout
+    assert [l.split(":")[1].strip() for l in links.splitlines()] == ["lo"]
+    assert not reaches(sb, hosts[0])
+
+
+def test_ca_bundle_can_be_declined(net_client: dsec.Client) -> None:
+    sb = net_client.create(image="busybox", network=True, ca_bundle=False)
+    try:
+        r = sb.run("test -e /etc/ssl/certs/ca-certificates.crt")
+        assert r.exit_code != 0
+    finally:
+        sb.stop()
+
+
+def test_sandboxes_cannot_reach_each_other(make) -> None:
+    a, b = make(network=True), make(network=True)
+    assert b.run("mkdir -p /tmp/www && echo hi-b > /tmp/www/x && httpd -p 8000 -h /tmp/www").exit_code == 0
+    assert b.run("wget -q -T 3 -O - http://127.0.0.1:8000/x").stdout == "hi-b\n"
+    bip = eth0_ip(b)
+    r = fetch(a, f"http://{bip}:8000/x")
+    assert r.exit_code != 0, r.stdout
+    r = a.run(f"ping -c 1 -W 1 {bip}")
+    assert r.exit_code != 0
+
+
+def test_host_services_and_the_api_are_unreachable(make, net_server) -> None:
+    server, pool = net_server
+    bridge_ip = str(pool.network_address + 1)
+    # A service of the host's own, listening everywhere (stands in for anything on the host).
+    httpd = http.server.ThreadingHTTPServer(("0.0.0.0", free_port()), http.server.SimpleHTTPRequestHandler)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    try:
+        port = httpd.server_address[1]
+        with urllib.request.urlopen(f"http://{bridge_ip}:{port}/", timeout=3) as r:
+            assert r.status == 200  # the host itself reaches it
+        sb = make(network=True)
+        for url in (
+            f"http://{bridge_ip}:{port}/",
+            f"http://{bridge_ip}:{server.port}/healthz",
+            f"http://127.0.0.1:{server.port}/healthz",
+        ):
+            r = fetch(sb, url)
+            assert r.exit_code != 0, (url, r.stdout)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_allow_list_of_ip_and_port(make, hosts, net_server) -> None:
+    a, b = hosts
+    sb = make(network={"allow": [f"{a.ip}:8080"]})
+    before = refused_total(net_server[0])
+    assert reaches(sb, a, 8080)
+    assert not reaches(sb, a, 8081)
+    assert not reaches(sb, b, 8080)
+    assert refused_total(net_server[0]) > before
+
+
+def test_allow_list_of_a_cidr(make, hosts) -> None:
+    a, b = hosts
+    sb = make(network={"allow": [f"{a.ip}/32"]})
+    assert reaches(sb, a, 8080) and reaches(sb, a, 8081)
+    assert not reaches(sb, b)
+
+
+def test_disallowed_names_do_not_resolve(make) -> None:
+    sb = make(network={"allow": ["pypi.org"]})
+    r = sb.run("nslookup example.com", timeout=15)
+    assert "Address" not in r.stdout.split("Name:")[-1] if "Name:" in r.stdout else True
+    assert r.exit_code != 0 or "NXDOMAIN" in r.stdout + r.stderr
+
+
+def test_set_network_changes_a_running_sandbox(make, hosts) -> None:
+    a, b = hosts
+    sb = make()
+    assert not reaches(sb, a)
+    sb.set_network(True)
+    assert reaches(sb, a) and reaches(sb, b)
+    sb.set_network({"allow": [b.ip]})
+    assert not reaches(sb, a)
+    assert reaches(sb, b)
+    sb.set_network(False)
+    assert not reaches(sb, b)
+    sb.set_network(True)
+    assert reaches(sb, a)
+
+
+def test_malformed_rules_are_invalid_arguments(net_client: dsec.Client) -> None:
+    for rule in ["10.0.0.0/33", "1.2.3.4:99999", "bad host!", "[::1]:80"]:
+        with pytest.raises(dsec.InvalidArgument, match=re.escape(repr(rule)[1:-1])):
+            net_client.create(image="busybox", network={"allow": [rule]})
+
+
+def test_nothing_left_after_stop(make, net_server) -> None:
+    tag = state_tag(net_server[0].state_dir)
+    before = {s for s in host_state(tag) if s.startswith("link dv")}
+    sb = make(network=True)
+    during = {s for s in host_state(tag) if s.startswith("link dv")}
+    assert len(during - before) == 1
+    sb.stop()
+    wait_until(lambda: {s for s in host_state(tag) if s.startswith("link dv")} == before, timeout=5)
+    chains = _sh("nft", "list", "table", "inet", f"dsec_{tag}").stdout
+    assert not re.search(r"chain s[0-9a-f]{5}", chains), chains
+
+
+@pytest.mark.slow
+def test_nothing_left_after_sigkill_and_restart(busybox_rootfs: Path) -> None:
+    pool = free_net16()
+    d = make_tempdir("dsec-test-net-kill-")
+    s = Server(d / "state", log_path=d / "server.log", extra_args=["--net-pool", str(pool)])
+    tag = state_tag(d / "state")
+    try:
+        s.start()
+        with s.client() as c:
+            c.import_image(str(busybox_rootfs), name="busybox")
+            sb = c.create(image="busybox", network=True)
+            assert sb.run("ip -o -4 addr show eth0").exit_code == 0
+        s.kill9()
+        assert f"link dsec{tag}" in host_state(tag)
+        s.restart()
+        # The restarted server removed the old sandbox's veth, chain and rules.
+        assert [x for x in host_state(tag) if x.startswith("link dv")] == []
+        chains = _sh("nft", "list", "table", "inet", f"dsec_{tag}").stdout
+        assert not re.search(r"chain s[0-9a-f]{5}", chains), chains
+        s.stop()
+        assert host_state(tag) == []
+    finally:
+        s.cleanup()
+        safe_rmtree(d)
+    assert host_state(tag) == []
+
+
+def refused_total(server: Server) -> float:
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=5).read().decode()
+    m = re.search(r"^dsec_network_refused_total (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _debian_image(client: dsec.Client) -> str:
+    if not (DEBIAN_ROOTFS / "usr/bin/python3").exists():
+        r = subprocess.run(
+            [str(REPO / "scripts/make-debian-rootfs.sh"), str(DEBIAN_ROOTFS)],
+            capture_output=True, text=True, timeout=600,
+        )
+        if r.returncode != 0:
+            pytest.skip(f"no Debian rootfs with python3: {r.stderr[-400:]}")
+    return client.import_image(str(DEBIAN_ROOTFS), name="debian-net").name
+
+
+PYPI_FETCH = (
+    "import sys, urllib.request\n"
+    "with urllib.request.urlopen(sys.argv[1], timeout=20) as r:\n"
+    "    body = r.read().decode()\n"
+    "print(r.status, 'six' in body)\n"
+)
+
+
+@pytest.mark.slow
+def test_allow_list_of_registry_names(make, net_client: dsec.Client, hosts) -> None:
+    url = "https://pypi.org/simple/six/"
+    try:
+        with urllib.request.urlopen(url, timeout=15) as r:
+            assert r.status == 200
+    except OSError as e:
+        pytest.skip(f"PyPI is not reachable from this host: {e}")
+    image = _debian_image(net_client)
+    sb = make(image=image, network={"allow": ["pypi.org", "files.pythonhosted.org"]})
+    r = sb.run(["python3", "-c", PYPI_FETCH, url], timeout=60)
+    assert r.exit_code == 0 and r.stdout.strip() == "200 True", r.stdout + r.stderr
+    r = sb.run(["python3", "-c", PYPI_FETCH, hosts[0].url()], timeout=30)
+    assert r.exit_code != 0
