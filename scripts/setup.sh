@@ -40,7 +40,8 @@ PACKAGES=(
     runc            # reference runtime for the benchmarks
     docker.io       # the docker backend's daemon (tests start dockerd; see scripts/test.sh)
     iproute2        # network namespaces, veth
-    iptables        # egress policies
+    iptables        # an accept rule when Docker's FORWARD policy is DROP (crates/dsec-net)
+    nftables        # sandbox egress policies (crates/dsec-net)
     erofs-utils     # EROFS image layers
     debootstrap     # scripts/make-debian-rootfs.sh
     docker-registry # a local OCI registry for image-import tests

@@ -209,3 +209,22 @@ def test_import_from_docker_runs_on_the_native_backend(
     with pytest.raises(dsec.InvalidArgument):
         client.import_image("docker://dsec-test/no-such-image:nope")
 
+
+
+def test_all_output_arrives_even_with_pipes_held_open(
+    client: dsec.Client, docker_image: str
+) -> None:
+    """The exec's end is noticed by polling when a background process keeps its pipes open;
+    output still in transit through the daemon at that moment must not be lost."""
+    with client.create(backend="docker", image=docker_image) as sb:
+        r = sb.run(
+            "head -c 20000000 /dev/zero | tr '\\0' x", max_output_bytes=32 << 20
+        )
+        assert (r.exit_code, len(r.stdout), r.truncated) == (0, 20_000_000, False)
+        t0 = time.monotonic()
+        r = sb.run(
+            "sleep 30 & head -c 5000000 /dev/zero | tr '\\0' y; echo end >&2",
+            max_output_bytes=32 << 20,
+        )
+        assert (r.exit_code, len(r.stdout), r.stderr) == (0, 5_000_000, "end\n")
+        assert time.monotonic() - t0 < 10, "the held pipe delayed the result"

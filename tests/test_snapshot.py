@@ -93,3 +93,33 @@ def test_bad_fork_requests(client: dsec.Client, busybox_image: str) -> None:
         pass
     else:
         raise AssertionError("snapshot of an unknown sandbox was accepted")
+
+
+def test_forks_inherit_the_trajectory_at_the_current_step(
+    client: dsec.Client, busybox_image: str
+) -> None:
+    tid = "fork-" + uuid.uuid4().hex[:8]
+    with client.create(image=busybox_image, trajectory_id=tid) as sb:
+        sb.run("echo a >> /root/log")
+        sb.run("echo b >> /root/log")
+        kids = sb.fork(2)
+        try:
+            for i, k in enumerate(kids):
+                assert k.trajectory_id and k.trajectory_id.startswith(tid + ".fork-")
+                r = k.run(f"echo kid{i} >> /root/log; cat /root/log")
+                assert r.stdout == f"a\nb\nkid{i}\n" and not r.replayed
+                steps = [s["step"] for s in k.log()["steps"]]
+                assert steps == [0, 1, 2]
+                # A reconnecting client re-issues the child's steps: the inherited ones replay.
+                again = client.get(k.id)
+                assert again.run("echo a >> /root/log").replayed
+                assert again.run("echo b >> /root/log").replayed
+            # The parent's trajectory goes on independently.
+            r = sb.run("cat /root/log")
+            assert r.stdout == "a\nb\n" and not r.replayed
+        finally:
+            for k in kids:
+                k.stop()
+            for img in client.images():
+                if img.name.startswith(sb.id + "-fork-"):
+                    client.delete_image(img.name)

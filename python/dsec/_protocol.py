@@ -498,6 +498,9 @@ class SandboxBase:
         self.id: str = info.id
         self.trajectory_id: str | None = info.trajectory_id
         self._steps = StepCounter(info.trajectory_id is not None)
+        if info.next_step is not None:
+            # A fork: its trajectory holds the parent's steps, and continues after them.
+            self._steps.next = info.next_step
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r})"

@@ -165,6 +165,8 @@ class SandboxInfo:
     ttl_s: float | None = None
     idle_ttl_s: float | None = None
     trajectory_id: str | None = None
+    #: Set on the sandboxes ``fork`` returns: the step their inherited trajectory continues at.
+    next_step: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -182,6 +184,7 @@ class SandboxInfo:
             ttl_s=_opt_float(d.get("ttl_s")),
             idle_ttl_s=_opt_float(d.get("idle_ttl_s")),
             trajectory_id=str(tid) if tid is not None else None,
+            next_step=int(d["next_step"]) if d.get("next_step") is not None else None,
             raw=d,
         )
 

@@ -180,6 +180,10 @@ pub struct SandboxInfo {
     pub labels: BTreeMap<String, String>,
     /// Trajectory this sandbox records into, if any.
     pub trajectory_id: Option<String>,
+    /// The step its trajectory continues from; set on the sandboxes `fork` returns, whose
+    /// trajectories inherit the parent's steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_step: Option<i64>,
     /// Resource usage now.
     pub usage: Usage,
 }

@@ -9,8 +9,8 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, UdpSocket};
@@ -30,8 +30,34 @@ const RCODE_SERVFAIL: u8 = 2;
 const TYPE_A: u16 = 1;
 const TYPE_AAAA: u16 = 28;
 
-/// A sandbox as the resolver sees it: its chain number and its policy.
-pub(crate) type Clients = Arc<RwLock<HashMap<Ipv4Addr, (u32, Policy)>>>;
+/// A sandbox as the resolver sees it, under one policy (a new policy is a new `Client`,
+/// so nothing opened under the old one is taken as open under the new one).
+pub(crate) struct Client {
+    /// Its chain number.
+    pub n: u32,
+    /// Its policy.
+    pub policy: Policy,
+    /// Destinations opened in its sets, and until when: a repeated question does not
+    /// cost an nftables transaction while the answer's addresses are well within theirs.
+    pub opened: Mutex<HashMap<(Ipv4Addr, Option<u16>), Instant>>,
+}
+
+impl Client {
+    pub(crate) fn new(n: u32, policy: Policy) -> Arc<Client> {
+        Arc::new(Client {
+            n,
+            policy,
+            opened: Mutex::default(),
+        })
+    }
+}
+
+/// The sandboxes the resolver serves, by address.
+pub(crate) type Clients = Arc<RwLock<HashMap<Ipv4Addr, Arc<Client>>>>;
+
+/// Questions answered at once; more are dropped (clients retry), so a sandbox flooding
+/// the resolver cannot make it spawn without bound.
+const MAX_IN_FLIGHT: usize = 256;
 
 /// What the resolver needs; shared by its UDP and TCP tasks.
 pub(crate) struct Resolver {
@@ -152,10 +178,10 @@ impl Resolver {
             IpAddr::V4(ip) => self.clients.read().expect("lock").get(&ip).cloned(),
             IpAddr::V6(_) => None,
         };
-        let Some((n, policy)) = client else {
+        let Some(client) = client else {
             return Some(empty_reply(query, qend, RCODE_REFUSED));
         };
-        let Some(ports) = policy.domain_ports(&qname) else {
+        let Some(ports) = client.policy.domain_ports(&qname) else {
             tracing::debug!(%src, name = %qname, "DNS name not allowed");
             return Some(empty_reply(query, qend, RCODE_NXDOMAIN));
         };
@@ -165,22 +191,33 @@ impl Resolver {
         let Some(reply) = self.forward(query).await else {
             return Some(empty_reply(query, qend, RCODE_SERVFAIL));
         };
-        if qtype == TYPE_A && matches!(policy, Policy::Allow(_)) {
+        if qtype == TYPE_A && matches!(client.policy, Policy::Allow(_)) {
             let (ips, ttl) = a_records(&reply);
-            let ips: Vec<Ipv4Addr> = ips.into_iter().filter(|ip| self.openable(*ip)).collect();
-            if !ips.is_empty() {
-                let script = nft::open(
-                    &self.names,
-                    n,
-                    &ips,
-                    ports.as_deref(),
-                    ttl.clamp(MIN_OPEN_S, MAX_OPEN_S),
-                );
+            let ttl = ttl.clamp(MIN_OPEN_S, MAX_OPEN_S);
+            let now = Instant::now();
+            let fresh_until = now + Duration::from_secs(u64::from(MIN_OPEN_S / 2));
+            let wanted: Vec<(Ipv4Addr, Option<u16>)> = {
+                let opened = client.opened.lock().expect("lock");
+                ips.into_iter()
+                    .filter(|ip| self.openable(*ip))
+                    .flat_map(|ip| match &ports {
+                        None => vec![(ip, None)],
+                        Some(ps) => ps.iter().map(|p| (ip, Some(*p))).collect(),
+                    })
+                    .filter(|d| opened.get(d).is_none_or(|until| *until < fresh_until))
+                    .collect()
+            };
+            if !wanted.is_empty() {
+                let script = nft::open(&self.names, client.n, &wanted, ttl);
                 let opened = tokio::task::spawn_blocking(move || nft::apply(&script)).await;
                 if !matches!(opened, Ok(Ok(()))) {
                     tracing::warn!(name = %qname, ?opened, "opening answered addresses failed");
                     return Some(empty_reply(query, qend, RCODE_SERVFAIL));
                 }
+                let until = now + Duration::from_secs(u64::from(ttl));
+                let mut cache = client.opened.lock().expect("lock");
+                cache.retain(|_, t| *t > now);
+                cache.extend(wanted.into_iter().map(|d| (d, until)));
             }
         }
         Some(reply)
@@ -216,13 +253,18 @@ impl Resolver {
     /// Serves UDP queries on `sock` forever.
     pub(crate) async fn serve_udp(self: Arc<Self>, sock: UdpSocket) {
         let sock = Arc::new(sock);
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
         let mut buf = vec![0u8; 4096];
         loop {
             let Ok((n, src)) = sock.recv_from(&mut buf).await else {
                 continue;
             };
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                continue;
+            };
             let (this, sock, query) = (Arc::clone(&self), Arc::clone(&sock), buf[..n].to_vec());
             tokio::spawn(async move {
+                let _slot = slot;
                 if let Some(reply) = this.answer(&query, src.ip()).await {
                     let _ = sock.send_to(&reply, src).await;
                 }
@@ -232,12 +274,17 @@ impl Resolver {
 
     /// Serves TCP queries (length-prefixed) on `listener` forever.
     pub(crate) async fn serve_tcp(self: Arc<Self>, listener: TcpListener) {
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT / 4));
         loop {
             let Ok((mut conn, src)) = listener.accept().await else {
                 continue;
             };
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                continue; // dropping `conn` closes it
+            };
             let this = Arc::clone(&self);
             tokio::spawn(async move {
+                let _slot = slot;
                 loop {
                     let mut len = [0u8; 2];
                     let read =

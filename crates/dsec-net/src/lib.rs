@@ -20,7 +20,7 @@ use std::collections::HashSet;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::OwnedFd;
 use std::process::Command;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub use policy::{Policy, Rule, RuleError};
@@ -92,9 +92,10 @@ struct Active {
     bridge_index: i32,
     gateway: Ipv4Addr,
     pool: (Ipv4Addr, u8),
-    tag: String,
     clients: Clients,
     used: Mutex<(HashSet<u32>, u32)>,
+    /// Source of policy generations (conntrack marks; see `nft::rules`).
+    generation: AtomicU32,
     /// Refused packets counted by chains already removed.
     refused_gone: AtomicU64,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -342,9 +343,9 @@ impl Networking {
             bridge_index,
             gateway,
             pool,
-            tag: tag.to_owned(),
             clients,
             used: Mutex::new((HashSet::new(), 2)),
+            generation: AtomicU32::new(0x6473_0000 | (std::process::id() & 0xffff)),
             refused_gone: AtomicU64::new(0),
             tasks,
         })
@@ -364,18 +365,18 @@ impl Networking {
             .map_err(|r| NetError::Unavailable(r.clone()))?;
         let n = active.allocate()?;
         let ip = Ipv4Addr::from(u32::from(active.pool.0) + n);
-        let script = nft::attach(&active.names, n, ip, policy);
+        let script = nft::attach(&active.names, n, ip, policy, active.next_generation());
         let attachment = Attachment {
             active: Arc::clone(active),
             n,
             ip,
-            veth: format!("{}{n:x}", veth_prefix(&active.tag)),
+            veth: active.names.veth(n),
         };
         active
             .clients
             .write()
             .expect("lock")
-            .insert(ip, (n, policy.clone()));
+            .insert(ip, dns::Client::new(n, policy.clone()));
         match tokio::task::spawn_blocking(move || nft::apply(&script)).await {
             Ok(Ok(())) => Ok(attachment),
             failed => {
@@ -415,6 +416,12 @@ impl Networking {
 }
 
 impl Active {
+    /// A conntrack mark no earlier policy of this server process used (they start at
+    /// `0x6473xxxx`, from the pid, away from the small marks other software tends to use).
+    fn next_generation(&self) -> u32 {
+        self.generation.fetch_add(1, Ordering::Relaxed)
+    }
+
     fn allocate(&self) -> Result<u32, NetError> {
         let size = 1u32 << (32 - self.pool.1);
         let mut used = self.used.lock().expect("lock");
@@ -480,7 +487,7 @@ impl Attachment {
     /// closed. `Policy::Off` keeps the interface but refuses everything.
     pub async fn set_policy(&self, policy: &Policy) -> Result<(), NetError> {
         let active = Arc::clone(&self.active);
-        let script = nft::replace(&active.names, self.n, policy);
+        let script = nft::replace(&active.names, self.n, policy, active.next_generation());
         let n = self.n;
         tokio::task::spawn_blocking(move || {
             let before = active.refused_by(n);
@@ -494,7 +501,7 @@ impl Attachment {
             .clients
             .write()
             .expect("lock")
-            .insert(self.ip, (self.n, policy.clone()));
+            .insert(self.ip, dns::Client::new(self.n, policy.clone()));
         Ok(())
     }
 

@@ -41,7 +41,7 @@ impl Msg {
 
     fn raw(&mut self, bytes: &[u8]) -> &mut Msg {
         self.buf.extend_from_slice(bytes);
-        while self.buf.len() % 4 != 0 {
+        while !self.buf.len().is_multiple_of(4) {
             self.buf.push(0);
         }
         self
@@ -97,12 +97,16 @@ pub(crate) fn index(name: &str) -> io::Result<i32> {
 impl Rtnl {
     /// Opens a socket in the calling thread's network namespace.
     pub(crate) fn open() -> io::Result<Rtnl> {
+        Self::open_protocol(libc::NETLINK_ROUTE)
+    }
+
+    fn open_protocol(protocol: i32) -> io::Result<Rtnl> {
         // SAFETY: plain socket(2) call; the result is checked before use.
         let fd = unsafe {
             libc::socket(
                 libc::AF_NETLINK,
                 libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::NETLINK_ROUTE,
+                protocol,
             )
         };
         if fd < 0 {
@@ -293,4 +297,122 @@ pub(crate) fn in_netns<T: Send>(
         .join()
         .unwrap_or_else(|_| Err(io::Error::other("netns thread panicked")))
     })
+}
+
+const NFNL_SUBSYS_ULOG: u16 = 4;
+const NFULNL_MSG_PACKET: u16 = 0;
+const NFULNL_MSG_CONFIG: u16 = 1;
+const NFULA_CFG_CMD: u16 = 1;
+const NFULA_CFG_MODE: u16 = 2;
+const NFULNL_CFG_CMD_BIND: u8 = 1;
+const NFULNL_COPY_PACKET: u8 = 2;
+const NFULA_PAYLOAD: u16 = 9;
+const NFULA_PREFIX: u16 = 10;
+
+/// A packet an nftables `log group` rule sent: its prefix and its first bytes.
+pub(crate) struct Logged {
+    pub prefix: String,
+    pub payload: Vec<u8>,
+}
+
+/// A NETLINK_NETFILTER socket bound to one nflog group.
+pub(crate) struct NfLog {
+    sock: Rtnl,
+}
+
+impl NfLog {
+    /// Binds nflog group `group`, copying `range` bytes of each packet; receives time out
+    /// after `timeout`, so the reader can notice it should stop.
+    pub(crate) fn bind(group: u16, range: u32, timeout: std::time::Duration) -> io::Result<NfLog> {
+        let mut sock = Rtnl::open_protocol(libc::NETLINK_NETFILTER)?;
+        let kind = (NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_CONFIG;
+        let mut genmsg = [0u8; 4];
+        genmsg[2..4].copy_from_slice(&group.to_be_bytes());
+        let mut m = Msg::new(kind, 0);
+        m.raw(&genmsg).attr(NFULA_CFG_CMD, &[NFULNL_CFG_CMD_BIND]);
+        sock.call(&mut m)?;
+        let mut mode = range.to_be_bytes().to_vec();
+        mode.extend_from_slice(&[NFULNL_COPY_PACKET, 0]);
+        let mut m = Msg::new(kind, 0);
+        m.raw(&genmsg).attr(NFULA_CFG_MODE, &mode);
+        sock.call(&mut m)?;
+        let tv = libc::timeval {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+        };
+        // SAFETY: `tv` is a valid timeval that outlives the call; the length is its size.
+        let rc = unsafe {
+            libc::setsockopt(
+                sock.fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                std::ptr::addr_of!(tv).cast(),
+                std::mem::size_of::<libc::timeval>() as u32,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(NfLog { sock })
+    }
+
+    /// The packets of the next datagram (empty after a timeout or a dropped burst).
+    pub(crate) fn recv(&self) -> Vec<Logged> {
+        let mut buf = vec![0u8; 65536];
+        // SAFETY: `buf` is writable for its whole length.
+        let n = unsafe {
+            libc::recv(
+                self.sock.fd.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                0,
+            )
+        };
+        if n <= 0 {
+            return Vec::new();
+        }
+        parse_nflog(&buf[..n as usize])
+    }
+}
+
+/// The nflog packet messages of one netlink datagram.
+pub(crate) fn parse_nflog(buf: &[u8]) -> Vec<Logged> {
+    let u16_at = |b: &[u8], i: usize| u16::from_ne_bytes([b[i], b[i + 1]]);
+    let mut out = Vec::new();
+    let mut off = 0;
+    while off + 16 <= buf.len() {
+        let mlen = u32::from_ne_bytes(buf[off..off + 4].try_into().expect("4 bytes")) as usize;
+        if mlen < 16 || off + mlen > buf.len() {
+            break;
+        }
+        if u16_at(buf, off + 4) == (NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_PACKET {
+            let msg = &buf[off + 16..off + mlen];
+            let mut logged = Logged {
+                prefix: String::new(),
+                payload: Vec::new(),
+            };
+            let mut i = 4; // struct nfgenmsg
+            while i + 4 <= msg.len() {
+                let alen = u16_at(msg, i) as usize;
+                let kind = u16_at(msg, i + 2) & 0x3fff;
+                if alen < 4 || i + alen > msg.len() {
+                    break;
+                }
+                let data = &msg[i + 4..i + alen];
+                match kind {
+                    NFULA_PREFIX => {
+                        logged.prefix = String::from_utf8_lossy(data)
+                            .trim_end_matches('\0')
+                            .to_owned()
+                    }
+                    NFULA_PAYLOAD => logged.payload = data.to_vec(),
+                    _ => {}
+                }
+                i += (alen + 3) & !3;
+            }
+            out.push(logged);
+        }
+        off += (mlen + 3) & !3;
+    }
+    out
 }

@@ -8,6 +8,9 @@
 //! dsec's resolver. The bridge table drops frames between bridge ports, so sandboxes cannot
 //! reach each other even at layer 2 (frames from any sandbox port are
 //! dropped there: a sandbox's frames can only go up to the bridge itself, i.e. the host).
+//! It also stops spoofing: a sandbox port passes only IPv4 and ARP frames whose sender
+//! address is the one dsec gave that port (`ports` set), so no sandbox can borrow
+//! another's address — and with it that sandbox's policy (sandboxes keep `CAP_NET_RAW`).
 
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -20,6 +23,9 @@ use crate::NetError;
 /// Comment on every rule that refuses: the counters read back for the refused metric.
 const REFUSED: &str = "dsec-refused";
 
+/// Prefix of the nflog messages of refused packets.
+pub(crate) const LOG_PREFIX: &str = "dsec-refused ";
+
 /// Names of this server's nftables objects.
 #[derive(Clone, Debug)]
 pub(crate) struct Names {
@@ -27,6 +33,8 @@ pub(crate) struct Names {
     pub bridge: String,
     /// Every sandbox's host-side veth starts with this.
     pub veth_prefix: String,
+    /// The nflog group refused packets are logged to (see `events`).
+    pub log_group: u16,
 }
 
 impl Names {
@@ -38,6 +46,19 @@ impl Names {
     }
     pub(crate) fn port_set(n: u32) -> String {
         format!("p{n:05x}")
+    }
+    /// A statement logging (rate-limited, per rule) to the server's nflog group: placed
+    /// right before each refusing rule, it makes the refusal an event.
+    pub(crate) fn log(&self) -> String {
+        format!(
+            "limit rate 50/second burst 50 packets log prefix \"{LOG_PREFIX}\" group {}",
+            self.log_group
+        )
+    }
+
+    /// The host end of sandbox `n`'s veth.
+    pub(crate) fn veth(&self, n: u32) -> String {
+        format!("{}{n:x}", self.veth_prefix)
     }
 }
 
@@ -78,6 +99,7 @@ pub(crate) fn query(args: &[&str]) -> Option<String> {
 /// The server-wide tables.
 pub(crate) fn base(names: &Names, pool: &str, bridge_ip: Ipv4Addr) -> String {
     let (t, br, ports) = (&names.table, &names.bridge, &names.veth_prefix);
+    let log = names.log();
     format!(
         "table inet {t} {{
   map sandboxes {{ type ipv4_addr : verdict; }}
@@ -92,6 +114,7 @@ pub(crate) fn base(names: &Names, pool: &str, bridge_ip: Ipv4Addr) -> String {
     type filter hook input priority filter - 10; policy accept;
     iifname \"{br}\" ct state established,related accept
     iifname \"{br}\" ip daddr {bridge_ip} meta l4proto {{ tcp, udp }} th dport 53 accept
+    iifname \"{br}\" {log}
     iifname \"{br}\" counter reject with icmpx type admin-prohibited comment \"{REFUSED}\"
   }}
   chain postrouting {{
@@ -100,6 +123,13 @@ pub(crate) fn base(names: &Names, pool: &str, bridge_ip: Ipv4Addr) -> String {
   }}
 }}
 table bridge {t} {{
+  set ports {{ type ifname . ipv4_addr; }}
+  chain prerouting {{
+    type filter hook prerouting priority filter - 10; policy accept;
+    iifname \"{ports}*\" ether type ip iifname . ip saddr != @ports drop
+    iifname \"{ports}*\" ether type arp iifname . arp saddr ip != @ports drop
+    iifname \"{ports}*\" ether type != {{ ip, arp }} drop
+  }}
   chain forward {{
     type filter hook forward priority filter - 10; policy accept;
     iifname \"{ports}*\" drop
@@ -109,16 +139,33 @@ table bridge {t} {{
     )
 }
 
-/// The rules of sandbox `n`'s chain for `policy`.
-fn rules(names: &Names, n: u32, policy: &Policy) -> String {
+/// The rules of sandbox `n`'s chain for `policy`, generation `generation`.
+///
+/// Connections the policy accepted carry the generation in their conntrack mark and pass
+/// on that alone, so a long download outlives the DNS timeout that let it start. A new
+/// policy gets a new generation: every open connection is then judged again by the new
+/// rules, packet by packet, so a narrower policy cuts what it no longer allows.
+fn rules(names: &Names, n: u32, policy: &Policy, generation: u32) -> String {
     let (t, c) = (&names.table, Names::chain(n));
     let mut s = String::new();
+    if !policy.is_off() {
+        let _ = writeln!(
+            s,
+            "add rule inet {t} {c} ct state established,related ct mark {generation:#x} accept"
+        );
+    }
     let mut rule = |body: &str| {
+        let body = match body.strip_suffix(" accept") {
+            Some(head) => format!("{head} ct mark set {generation:#x} accept"),
+            None if body == "accept" => format!("ct mark set {generation:#x} accept"),
+            None => body.to_owned(),
+        };
         let _ = writeln!(s, "add rule inet {t} {c} {body}");
     };
     match policy {
         Policy::Off => {}
         Policy::Full => {
+            rule(&format!("ip daddr 169.254.0.0/16 {}", names.log()));
             rule(&format!(
                 "ip daddr 169.254.0.0/16 counter reject with icmpx type admin-prohibited comment \"{REFUSED}\""
             ));
@@ -142,6 +189,7 @@ fn rules(names: &Names, n: u32, policy: &Policy) -> String {
             ));
         }
     }
+    rule(&names.log());
     rule(&format!(
         "counter reject with icmpx type admin-prohibited comment \"{REFUSED}\""
     ));
@@ -149,7 +197,13 @@ fn rules(names: &Names, n: u32, policy: &Policy) -> String {
 }
 
 /// Creates sandbox `n`'s chain and sets, and routes its traffic there.
-pub(crate) fn attach(names: &Names, n: u32, ip: Ipv4Addr, policy: &Policy) -> String {
+pub(crate) fn attach(
+    names: &Names,
+    n: u32,
+    ip: Ipv4Addr,
+    policy: &Policy,
+    generation: u32,
+) -> String {
     let t = &names.table;
     let (c, d, p) = (Names::chain(n), Names::any_set(n), Names::port_set(n));
     let mut s = format!(
@@ -158,18 +212,23 @@ pub(crate) fn attach(names: &Names, n: u32, ip: Ipv4Addr, policy: &Policy) -> St
          add set inet {t} {p} {{ type ipv4_addr . inet_service; flags timeout; }}\n\
          flush chain inet {t} {c}\nflush set inet {t} {d}\nflush set inet {t} {p}\n"
     );
-    s += &rules(names, n, policy);
+    s += &rules(names, n, policy, generation);
     let _ = writeln!(s, "add element inet {t} sandboxes {{ {ip} : jump {c} }}");
+    let _ = writeln!(
+        s,
+        "add element bridge {t} ports {{ \"{}\" . {ip} }}",
+        names.veth(n)
+    );
     s
 }
 
 /// Replaces sandbox `n`'s rules (and forgets the addresses its resolver answers opened).
-pub(crate) fn replace(names: &Names, n: u32, policy: &Policy) -> String {
+pub(crate) fn replace(names: &Names, n: u32, policy: &Policy, generation: u32) -> String {
     let t = &names.table;
     let (c, d, p) = (Names::chain(n), Names::any_set(n), Names::port_set(n));
     let mut s =
         format!("flush chain inet {t} {c}\nflush set inet {t} {d}\nflush set inet {t} {p}\n");
-    s += &rules(names, n, policy);
+    s += &rules(names, n, policy, generation);
     s
 }
 
@@ -179,35 +238,23 @@ pub(crate) fn detach(names: &Names, n: u32, ip: Ipv4Addr) -> String {
     let (c, d, p) = (Names::chain(n), Names::any_set(n), Names::port_set(n));
     format!(
         "delete element inet {t} sandboxes {{ {ip} }}\n\
-         delete chain inet {t} {c}\ndelete set inet {t} {d}\ndelete set inet {t} {p}\n"
+         delete chain inet {t} {c}\ndelete set inet {t} {d}\ndelete set inet {t} {p}\n\
+         delete element bridge {t} ports {{ \"{}\" . {ip} }}\n",
+        names.veth(n)
     )
 }
 
-/// Opens `ips` (with `ports`, or every port) for sandbox `n` for `ttl` seconds. An
-/// element already present is deleted and re-added, so its timeout restarts.
-pub(crate) fn open(
-    names: &Names,
-    n: u32,
-    ips: &[Ipv4Addr],
-    ports: Option<&[u16]>,
-    ttl: u32,
-) -> String {
+/// Opens destinations for sandbox `n` for `ttl` seconds: `(ip, None)` on every port,
+/// `(ip, Some(port))` on that port. An element already present is deleted and re-added,
+/// so its timeout restarts.
+pub(crate) fn open(names: &Names, n: u32, dests: &[(Ipv4Addr, Option<u16>)], ttl: u32) -> String {
     let t = &names.table;
-    let mut elems = Vec::new();
-    let set = match ports {
-        None => {
-            elems.extend(ips.iter().map(|ip| ip.to_string()));
-            Names::any_set(n)
-        }
-        Some(ports) => {
-            for ip in ips {
-                elems.extend(ports.iter().map(|p| format!("{ip} . {p}")));
-            }
-            Names::port_set(n)
-        }
-    };
     let mut s = String::new();
-    for e in &elems {
+    for (ip, port) in dests {
+        let (set, e) = match port {
+            None => (Names::any_set(n), ip.to_string()),
+            Some(p) => (Names::port_set(n), format!("{ip} . {p}")),
+        };
         let _ = write!(
             s,
             "add element inet {t} {set} {{ {e} timeout 1s }}\n\
@@ -258,18 +305,19 @@ mod tests {
             table: "dsec_t".into(),
             bridge: "dsect".into(),
             veth_prefix: "dvt".into(),
+            log_group: 9,
         };
         let p = Policy::allow(&["10.0.0.0/8", "1.2.3.4:443", "pypi.org"]).unwrap();
-        let s = attach(&names, 5, Ipv4Addr::new(10, 209, 0, 5), &p);
-        assert!(s.contains("add rule inet dsec_t s00005 ip daddr 10.0.0.0/8 accept"));
-        assert!(s.contains("ip daddr 1.2.3.4/32 meta l4proto { tcp, udp } th dport 443 accept"));
-        assert!(s.contains("ip daddr @d00005 accept"));
-        assert!(s.trim_end().ends_with("{ 10.209.0.5 : jump s00005 }"));
-        let last_rule = s
-            .lines()
-            .filter(|l| l.starts_with("add rule"))
-            .last()
-            .unwrap();
+        let s = attach(&names, 5, Ipv4Addr::new(10, 209, 0, 5), &p, 7);
+        assert!(s.contains("s00005 ct state established,related ct mark 0x7 accept"));
+        assert!(s.contains("s00005 ip daddr 10.0.0.0/8 ct mark set 0x7 accept"));
+        assert!(s.contains(
+            "ip daddr 1.2.3.4/32 meta l4proto { tcp, udp } th dport 443 ct mark set 0x7 accept"
+        ));
+        assert!(s.contains("ip daddr @d00005 ct mark set 0x7 accept"));
+        assert!(s.contains("add element inet dsec_t sandboxes { 10.209.0.5 : jump s00005 }"));
+        assert!(s.contains("add element bridge dsec_t ports { \"dvt5\" . 10.209.0.5 }"));
+        let last_rule = s.lines().rfind(|l| l.starts_with("add rule")).unwrap();
         assert!(last_rule.contains("reject") && last_rule.contains(REFUSED));
     }
 }

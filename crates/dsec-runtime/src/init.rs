@@ -360,10 +360,10 @@ impl Init {
     fn handle(&mut self, frame: Frame) {
         match frame.kind {
             FrameKind::Exec => match proto::decode_exec(&frame) {
-                Ok((spec, stdin, files)) => {
-                    let stdin = stdin.to_vec();
-                    let files = files.iter().map(|f| f.to_vec()).collect();
-                    self.start(frame.exec_id, spec, stdin, files);
+                Ok(payload) => {
+                    let stdin = payload.stdin.to_vec();
+                    let files = payload.files.iter().map(|f| f.to_vec()).collect();
+                    self.start(frame.exec_id, payload.spec, stdin, files);
                 }
                 Err(e) => self.send_error(frame.exec_id, "decode", None, e.to_string()),
             },

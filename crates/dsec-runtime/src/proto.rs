@@ -220,8 +220,19 @@ pub fn encode_exec(
     encode(out, FrameKind::Exec, exec_id, &payload);
 }
 
+/// A decoded [`FrameKind::Exec`] payload.
+#[derive(Debug)]
+pub struct ExecPayload<'a> {
+    /// What to run.
+    pub spec: ExecSpec,
+    /// Standard input.
+    pub stdin: &'a [u8],
+    /// Contents of `spec.files`, in order.
+    pub files: Vec<&'a [u8]>,
+}
+
 /// Splits an [`FrameKind::Exec`] payload into the spec, stdin and the files' contents.
-pub fn decode_exec(frame: &Frame) -> Result<(ExecSpec, &[u8], Vec<&[u8]>), ProtoError> {
+pub fn decode_exec(frame: &Frame) -> Result<ExecPayload<'_>, ProtoError> {
     let bad = |reason: &str| ProtoError::Payload {
         kind: FrameKind::Exec,
         reason: reason.to_owned(),
@@ -245,7 +256,7 @@ pub fn decode_exec(frame: &Frame) -> Result<(ExecSpec, &[u8], Vec<&[u8]>), Proto
         files.push(head);
         tail = rest;
     }
-    Ok((spec, stdin, files))
+    Ok(ExecPayload { spec, stdin, files })
 }
 
 #[cfg(test)]
@@ -288,10 +299,10 @@ mod tests {
         let mut buf = Vec::new();
         encode_exec(&mut buf, 3, &spec, b"input", &[]);
         let frame = decode(&mut buf).unwrap().unwrap();
-        let (got, stdin, files) = decode_exec(&frame).unwrap();
-        assert_eq!(got, spec);
-        assert_eq!(stdin, b"input");
-        assert!(files.is_empty());
+        let got = decode_exec(&frame).unwrap();
+        assert_eq!(got.spec, spec);
+        assert_eq!(got.stdin, b"input");
+        assert!(got.files.is_empty());
     }
 
     #[test]
@@ -315,9 +326,9 @@ mod tests {
         let mut buf = Vec::new();
         encode_exec(&mut buf, 1, &spec, b"in", &[b"aa", b"bbb"]);
         let frame = decode(&mut buf).unwrap().unwrap();
-        let (_, stdin, files) = decode_exec(&frame).unwrap();
-        assert_eq!(stdin, b"in");
-        assert_eq!(files, vec![&b"aa"[..], &b"bbb"[..]]);
+        let got = decode_exec(&frame).unwrap();
+        assert_eq!(got.stdin, b"in");
+        assert_eq!(got.files, vec![&b"aa"[..], &b"bbb"[..]]);
     }
 
     #[test]

@@ -654,6 +654,7 @@ mod tests {
         for route in [
             "/v1/sandboxes/{id}/exec/stream",
             "/v1/sandboxes/{id}/network",
+            "/v1/sandboxes/{id}/log",
             "/v1/images/{name}",
             "/healthz",
         ] {

@@ -16,7 +16,9 @@ use dsec_api::{
     SandboxState,
 };
 use dsec_image::{Image, ImageStore};
-use dsec_trajectory::{digest, FileDigest, SandboxLog, SandboxRecord, StepRequest, TrajectoryLog};
+use dsec_trajectory::{
+    digest, FileDigest, ForkOf, SandboxLog, SandboxRecord, StepRequest, TrajectoryLog,
+};
 use rand::Rng;
 
 use crate::backend::{
@@ -315,6 +317,15 @@ impl Edge {
 
     /// Creates a sandbox.
     pub async fn create(&self, req: CreateSandboxRequest) -> Result<SandboxInfo, ApiError> {
+        self.create_from(req, None).await
+    }
+
+    /// Creates a sandbox; a fork's trajectory starts with its parent's first steps.
+    async fn create_from(
+        &self,
+        req: CreateSandboxRequest,
+        fork_of: Option<ForkOf>,
+    ) -> Result<SandboxInfo, ApiError> {
         let request = req.clone();
         let backend = self.backends.get(&req.backend)?;
         let (cpus, memory_mb, pids, disk_mb) = self.validate(&req)?;
@@ -383,6 +394,7 @@ impl Edge {
             idle_ttl_s,
             labels: req.labels,
             trajectory_id: req.trajectory_id,
+            next_step: None,
             usage: Default::default(),
         };
         let registered = self.log.register(SandboxRecord {
@@ -392,6 +404,7 @@ impl Edge {
             backend: info.backend.clone(),
             env: req.env.clone(),
             created_at: info.created_at,
+            fork_of: fork_of.clone(),
         });
         // Only a trajectory id can be refused; otherwise the record commits with (or
         // before) the sandbox's first step, and nothing need wait for it.
@@ -402,7 +415,10 @@ impl Edge {
             }
         }
         let entry = Arc::new(Entry {
-            position: Position::new(info.trajectory_id.clone()),
+            position: Position::new(
+                info.trajectory_id.clone(),
+                fork_of.as_ref().map_or(0, |f| f.steps),
+            ),
             info: info.clone(),
             image_layers: image.layers,
             env: merge_env(&[&base_env, &image_env, &sandbox_env]),
@@ -503,17 +519,37 @@ impl Edge {
     /// it can be deleted once the forks are done) and each child starts from it.
     pub async fn fork(&self, id: &str, n: i64) -> Result<Vec<SandboxInfo>, ApiError> {
         let n = check_range("n", n, 1, MAX_FORKS, "")? as usize;
-        let request = self.entry(id)?.request.clone();
+        let parent = self.entry(id)?;
+        // Holding the parent's trajectory position keeps its next step out until the fork
+        // is done: the snapshot and the inherited steps describe the same point.
+        let position = parent.position.hold().await;
         let name = format!("{id}-fork-{:08x}", rand::rng().random::<u32>());
         let image = self.snapshot(id, Some(name)).await?;
-        let child = CreateSandboxRequest {
-            image: image.name,
-            trajectory_id: None,
-            ..request
+        let fork_of = match (&parent.request.trajectory_id, &position) {
+            (Some(t), Some(next)) => Some(ForkOf {
+                trajectory_id: t.clone(),
+                steps: **next,
+            }),
+            _ => None,
         };
-        let created = futures::future::join_all((0..n).map(|_| self.create(child.clone()))).await;
+        let suffix = rand::rng().random::<u32>();
+        let created = futures::future::join_all((0..n).map(|i| {
+            let child = CreateSandboxRequest {
+                image: image.name.clone(),
+                trajectory_id: fork_of
+                    .as_ref()
+                    .map(|f| format!("{}.fork-{suffix:08x}-{i}", f.trajectory_id)),
+                ..parent.request.clone()
+            };
+            self.create_from(child, fork_of.clone())
+        }))
+        .await;
+        drop(position);
         let (ok, failed): (Vec<_>, Vec<_>) = created.into_iter().partition(Result::is_ok);
-        let children: Vec<SandboxInfo> = ok.into_iter().flatten().collect();
+        let mut children: Vec<SandboxInfo> = ok.into_iter().flatten().collect();
+        for c in &mut children {
+            c.next_step = fork_of.as_ref().map(|f| f.steps);
+        }
         if let Some(Err(e)) = failed.into_iter().next() {
             for c in &children {
                 let _ = self.stop(&c.id).await;

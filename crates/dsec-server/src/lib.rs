@@ -43,7 +43,7 @@ pub struct ServerConfig {
     /// Defaults and names for the edge.
     pub edge: EdgeConfig,
     /// Whether each commit of the trajectory log fsyncs (see `dsec_trajectory`).
-    pub trajectory_sync: dsec_trajectory::Sync,
+    pub trajectory_sync: dsec_trajectory::SyncMode,
     /// Sizing of the fncall worker pools.
     pub fncall: PoolConfig,
     /// Addresses of sandboxes with a network: (network, prefix length).

@@ -37,14 +37,23 @@ pub(crate) enum Position {
 }
 
 impl Position {
-    /// The position of a new sandbox.
-    pub(crate) fn new(trajectory_id: Option<String>) -> Position {
+    /// The position of a new sandbox whose trajectory (if any) continues at `next`.
+    pub(crate) fn new(trajectory_id: Option<String>, next: i64) -> Position {
         match trajectory_id {
             Some(id) => Position::Keyed {
                 id,
-                next: Arc::new(Mutex::new(0)),
+                next: Arc::new(Mutex::new(next)),
             },
             None => Position::Unkeyed(AtomicI64::new(0)),
+        }
+    }
+
+    /// Waits for the step in progress (if any) and keeps the next one out while the
+    /// guard lives; yields the next step. `None` for a sandbox without a trajectory id.
+    pub(crate) async fn hold(&self) -> Option<OwnedMutexGuard<i64>> {
+        match self {
+            Position::Keyed { next, .. } => Some(Arc::clone(next).lock_owned().await),
+            Position::Unkeyed(_) => None,
         }
     }
 }

@@ -23,19 +23,23 @@
 //!
 //! # Durability (the fsync policy)
 //!
-//! One writer thread owns the only write connection. It takes every append waiting in its
-//! queue, writes them in one transaction and commits (group commit); each caller is
-//! answered only after that commit has been written to the WAL file.
+//! Every caller is answered only after the commit holding its row has been written to the
+//! WAL file.
 //!
-//! With [`Sync::Normal`] (the default) the commit is a `write(2)` into the WAL without
-//! fsync: a result a client received survives a SIGKILL (or any crash) of the server,
-//! because the kernel holds the data, but the last commits may be lost if the machine
-//! itself crashes or loses power. It costs about 30 µs per append on the development
-//! machine. With [`Sync::Full`] each commit also fsyncs the WAL, so results survive power
-//! loss too; it costs one fsync per batch (0.3 ms to several ms on the development
-//! machine's virtual disk, more than the 5% of an exec round trip that logging may take),
-//! shared by every step the batch holds. Reads use their own connections and never wait on
-//! the writer.
+//! With [`SyncMode::Normal`] (the default) a commit is a `write(2)` into the WAL without fsync:
+//! a result a client received survives a SIGKILL (or any crash) of the server, because the
+//! kernel holds the data, but the last commits may be lost if the machine itself crashes or
+//! loses power. Such a commit costs about 20–30 µs, so it is made on the caller's thread
+//! (under the write connection's lock): handing it to another thread and back would cost
+//! more under load. Only a step with a large output is written on tokio's blocking pool. WAL checkpoints, which do fsync, run every half second on a thread of
+//! their own.
+//!
+//! With [`SyncMode::Full`] each commit also fsyncs the WAL, so results survive power loss too.
+//! One writer thread owns the write connection: it takes every append waiting in its queue,
+//! writes them in one transaction and commits (group commit), so one fsync (0.3 ms to
+//! several ms on the development machine's virtual disk) serves every step the batch holds.
+//!
+//! Reads use their own connections and never wait on the writer.
 #![warn(missing_docs)]
 
 use std::collections::BTreeMap;
@@ -160,7 +164,7 @@ pub enum LogError {
 
 /// How hard a commit waits for the disk; see the crate docs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Sync {
+pub enum SyncMode {
     /// fsync each group commit: survives power loss, at one fsync per batch.
     Full,
     /// No fsync on commit: survives a crash (SIGKILL) of the server, not of the machine.
@@ -296,6 +300,19 @@ pub struct SandboxRecord {
     pub env: BTreeMap<String, String>,
     /// Unix time of creation, in seconds.
     pub created_at: f64,
+    /// A fork's parent trajectory: its first steps are copied into this sandbox's
+    /// trajectory when the sandbox is recorded, so the fork continues from there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork_of: Option<ForkOf>,
+}
+
+/// Where a forked sandbox's trajectory branches off.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct ForkOf {
+    /// The parent's trajectory id.
+    pub trajectory_id: String,
+    /// How many of its steps (0 to `steps - 1`) the fork inherits.
+    pub steps: i64,
 }
 
 /// `GET /v1/sandboxes/{id}/log`: a sandbox and the steps it recorded, in order.
@@ -312,21 +329,52 @@ enum Job {
     Append(Box<Step>, oneshot::Sender<Result<(), LogError>>),
 }
 
+impl Job {
+    /// Bytes of command output the job writes.
+    fn output_bytes(&self) -> usize {
+        match self {
+            Job::Register(..) => 0,
+            Job::Append(s, _) => s.result.stdout.len() + s.result.stderr.len(),
+        }
+    }
+}
+
 /// A write that the writer thread will answer once it is durable (or failed).
 #[must_use = "a write is durable only once wait() returns Ok"]
 pub struct Pending(oneshot::Receiver<Result<(), LogError>>);
 
 impl Pending {
-    /// Waits until the write is committed under the log's [`Sync`] policy.
+    /// Waits until the write is committed under the log's [`SyncMode`] policy.
     pub async fn wait(self) -> Result<(), LogError> {
         self.0.await.unwrap_or(Err(LogError::WriterGone))
     }
 }
 
+/// Output (stdout and stderr) beyond which an append is written off the caller's thread.
+const MAX_INLINE_OUTPUT: usize = 64 << 10;
+
+/// Where writes go: how a commit is made durable decides which is cheaper.
+enum Writer {
+    /// [`SyncMode::Normal`]: a commit is a `write(2)` of tens of microseconds, cheaper on the
+    /// caller's thread than the two thread hops to a writer thread and back.
+    Inline(Mutex<Connection>),
+    /// [`SyncMode::Full`]: the writer thread, so one fsync serves every append queued meanwhile.
+    Thread(Mutex<mpsc::Sender<Job>>),
+}
+
 struct Inner {
     path: PathBuf,
-    jobs: Mutex<mpsc::Sender<Job>>,
+    writer: Writer,
     readers: Mutex<Vec<Connection>>,
+}
+
+impl Inner {
+    /// Writes `job` on this thread ([`Writer::Inline`] only).
+    fn write_inline(&self, job: Job) {
+        if let Writer::Inline(conn) = &self.writer {
+            write_batch(&mut conn.lock().expect("lock"), &self.path, vec![job]);
+        }
+    }
 }
 
 /// The trajectory log of one state directory. Cheap to clone.
@@ -346,11 +394,11 @@ fn sqlite_err<'a>(
     }
 }
 
-fn open_connection(path: &Path, sync: Sync) -> Result<Connection, LogError> {
+fn open_connection(path: &Path, sync: SyncMode) -> Result<Connection, LogError> {
     let conn = Connection::open(path).map_err(sqlite_err(path, "opening"))?;
     let sync = match sync {
-        Sync::Full => "FULL",
-        Sync::Normal => "NORMAL",
+        SyncMode::Full => "FULL",
+        SyncMode::Normal => "NORMAL",
     };
     conn.execute_batch(&format!(
         "PRAGMA journal_mode = WAL; PRAGMA synchronous = {sync}; PRAGMA busy_timeout = 10000;"
@@ -361,29 +409,60 @@ fn open_connection(path: &Path, sync: Sync) -> Result<Connection, LogError> {
 
 impl TrajectoryLog {
     /// Opens (creating if needed) the log at `path` and starts its writer thread.
-    pub fn open(path: &Path, sync: Sync) -> Result<TrajectoryLog, LogError> {
+    pub fn open(path: &Path, sync: SyncMode) -> Result<TrajectoryLog, LogError> {
         let conn = open_connection(path, sync)?;
         conn.execute_batch(SCHEMA)
             .map_err(sqlite_err(path, "creating the schema"))?;
-        let (tx, rx) = mpsc::channel();
-        let writer_path = path.to_owned();
-        thread::Builder::new()
-            .name("dsec-trajectory".into())
-            .spawn(move || writer(conn, &writer_path, rx))
-            .map_err(LogError::Thread)?;
-        Ok(TrajectoryLog {
-            inner: Arc::new(Inner {
-                path: path.to_owned(),
-                jobs: Mutex::new(tx),
-                readers: Mutex::default(),
-            }),
-        })
+        let writer = match sync {
+            SyncMode::Normal => {
+                // Checkpoints (which fsync) run on a thread of their own, not in a request.
+                conn.execute_batch("PRAGMA wal_autocheckpoint = 0;")
+                    .map_err(sqlite_err(path, "setting WAL mode"))?;
+                Writer::Inline(Mutex::new(conn))
+            }
+            SyncMode::Full => {
+                let (tx, rx) = mpsc::channel();
+                let writer_path = path.to_owned();
+                thread::Builder::new()
+                    .name("dsec-trajectory".into())
+                    .spawn(move || writer(conn, &writer_path, rx))
+                    .map_err(LogError::Thread)?;
+                Writer::Thread(Mutex::new(tx))
+            }
+        };
+        let inner = Arc::new(Inner {
+            path: path.to_owned(),
+            writer,
+            readers: Mutex::default(),
+        });
+        if sync == SyncMode::Normal {
+            let checkpointer = open_connection(path, sync)?;
+            let weak = Arc::downgrade(&inner);
+            thread::Builder::new()
+                .name("dsec-traj-ckpt".into())
+                .spawn(move || checkpoints(checkpointer, weak))
+                .map_err(LogError::Thread)?;
+        }
+        Ok(TrajectoryLog { inner })
     }
 
     fn send(&self, job: impl FnOnce(oneshot::Sender<Result<(), LogError>>) -> Job) -> Pending {
         let (tx, rx) = oneshot::channel();
-        // A send fails only when the writer is gone; the receiver then reports WriterGone.
-        let _ = self.inner.jobs.lock().expect("lock").send(job(tx));
+        let job = job(tx);
+        match &self.inner.writer {
+            Writer::Inline(_) => match tokio::runtime::Handle::try_current() {
+                // A large output takes milliseconds to write: not on an async worker.
+                Ok(runtime) if job.output_bytes() > MAX_INLINE_OUTPUT => {
+                    let inner = Arc::clone(&self.inner);
+                    drop(runtime.spawn_blocking(move || inner.write_inline(job)));
+                }
+                _ => self.inner.write_inline(job),
+            },
+            Writer::Thread(jobs) => {
+                // A send fails only when the writer is gone; the receiver then says so.
+                let _ = jobs.lock().expect("lock").send(job);
+            }
+        }
         Pending(rx)
     }
 
@@ -410,7 +489,7 @@ impl TrajectoryLog {
                 let conn = inner.readers.lock().expect("lock").pop();
                 let conn = match conn {
                     Some(c) => c,
-                    None => open_connection(&inner.path, Sync::Normal)?,
+                    None => open_connection(&inner.path, SyncMode::Normal)?,
                 };
                 let out = f(&conn, &inner.path);
                 let mut idle = inner.readers.lock().expect("lock");
@@ -443,20 +522,6 @@ impl TrajectoryLog {
         .await
     }
 
-    /// Number of steps recorded under `trajectory`: the next step it expects.
-    pub async fn next_step(&self, trajectory: &str) -> Result<i64, LogError> {
-        let trajectory = trajectory.to_owned();
-        self.read(move |conn, path| {
-            conn.query_row(
-                "SELECT COALESCE(MAX(step) + 1, 0) FROM steps WHERE trajectory = ?1",
-                params![trajectory],
-                |r| r.get(0),
-            )
-            .map_err(sqlite_err(path, "counting steps"))
-        })
-        .await
-    }
-
     /// A sandbox and its steps (only those of `trajectory_id`, when given); `None` when the
     /// log never saw the sandbox.
     pub async fn sandbox_log(
@@ -479,6 +544,7 @@ impl TrajectoryLog {
                             backend: r.get(3)?,
                             env: BTreeMap::new(),
                             created_at: r.get(4)?,
+                            fork_of: None,
                         };
                         Ok((record, r.get::<_, String>(5)?))
                     },
@@ -585,6 +651,23 @@ impl RawStep {
     }
 }
 
+/// Interval between the WAL checkpoints of a [`SyncMode::Normal`] log.
+const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Copies the WAL back into the database now and then, while the log is open. Passive: it
+/// never blocks a writer or a reader.
+fn checkpoints(conn: Connection, log: std::sync::Weak<Inner>) {
+    loop {
+        thread::sleep(CHECKPOINT_EVERY);
+        let Some(inner) = log.upgrade() else {
+            return;
+        };
+        if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+            tracing::warn!(error = %e, path = %inner.path.display(), "trajectory log checkpoint failed");
+        }
+    }
+}
+
 /// The writer thread: group commit of everything queued, then answers.
 fn writer(mut conn: Connection, path: &Path, jobs: mpsc::Receiver<Job>) {
     while let Ok(first) = jobs.recv() {
@@ -595,33 +678,38 @@ fn writer(mut conn: Connection, path: &Path, jobs: mpsc::Receiver<Job>) {
                 Err(_) => break,
             }
         }
-        let mut outcomes = Vec::with_capacity(batch.len());
-        let committed = conn.transaction().and_then(|tx| {
-            for job in &batch {
-                outcomes.push(write_job(&tx, path, job));
-            }
-            tx.commit()
-        });
-        if let Err(e) = &committed {
-            tracing::error!(error = %e, path = %path.display(), "trajectory log commit failed");
+        write_batch(&mut conn, path, batch);
+    }
+}
+
+/// Writes `batch` in one transaction and answers each job once it is committed.
+fn write_batch(conn: &mut Connection, path: &Path, batch: Vec<Job>) {
+    let mut outcomes = Vec::with_capacity(batch.len());
+    let committed = conn.transaction().and_then(|tx| {
+        for job in &batch {
+            outcomes.push(write_job(&tx, path, job));
         }
-        let mut outcomes = outcomes.into_iter();
-        for job in batch {
-            let outcome = match &committed {
-                Ok(()) => outcomes.next().unwrap_or(Err(LogError::WriterGone)),
-                Err(e) => Err(LogError::Commit {
-                    path: path.to_owned(),
-                    message: e.to_string(),
-                }),
-            };
-            if let Err(e @ (LogError::Sqlite { .. } | LogError::Duplicate { .. })) = &outcome {
-                tracing::warn!(error = %e, "trajectory log write failed");
-            }
-            let reply = match job {
-                Job::Register(_, reply) | Job::Append(_, reply) => reply,
-            };
-            let _ = reply.send(outcome);
+        tx.commit()
+    });
+    if let Err(e) = &committed {
+        tracing::error!(error = %e, path = %path.display(), "trajectory log commit failed");
+    }
+    let mut outcomes = outcomes.into_iter();
+    for job in batch {
+        let outcome = match &committed {
+            Ok(()) => outcomes.next().unwrap_or(Err(LogError::WriterGone)),
+            Err(e) => Err(LogError::Commit {
+                path: path.to_owned(),
+                message: e.to_string(),
+            }),
+        };
+        if let Err(e @ (LogError::Sqlite { .. } | LogError::Duplicate { .. })) = &outcome {
+            tracing::warn!(error = %e, "trajectory log write failed");
         }
+        let reply = match job {
+            Job::Register(_, reply) | Job::Append(_, reply) => reply,
+        };
+        let _ = reply.send(outcome);
     }
 }
 
@@ -651,7 +739,22 @@ fn write_job(conn: &Connection, path: &Path, job: &Job) -> Result<(), LogError> 
                     ])
                 });
             match inserted {
-                Ok(_) => Ok(()),
+                Ok(_) => match (&s.fork_of, &s.trajectory_id) {
+                    (Some(fork), Some(child)) => conn
+                        .prepare_cached(&format!(
+                            "INSERT INTO steps (trajectory, {STEP_COLUMNS}) \
+                             SELECT ?1, step, ?1, ?2, argv, env, cwd, stdin_sha256, files, \
+                             timeout_s, exit_code, stdout, stderr, timed_out, truncated, \
+                             oom_killed, duration_ms, started_at, finished_at \
+                             FROM steps WHERE trajectory = ?3 AND step < ?4"
+                        ))
+                        .and_then(|mut st| {
+                            st.execute(params![child, s.id, fork.trajectory_id, fork.steps])
+                        })
+                        .map(|_| ())
+                        .map_err(sqlite_err(path, "forking a trajectory")),
+                    _ => Ok(()),
+                },
                 Err(e) if is_constraint(&e) && s.trajectory_id.is_some() => {
                     let owner = conn
                         .query_row(
@@ -755,6 +858,7 @@ mod tests {
             backend: "container".into(),
             env: BTreeMap::from([("K".into(), "V".into())]),
             created_at: 1.0,
+            fork_of: None,
         }
     }
 
@@ -763,7 +867,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("trajectory.db");
         {
-            let log = TrajectoryLog::open(&path, Sync::Full).unwrap();
+            let log = TrajectoryLog::open(&path, SyncMode::Full).unwrap();
             log.register(sandbox("s1", Some("t1")))
                 .wait()
                 .await
@@ -774,9 +878,9 @@ mod tests {
                     .await
                     .unwrap();
             }
-            assert_eq!(log.next_step("t1").await.unwrap(), 3);
+            assert!(log.step("t1", 2).await.unwrap().is_some());
         }
-        let log = TrajectoryLog::open(&path, Sync::Full).unwrap();
+        let log = TrajectoryLog::open(&path, SyncMode::Full).unwrap();
         let got = log.step("t1", 1).await.unwrap().unwrap();
         assert_eq!(got, step(Some("t1"), "s1", 1, "echo 1"));
         assert!(log.step("t1", 3).await.unwrap().is_none());
@@ -794,7 +898,7 @@ mod tests {
     #[tokio::test]
     async fn a_trajectory_id_names_one_sandbox() {
         let dir = tempfile::tempdir().unwrap();
-        let log = TrajectoryLog::open(&dir.path().join("t.db"), Sync::Normal).unwrap();
+        let log = TrajectoryLog::open(&dir.path().join("t.db"), SyncMode::Normal).unwrap();
         log.register(sandbox("s1", Some("t"))).wait().await.unwrap();
         log.register(sandbox("s2", None)).wait().await.unwrap();
         log.register(sandbox("s3", None)).wait().await.unwrap();
@@ -812,7 +916,7 @@ mod tests {
     #[tokio::test]
     async fn concurrent_appends_share_commits_and_a_duplicate_fails_alone() {
         let dir = tempfile::tempdir().unwrap();
-        let log = TrajectoryLog::open(&dir.path().join("t.db"), Sync::Full).unwrap();
+        let log = TrajectoryLog::open(&dir.path().join("t.db"), SyncMode::Full).unwrap();
         let mut pending: Vec<Pending> = (0..200)
             .map(|n| log.append(step(None, &format!("s{}", n % 4), n / 4, "true")))
             .collect();
@@ -826,7 +930,27 @@ mod tests {
             results[200],
             Err(LogError::Duplicate { step: 0, .. })
         ));
-        assert_eq!(log.next_step("s3").await.unwrap(), 50);
+        for n in 0..4 {
+            let id = format!("s{n}");
+            log.register(sandbox(&id, None)).wait().await.unwrap();
+            let got = log.sandbox_log(&id, None).await.unwrap().unwrap();
+            assert_eq!(got.steps.len(), 50);
+        }
+    }
+
+    #[tokio::test]
+    async fn large_outputs_are_written_off_the_async_workers_and_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = TrajectoryLog::open(&dir.path().join("t.db"), SyncMode::Normal).unwrap();
+        let mut big = step(None, "s", 0, "yes");
+        big.result.stdout = "y\n".repeat(MAX_INLINE_OUTPUT);
+        log.append(big.clone()).wait().await.unwrap();
+        log.append(step(None, "s", 1, "small"))
+            .wait()
+            .await
+            .unwrap();
+        assert_eq!(log.step("s", 0).await.unwrap(), Some(big));
+        assert!(log.step("s", 1).await.unwrap().is_some());
     }
 
     #[test]

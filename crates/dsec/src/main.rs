@@ -160,7 +160,7 @@ struct ServeArgs {
     /// fsync, surviving a crash of the server but not of the machine; `full` also fsyncs,
     /// surviving power loss, at one fsync per commit.
     #[arg(long, default_value = "normal", value_parser = parse_sync)]
-    trajectory_sync: dsec_trajectory::Sync,
+    trajectory_sync: dsec_trajectory::SyncMode,
     /// Private IPv4 network (a /12 to /28) that sandboxes with a network get their
     /// addresses from; the first address is the bridge's (and dsec's DNS resolver's).
     #[arg(long, default_value = dsec_net::DEFAULT_POOL, value_parser = dsec_net::parse_pool)]
@@ -196,10 +196,10 @@ enum ImageCmd {
     },
 }
 
-fn parse_sync(s: &str) -> Result<dsec_trajectory::Sync, String> {
+fn parse_sync(s: &str) -> Result<dsec_trajectory::SyncMode, String> {
     match s {
-        "full" => Ok(dsec_trajectory::Sync::Full),
-        "normal" => Ok(dsec_trajectory::Sync::Normal),
+        "full" => Ok(dsec_trajectory::SyncMode::Full),
+        "normal" => Ok(dsec_trajectory::SyncMode::Normal),
         _ => Err(format!("{s:?} is not full or normal")),
     }
 }

@@ -75,8 +75,11 @@ const PULL_TIMEOUT: Duration = Duration::from_secs(300);
 /// the command does, but background processes holding its pipes keep it open (Docker
 /// then waits up to 2 s); the poll notices the exit regardless.
 const EXIT_POLL: Duration = Duration::from_millis(250);
-/// Output still accepted after the exec was seen to exit.
+/// After the exec was seen to exit, output is read until it pauses this long (what the
+/// command wrote may still be in transit through the daemon)...
 const DRAIN: Duration = Duration::from_millis(50);
+/// ...but not longer than this: background processes may hold its pipes forever.
+const DRAIN_MAX: Duration = Duration::from_secs(2);
 /// After a timeout's kill, how long to wait for the exec to be reported gone.
 const KILL_GRACE: Duration = Duration::from_secs(5);
 /// Symbolic links followed while resolving one path (the kernel's limit).
@@ -947,6 +950,7 @@ impl Sandbox for DockerSandbox {
             ),
             next_poll: tokio::time::Instant::from_std(started + EXIT_POLL),
             exited_at: None,
+            last_output: tokio::time::Instant::from_std(started),
             give_up_at: None,
             max_output: cmd.max_output_bytes,
             sent: [0, 0],
@@ -1212,6 +1216,7 @@ struct DockerOutput {
     deadline: tokio::time::Instant,
     next_poll: tokio::time::Instant,
     exited_at: Option<tokio::time::Instant>,
+    last_output: tokio::time::Instant,
     /// Set by a timeout: past it, the command is given up on even if it still runs (its
     /// tree could not be killed from here).
     give_up_at: Option<tokio::time::Instant>,
@@ -1284,6 +1289,7 @@ impl DockerOutput {
 
     /// Output as it arrives; a first chunk that may be runc's launch failure waits.
     fn take_output(&mut self, stream: usize, data: &[u8]) {
+        self.last_output = tokio::time::Instant::now();
         if !self.seen_output && stream == 0 && data.starts_with(RUNC_LAUNCH_FAILURE) {
             self.seen_output = true;
             self.held = Some(data.to_vec());
@@ -1404,10 +1410,12 @@ impl OutputStream for DockerOutput {
             };
             // Output stops being read shortly after the exit, or when a timed-out command
             // outlives its grace.
-            let stop_reading = match (self.exited_at, self.give_up_at) {
-                (Some(t), Some(g)) => Some((t + DRAIN).min(g)),
-                (Some(t), None) => Some(t + DRAIN),
-                (None, g) => g,
+            let drained = self
+                .exited_at
+                .map(|t| (self.last_output.max(t) + DRAIN).min(t + DRAIN_MAX));
+            let stop_reading = match (drained, self.give_up_at) {
+                (Some(d), Some(g)) => Some(d.min(g)),
+                (d, g) => d.or(g),
             };
             tokio::select! {
                 biased;

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Create → first exec with sandbox networking off, on, and with an allow-list (issue 7).
+
+Starts its own `dsec serve` (release build by default; $DSEC_BIN) on a scratch state dir
+with an address pool no host route overlaps, imports a busybox rootfs, then times N
+sequential `create` → `run(['/bin/true'])` for each setting, interleaved in rotating order so
+that drift (and the kernel's asynchronous teardown of the previous sandbox) affects all
+alike. Stops every sandbox and the server; prints a Markdown table.
+
+    sudo python3 bench/net_bench.py [-n 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "python"))
+import dsec  # noqa: E402
+
+SETTINGS = {
+    "network=False": False,
+    "network=True": True,
+    "allow-list (IP, CIDR:port, 2 names)": {
+        "allow": ["192.0.2.10", "198.51.100.0/24:443", "pypi.org", "*.pythonhosted.org"]
+    },
+}
+
+
+def free_pool() -> str:
+    routes = json.loads(
+        subprocess.run(["ip", "-j", "-4", "route"], capture_output=True, text=True).stdout
+    )
+    nets = [
+        ipaddress.ip_network(r["dst"], strict=False)
+        for r in routes
+        if r.get("dst") not in (None, "default")
+    ]
+    for second in range(200, 250):
+        net = ipaddress.ip_network(f"10.{second}.0.0/16")
+        if not any(net.overlaps(n) for n in nets):
+            return str(net)
+    raise SystemExit("no free 10.x.0.0/16 for the pool")
+
+
+def pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=200)
+    args = ap.parse_args()
+    exe = os.environ.get("DSEC_BIN", str(REPO / "target/release/dsec"))
+    tmp = Path(tempfile.mkdtemp(prefix="dsec-netbench-"))
+    rootfs = tmp / "rootfs"
+    subprocess.run([str(REPO / "scripts/make-busybox-rootfs.sh"), str(rootfs)], check=True,
+                   capture_output=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp / "server.log", "wb")
+    server = subprocess.Popen(
+        [exe, "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp / "state"),
+         "--net-pool", free_pool()],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        client = dsec.Client(f"http://127.0.0.1:{port}")
+        for _ in range(100):
+            try:
+                client.images()
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.1)
+        client.import_image(str(rootfs), name="busybox")
+        times: dict[str, list[float]] = {k: [] for k in SETTINGS}
+        for i in range(args.n + 5):
+            order = list(SETTINGS.items())
+            k = i % len(order)  # rotate: each setting follows each other one alike
+            for name, network in order[k:] + order[:k]:
+                t0 = time.perf_counter()
+                sb = client.create(image="busybox", network=network)
+                sb.run(["/bin/true"])
+                dt = (time.perf_counter() - t0) * 1000
+                sb.stop()
+                if i >= 5:  # warm-up
+                    times[name].append(dt)
+        base = statistics.median(times["network=False"])
+        print(f"create → first exec, {args.n} sequential runs each, interleaved\n")
+        print("| setting | p50 ms | p99 ms | p50 vs network=False |")
+        print("|---|---|---|---|")
+        for name, ms in times.items():
+            print(f"| {name} | {statistics.median(ms):.2f} | {pct(ms, 0.99):.2f} | "
+                  f"{statistics.median(ms) / base:.2f}x |")
+    finally:
+        os.kill(server.pid, signal.SIGTERM)
+        server.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
