@@ -66,6 +66,7 @@ PARTS = [
     "create",
     "loadgen",
     "fncall",
+    "fork",
     "runc",
     "docker",
     "dsec-docker",
@@ -81,6 +82,7 @@ TARGET_CREATE_P50_MS = 10.0
 TARGET_CREATIONS_PER_S = 300.0
 TARGET_EXEC_P50_MS = 2.0
 TARGET_IDLE_MIB = 2.0
+TARGET_FORK8_S = 0.3
 TARGET_LOG_OVERHEAD_PCT = 5.0
 TARGET_REPLAY_1000_S = 0.2
 TARGET_FNCALL_P50_MS = 3.0
@@ -856,6 +858,34 @@ def bench_dsec_fncall(d: Dsec, n: int, concurrencies: list[int]) -> dict[str, An
     return res
 
 
+def bench_dsec_fork(d: Dsec, trials: int = 3) -> dict[str, Any]:
+    """fork(8) of a container that has written 100 MB, and a snapshot of it."""
+    sb = d.client.create(image=d.image, labels=d.labels, memory_mb=1024, disk_mb=512)
+    d.track(sb.id)
+    fork_s: list[float] = []
+    try:
+        r = sb.run("head -c 100m /dev/urandom > /root/big", timeout=300)
+        if r.exit_code != 0:
+            raise RuntimeError(f"writing 100 MB failed: {r.stderr}")
+        for _ in range(trials):
+            t0 = time.perf_counter()
+            kids = sb.fork(8)
+            fork_s.append(time.perf_counter() - t0)
+            for k in kids:
+                k.stop()
+            for img in d.client.images():
+                if img.name.startswith(f"{sb.id}-fork-"):
+                    d.client.delete_image(img.name)
+        t0 = time.perf_counter()
+        snap = sb.snapshot(f"{TAG}-snap")
+        snap_s = time.perf_counter() - t0
+        d.client.delete_image(snap.name)
+    finally:
+        sb.stop()
+        d.untrack(sb.id)
+    return {"fork8_s": sorted(fork_s)[len(fork_s) // 2], "fork8_all_s": fork_s, "snapshot_s": snap_s}
+
+
 def bench_dsec_exec(d: Dsec, n: int) -> dict[str, Any]:
     sb = d.client.create(image=d.image, labels=d.labels)
     d.track(sb.id)
@@ -1372,6 +1402,15 @@ def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: 
                 f"fncall call p50 ms at concurrency {c}, lean client ⁶",
                 lg["call_p50_ms"],
             )
+    if "fork" in res:
+        fk = res["fork"]
+        ok = met(fk["fork8_s"], TARGET_FORK8_S, False)
+        drow(
+            "fork(8) after writing 100 MB, s (median of 3)",
+            fk["fork8_s"],
+            f"≤ {TARGET_FORK8_S:g} s {ok}",
+        )
+        drow("snapshot after writing 100 MB, s", fk["snapshot_s"])
     if "exec" in res:
         e = res["exec"]
         ok = met(e["p50_ms"], TARGET_EXEC_P50_MS, False)
@@ -1578,6 +1617,7 @@ def main() -> int:
                 "create",
                 "loadgen",
                 "fncall",
+                "fork",
                 "dsec-docker",
                 "exec",
                 "trajectory",
@@ -1598,6 +1638,7 @@ def main() -> int:
             ),
             ("loadgen", lambda: bench_dsec_loadgen(d, args.n, cs)),
             ("fncall", lambda: bench_dsec_fncall(d, args.n, cs)),
+            ("fork", lambda: bench_dsec_fork(d)),
             ("exec", lambda: bench_dsec_exec(d, args.exec_n)),
             ("trajectory", lambda: bench_dsec_trajectory(d, args.exec_n)),
             ("idle", lambda: bench_dsec_idle(d, args.idle_n)),

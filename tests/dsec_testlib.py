@@ -504,7 +504,9 @@ def docker_unavailable_reason() -> str | None:
 
 
 def docker_import_rootfs(rootfs: Path, ref: str) -> None:
-    """`docker import` a rootfs directory as image ``ref`` (no registry needed)."""
+    """`docker import` a rootfs directory as image ``ref`` (no registry needed), replacing
+    the image an earlier run imported under that name."""
+    subprocess.run(["docker", "rmi", "-f", ref], capture_output=True)
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
     r = subprocess.run(
         ["docker", "import", "-", ref], stdin=tar.stdout, capture_output=True, text=True

@@ -325,6 +325,14 @@ def test_allow_list_of_ip_and_port(make, hosts, net_server) -> None:
     assert not reaches(sb, a, 8081)
     assert not reaches(sb, b, 8080)
     assert refused_total(net_server[0]) > before
+    # Each refusal is an event on the sandbox: destination, port, time.
+    events = wait_until(
+        lambda: [e for e in sb.network_refused() if e["dst"] == b.ip] or None, timeout=5
+    )
+    assert events, sb.network_refused()
+    assert events[0]["port"] == 8080 and events[0]["protocol"] == "tcp"
+    assert abs(events[0]["time"] - time.time()) < 60
+    assert any(e["dst"] == a.ip and e["port"] == 8081 for e in sb.network_refused())
 
 
 def test_allow_list_of_a_cidr(make, hosts) -> None:

@@ -405,6 +405,14 @@ def set_network_call(id: str, network: Network) -> Call[None]:
     return Call("PUT", _sb(id, "/network"), parse_none, json={"network": _network(network)})
 
 
+def _refused(resp: httpx.Response) -> list[dict[str, Any]]:
+    return list(_obj(resp)["refused"])
+
+
+def network_refused_call(id: str) -> Call[list[dict[str, Any]]]:
+    return Call("GET", _sb(id, "/network"), _refused)
+
+
 def pause_call(id: str) -> Call[None]:
     return Call("POST", _sb(id, "/pause"), parse_none)
 

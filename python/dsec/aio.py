@@ -292,6 +292,10 @@ class AsyncSandbox(p.SandboxBase):
     async def set_network(self, network: Network) -> None:
         await self.client._do(p.set_network_call(self.id, network))
 
+    async def network_refused(self) -> builtins.list[dict[str, Any]]:
+        """Connection attempts the network policy refused lately, oldest first."""
+        return await self.client._do(p.network_refused_call(self.id))
+
     async def pause(self) -> None:
         await self.client._do(p.pause_call(self.id))
 

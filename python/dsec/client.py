@@ -251,6 +251,11 @@ class Sandbox(p.SandboxBase):
         """Change the egress policy: False, True or ``{"allow": [...]}``."""
         self.client._do(p.set_network_call(self.id, network))
 
+    def network_refused(self) -> builtins.list[dict[str, Any]]:
+        """Connection attempts the network policy refused lately, oldest first:
+        ``[{"time", "dst", "port", "protocol"}]`` (the last 256; at most 50 a second)."""
+        return self.client._do(p.network_refused_call(self.id))
+
     def pause(self) -> None:
         self.client._do(p.pause_call(self.id))
 

@@ -92,6 +92,27 @@ pub struct CreateSandboxRequest {
     pub trajectory_id: Option<String>,
 }
 
+/// A connection attempt a sandbox's network policy refused.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct RefusedConnection {
+    /// When, in seconds since the Unix epoch.
+    pub time: f64,
+    /// Destination address.
+    pub dst: String,
+    /// Destination port (TCP and UDP).
+    pub port: Option<u16>,
+    /// `tcp`, `udp`, `icmp`, or the IP protocol number.
+    pub protocol: String,
+}
+
+/// `GET /v1/sandboxes/{id}/network`.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct NetworkInfo {
+    /// Refused connection attempts, oldest first: the last 256, logged at most 50 packets a
+    /// second per rule.
+    pub refused: Vec<RefusedConnection>,
+}
+
 /// `PUT /v1/sandboxes/{id}/network`.
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -12,6 +12,7 @@
 #![warn(missing_docs)]
 
 mod dns;
+mod events;
 mod netlink;
 mod nft;
 pub mod policy;
@@ -20,9 +21,10 @@ use std::collections::HashSet;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::OwnedFd;
 use std::process::Command;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+pub use events::Refused;
 pub use policy::{Policy, Rule, RuleError};
 
 use crate::dns::{Clients, Resolver};
@@ -99,6 +101,10 @@ struct Active {
     /// Refused packets counted by chains already removed.
     refused_gone: AtomicU64,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// Refused-connection events by chain number.
+    refused: events::Log,
+    /// Tells the event reader to stop.
+    stop: Arc<AtomicBool>,
 }
 
 /// One sandbox's place on the network: its address, veth and policy.
@@ -115,6 +121,11 @@ fn bridge_name(tag: &str) -> String {
 
 fn veth_prefix(tag: &str) -> String {
     format!("dv{tag}")
+}
+
+/// The first nflog group tried for server `tag`'s refused-packet events (`0x6400`-`0x64ff`).
+fn log_group(tag: &str) -> u16 {
+    0x6400 | (u32::from_str_radix(tag, 16).unwrap_or(0) & 0xff) as u16
 }
 
 fn table_name(tag: &str) -> String {
@@ -281,10 +292,13 @@ impl Networking {
     }
 
     async fn setup(tag: &str, pool: (Ipv4Addr, u8)) -> Result<Active, String> {
+        // The event reader's nflog group must be bound before the rules name it.
+        let (nflog, log_group) = events::bind(log_group(tag));
         let names = Names {
             table: table_name(tag),
             bridge: bridge_name(tag),
             veth_prefix: veth_prefix(tag),
+            log_group,
         };
         let gateway = Ipv4Addr::from(u32::from(pool.0) + 1);
         let pool_text = format!("{}/{}", pool.0, pool.1);
@@ -338,6 +352,16 @@ impl Networking {
             tokio::spawn(Arc::clone(&resolver).serve_udp(udp)),
             tokio::spawn(resolver.serve_tcp(tcp)),
         ];
+        let refused = events::Log::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        match nflog {
+            Ok(nflog) => {
+                events::start(nflog, pool, Arc::clone(&refused), Arc::clone(&stop))
+                    .map_err(|e| format!("starting the refused-event reader: {e}"))?;
+            }
+            Err(e) => tracing::warn!(error = %e,
+                "no refused-connection events (no free nflog group); the counter still works"),
+        }
         Ok(Active {
             names,
             bridge_index,
@@ -348,6 +372,8 @@ impl Networking {
             generation: AtomicU32::new(0x6473_0000 | (std::process::id() & 0xffff)),
             refused_gone: AtomicU64::new(0),
             tasks,
+            refused,
+            stop,
         })
     }
 
@@ -365,6 +391,7 @@ impl Networking {
             .map_err(|r| NetError::Unavailable(r.clone()))?;
         let n = active.allocate()?;
         let ip = Ipv4Addr::from(u32::from(active.pool.0) + n);
+        active.refused.lock().expect("lock").remove(&n);
         let script = nft::attach(&active.names, n, ip, policy, active.next_generation());
         let attachment = Attachment {
             active: Arc::clone(active),
@@ -409,6 +436,7 @@ impl Networking {
             for t in &active.tasks {
                 t.abort();
             }
+            active.stop.store(true, Ordering::Relaxed);
         }
         let tag = self.tag.clone();
         let _ = tokio::task::spawn_blocking(move || remove_host_state(&tag)).await;
@@ -454,6 +482,18 @@ impl Attachment {
     /// The sandbox's address.
     pub fn ip(&self) -> Ipv4Addr {
         self.ip
+    }
+
+    /// The connections its policies refused lately, oldest first (at most 256; logging
+    /// is rate-limited to 50 packets a second per rule).
+    pub fn refused(&self) -> Vec<Refused> {
+        self.active
+            .refused
+            .lock()
+            .expect("lock")
+            .get(&self.n)
+            .map(|e| e.iter().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// What the sandbox's `/etc/resolv.conf` must say: dsec's resolver.
@@ -520,6 +560,7 @@ impl Attachment {
                 tracing::warn!(error = %e, "removing a sandbox's nftables rules");
             }
             active.refused_gone.fetch_add(before, Ordering::Relaxed);
+            active.refused.lock().expect("lock").remove(&n);
             active.used.lock().expect("lock").0.remove(&n);
         })
         .await;

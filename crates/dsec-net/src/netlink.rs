@@ -358,7 +358,7 @@ impl NfLog {
 
     /// The packets of the next datagram (empty after a timeout or a dropped burst).
     pub(crate) fn recv(&self) -> Vec<Logged> {
-        let mut buf = vec![0u8; 65536];
+        let mut buf = [0u8; 16384];
         // SAFETY: `buf` is writable for its whole length.
         let n = unsafe {
             libc::recv(

@@ -98,7 +98,7 @@ pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
         .route("/sandboxes/{id}/snapshot", post(snapshot_sandbox))
         .route("/sandboxes/{id}/fork", post(fork_sandbox))
         .route("/sandboxes/{id}/resume", post(resume_sandbox))
-        .route("/sandboxes/{id}/network", put(set_network))
+        .route("/sandboxes/{id}/network", put(set_network).get(get_network))
         .route("/images", post(import_image).get(list_images))
         .route("/images/{*name}", get(get_image).delete(delete_image))
         .fallback(|| async { ApiError::not_found("no such API route") });
@@ -281,6 +281,15 @@ async fn set_network(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/network",
+    responses((status = 200, body = dsec_api::NetworkInfo), (status = 404, body = ErrorBody)))]
+async fn get_network(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<dsec_api::NetworkInfo>, ApiError> {
+    Ok(Json(state.edge.network_info(&id).await?))
+}
+
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/resume",
     responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorBody)))]
 async fn resume_sandbox(
@@ -288,6 +297,12 @@ async fn resume_sandbox(
     Path(id): Path<String>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
     Ok(Json(state.edge.resume(&id).await?))
+}
+
+/// Output as text without a second copy when it is valid UTF-8 (the common case).
+fn utf8_lossy(bytes: Vec<u8>) -> String {
+    String::from_utf8(bytes)
+        .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
 }
 
 /// Turns output chunks into UTF-8 text without splitting a character across chunks.
@@ -361,8 +376,8 @@ async fn exec(
             }
         }
     }
-    result.stdout = String::from_utf8_lossy(&stdout).into_owned();
-    result.stderr = String::from_utf8_lossy(&stderr).into_owned();
+    result.stdout = utf8_lossy(stdout);
+    result.stderr = utf8_lossy(stderr);
     state.edge.record_exec(&id, started.elapsed().as_secs_f64());
     Ok(Json(result))
 }
@@ -594,6 +609,7 @@ async fn delete_image(
         pause_sandbox,
         resume_sandbox,
         set_network,
+        get_network,
         snapshot_sandbox,
         fork_sandbox,
         create_sandbox,

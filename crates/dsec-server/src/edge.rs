@@ -566,6 +566,22 @@ impl Edge {
         entry.sandbox.set_network(policy).await
     }
 
+    /// A sandbox's network events: the connection attempts its policy refused lately.
+    pub async fn network_info(&self, id: &str) -> Result<dsec_api::NetworkInfo, ApiError> {
+        let refused = self.entry(id)?.sandbox.network_refused().await;
+        Ok(dsec_api::NetworkInfo {
+            refused: refused
+                .into_iter()
+                .map(|r| dsec_api::RefusedConnection {
+                    time: r.time,
+                    dst: r.dst.to_string(),
+                    port: r.port,
+                    protocol: r.protocol,
+                })
+                .collect(),
+        })
+    }
+
     /// Publishes `dsec_network_refused_total` (called before each metrics scrape): the
     /// refused-packet counters of the nftables rules, read now.
     pub async fn publish_network_metrics(&self) {

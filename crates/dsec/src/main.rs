@@ -391,6 +391,12 @@ fn serve(args: ServeArgs) -> Result<()> {
             max_total: args.fncall_max_total.max(1),
         },
     };
+    // Command output lives in buffers of up to --max-output-bytes per stream. glibc would
+    // raise its mmap threshold after the first such buffer is freed and keep the next ones
+    // in its heaps for good; a fixed threshold keeps them in mmaps that go back to the OS
+    // when the response is sent, so a burst of floods does not ratchet the server's RSS.
+    // SAFETY: mallopt takes integer arguments; called before any other thread exists.
+    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20) };
     // Still single-threaded here: lock the state dir, settle cgroups, start the zygote.
     let exe = std::env::current_exe().context("locating the dsec binary")?;
     let host = HostSetup::prepare(&config, &exe)?;

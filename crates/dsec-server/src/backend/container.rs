@@ -353,6 +353,15 @@ impl Sandbox for ContainerSandbox {
         }
     }
 
+    async fn network_refused(&self) -> Vec<dsec_net::Refused> {
+        self.attachment
+            .lock()
+            .await
+            .as_ref()
+            .map(Attachment::refused)
+            .unwrap_or_default()
+    }
+
     async fn stop(&self) {
         self.container.stop().await;
         if let Some(a) = self.attachment.lock().await.take() {

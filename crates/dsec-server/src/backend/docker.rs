@@ -5,13 +5,14 @@
 //! orphans) over `sleep infinity`, so it lives between commands; commands are execs.
 //!
 //! Ownership: every container dsec makes carries `dsec.managed=true`, `dsec.id=<sandbox>`
-//! and `dsec.edge=<tag of the state directory>`. On the first contact with the daemon the
-//! backend removes containers carrying this server's `dsec.edge` (leftovers of a crash);
-//! it never lists, stops or removes a container without those labels.
+//! and `dsec.edge=<tag of the state directory>`. On the first contact with the daemon (at
+//! start-up, before serving, or at the first `create` if the daemon came later) the backend
+//! removes containers carrying this server's `dsec.edge` (leftovers of a crash); it never
+//! lists, stops or removes a container without those labels.
 //!
-//! The daemon is reached lazily, at the first `create`, and pinged with a short timeout on
-//! every `create`: a server whose daemon is absent starts and serves every other backend,
-//! and `create(backend="docker")` answers `Unavailable` naming the address it tried.
+//! The daemon is pinged with a short timeout on every `create`: a server whose daemon is
+//! absent starts and serves every other backend, and `create(backend="docker")` answers
+//! `Unavailable` naming the address it tried.
 //!
 //! Semantics that match the native backend, and how:
 //! - a timeout kills the command's whole tree. Docker runs each exec as a session leader
@@ -38,7 +39,7 @@ use std::fs::File;
 use std::io::Seek;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -107,11 +108,6 @@ const MASKED_PATHS: &[&str] = &[
     "/sys/firmware",
 ];
 
-/// Whether the daemon accepts a `size` storage option.
-const QUOTA_UNKNOWN: u8 = 0;
-const QUOTA_YES: u8 = 1;
-const QUOTA_NO: u8 = 2;
-
 /// Creates sandboxes as Docker containers.
 pub struct DockerBackend {
     /// `DOCKER_HOST`, or the default socket: named in every "not reachable" message.
@@ -120,7 +116,8 @@ pub struct DockerBackend {
     edge: String,
     /// The connection, negotiated once the daemon first answered.
     client: tokio::sync::Mutex<Option<Docker>>,
-    storage_quota: AtomicU8,
+    /// The daemon refused a `size` storage option once: it cannot limit the writable layer.
+    no_storage_quota: AtomicBool,
 }
 
 impl DockerBackend {
@@ -134,7 +131,7 @@ impl DockerBackend {
             host,
             edge,
             client: tokio::sync::Mutex::new(None),
-            storage_quota: AtomicU8::new(QUOTA_UNKNOWN),
+            no_storage_quota: AtomicBool::new(false),
         }
     }
 
@@ -317,19 +314,14 @@ impl DockerBackend {
     ) -> Result<String, ApiError> {
         let name = format!("dsec-{}", req.id);
         let opts = || Some(CreateContainerOptionsBuilder::new().name(&name).build());
-        let quota = self.storage_quota.load(Ordering::Relaxed) != QUOTA_NO;
+        let quota = !self.no_storage_quota.load(Ordering::Relaxed);
         match docker
             .create_container(opts(), self.container_config(req, quota))
             .await
         {
-            Ok(r) => {
-                if quota {
-                    self.storage_quota.store(QUOTA_YES, Ordering::Relaxed);
-                }
-                Ok(r.id)
-            }
+            Ok(r) => Ok(r.id),
             Err(e) if quota && is_storage_opt_refusal(&e) => {
-                if self.storage_quota.swap(QUOTA_NO, Ordering::Relaxed) != QUOTA_NO {
+                if !self.no_storage_quota.swap(true, Ordering::Relaxed) {
                     tracing::warn!(
                         error = %e,
                         "docker backend: the daemon's storage driver cannot limit a container's \
@@ -659,6 +651,33 @@ struct Inner {
 }
 
 impl Inner {
+    /// Unpauses the container and checks that Docker agrees: its state can be flipped back
+    /// to paused by a late event of the pause, so the unpause is repeated until it sticks.
+    async fn unpause(&self) -> Result<(), ApiError> {
+        for _ in 0..20 {
+            match self.docker.unpause_container(&self.id).await {
+                Ok(()) => {}
+                Err(DockerError::DockerResponseServerError { message, .. })
+                    if message.contains("is not paused") => {}
+                Err(e) => return Err(daemon_error(&self.host, "resuming the container", e)),
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            let state = self
+                .docker
+                .inspect_container(&self.id, None)
+                .await
+                .map_err(|e| daemon_error(&self.host, "inspecting the container", e))?
+                .state
+                .unwrap_or_default();
+            if state.paused != Some(true) {
+                return Ok(());
+            }
+        }
+        Err(ApiError::internal(
+            "the docker daemon keeps reporting the container paused after unpause",
+        ))
+    }
+
     /// Kills the tree of exec `exec_id` (a no-op when the daemon is not on this host).
     async fn kill_exec(&self, exec_id: &str) {
         let Some(local) = &self.local else { return };
@@ -862,6 +881,11 @@ fn status(e: &DockerError) -> Option<u16> {
     }
 }
 
+fn is_paused_refusal(e: &DockerError) -> bool {
+    matches!(e, DockerError::DockerResponseServerError { status_code: 409, message }
+        if message.contains("is paused"))
+}
+
 fn is_storage_opt_refusal(e: &DockerError) -> bool {
     matches!(e, DockerError::DockerResponseServerError { message, .. }
         if message.contains("storage-opt") || message.contains("storage opt")
@@ -911,11 +935,16 @@ impl Sandbox for DockerSandbox {
             working_dir: Some(cmd.cwd),
             ..Default::default()
         };
-        let exec = inner
-            .docker
-            .create_exec(&inner.id, config)
-            .await
-            .map_err(|e| exec_error(inner, e))?;
+        let exec = match inner.docker.create_exec(&inner.id, config.clone()).await {
+            // A paused event the daemon processed after our unpause marks the container
+            // paused again (a race inside Docker): the edge knows it is running.
+            Err(e) if is_paused_refusal(&e) => {
+                inner.unpause().await?;
+                inner.docker.create_exec(&inner.id, config).await
+            }
+            other => other,
+        }
+        .map_err(|e| exec_error(inner, e))?;
         let started = Instant::now();
         let opts = StartExecOptions {
             detach: false,
@@ -1075,12 +1104,7 @@ impl Sandbox for DockerSandbox {
     }
 
     async fn resume(&self) -> Result<(), ApiError> {
-        let inner = &self.0;
-        inner
-            .docker
-            .unpause_container(&inner.id)
-            .await
-            .map_err(|e| daemon_error(&inner.host, "resuming the container", e))
+        self.0.unpause().await
     }
 
     fn usage(&self) -> Usage {

@@ -159,6 +159,10 @@ pub trait Sandbox: Send + Sync {
             "this backend cannot change a sandbox's network",
         ))
     }
+    /// Connection attempts its network policy refused lately, oldest first.
+    async fn network_refused(&self) -> Vec<dsec_net::Refused> {
+        Vec::new()
+    }
     /// Resource usage now.
     fn usage(&self) -> Usage;
     /// False once the sandbox died on its own.

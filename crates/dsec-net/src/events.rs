@@ -1,0 +1,150 @@
+//! Refused connections as events: each refusing nftables rule is preceded by a
+//! rate-limited `log group G` rule; a reader thread bound to group G turns each logged
+//! packet into a [`Refused`] of the sandbox that sent it (found by source address).
+//!
+//! Bounded: at most 50 logged packets a second per rule (nftables `limit`), and the last
+//! [`KEEP`] events per sandbox. The refused *counter* (`dsec_network_refused_total`) counts
+//! every packet, limited or not.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::Ipv4Addr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::netlink::{Logged, NfLog};
+use crate::nft::LOG_PREFIX;
+
+/// Events kept per sandbox (older ones are dropped first).
+const KEEP: usize = 256;
+
+/// A packet a sandbox's policy refused.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Refused {
+    /// When (seconds since the Unix epoch, as the server received the log message).
+    pub time: f64,
+    /// Destination address.
+    pub dst: Ipv4Addr,
+    /// Destination port (TCP and UDP).
+    pub port: Option<u16>,
+    /// `tcp`, `udp`, `icmp` or the IP protocol number.
+    pub protocol: String,
+}
+
+/// Refused events by sandbox chain number.
+pub(crate) type Log = Arc<Mutex<HashMap<u32, VecDeque<Refused>>>>;
+
+/// The source address and the event of a logged packet, if it is dsec's and IPv4.
+fn parse(logged: &Logged, time: f64) -> Option<(Ipv4Addr, Refused)> {
+    if !logged.prefix.starts_with(LOG_PREFIX.trim_end()) {
+        return None;
+    }
+    let p = &logged.payload;
+    if p.len() < 20 || p[0] >> 4 != 4 {
+        return None;
+    }
+    let ihl = usize::from(p[0] & 0x0f) * 4;
+    let src = Ipv4Addr::new(p[12], p[13], p[14], p[15]);
+    let dst = Ipv4Addr::new(p[16], p[17], p[18], p[19]);
+    let port = match p[9] {
+        6 | 17 if p.len() >= ihl + 4 => Some(u16::from_be_bytes([p[ihl + 2], p[ihl + 3]])),
+        _ => None,
+    };
+    let protocol = match p[9] {
+        6 => "tcp".to_owned(),
+        17 => "udp".to_owned(),
+        1 => "icmp".to_owned(),
+        other => other.to_string(),
+    };
+    Some((
+        src,
+        Refused {
+            time,
+            dst,
+            port,
+            protocol,
+        },
+    ))
+}
+
+/// Binds the first free nflog group from `first` on (within `0x6400`-`0x64ff`: another
+/// dsec server, or anything else, may hold some), returning it and its number; on failure,
+/// the error and `first`.
+pub(crate) fn bind(first: u16) -> (std::io::Result<NfLog>, u16) {
+    let mut last_err = None;
+    for k in 0..256u16 {
+        let group = 0x6400 | ((first.wrapping_add(k)) & 0xff);
+        match NfLog::bind(group, 64, Duration::from_secs(1)) {
+            Ok(nflog) => return (Ok(nflog), group),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => last_err = Some(e),
+            Err(e) => return (Err(e), first),
+        }
+    }
+    (
+        Err(last_err.unwrap_or_else(|| std::io::Error::other("no nflog group"))),
+        first,
+    )
+}
+
+/// Reads `nflog` on a thread of its own and files events under the chain number of their
+/// source address in `pool`, until `stop` is set.
+pub(crate) fn start(
+    nflog: NfLog,
+    pool: (Ipv4Addr, u8),
+    log: Log,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("dsec-net-refused".into())
+        .spawn(move || {
+            let mask = u32::MAX << (32 - pool.1);
+            while !stop.load(Ordering::Relaxed) {
+                for logged in nflog.recv() {
+                    let now = SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .map_or(0.0, |d| d.as_secs_f64());
+                    let Some((src, event)) = parse(&logged, now) else {
+                        continue;
+                    };
+                    if u32::from(src) & mask != u32::from(pool.0) {
+                        continue;
+                    }
+                    tracing::debug!(%src, dst = %event.dst, port = ?event.port, "refused");
+                    let n = u32::from(src) - u32::from(pool.0);
+                    let mut log = log.lock().expect("lock");
+                    let events = log.entry(n).or_default();
+                    if events.len() == KEEP {
+                        events.pop_front();
+                    }
+                    events.push_back(event);
+                }
+            }
+        })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_destination_and_port_of_a_logged_packet() {
+        let mut p = vec![0x45, 0, 0, 40, 0, 0, 0, 0, 64, 6, 0, 0];
+        p.extend_from_slice(&[10, 209, 0, 7, 192, 0, 2, 10]);
+        p.extend_from_slice(&[0x9c, 0x40, 0x01, 0xbb]);
+        let logged = Logged {
+            prefix: LOG_PREFIX.to_owned(),
+            payload: p,
+        };
+        let (src, ev) = parse(&logged, 1.0).unwrap();
+        assert_eq!(src, Ipv4Addr::new(10, 209, 0, 7));
+        assert_eq!(ev.dst, Ipv4Addr::new(192, 0, 2, 10));
+        assert_eq!(ev.port, Some(443));
+        assert_eq!(ev.protocol, "tcp");
+        let other = Logged {
+            prefix: "someone else".into(),
+            payload: logged.payload.clone(),
+        };
+        assert!(parse(&other, 1.0).is_none());
+    }
+}
