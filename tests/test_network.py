@@ -437,6 +437,23 @@ def debian_image(net_client: dsec.Client) -> str:
     return net_client.import_image(str(DEBIAN_ROOTFS), name="debian-net").name
 
 
+#: TLS handshakes to the address of argv[1], naming each of argv[2:] (SNI): "ok" when it
+#: completes, "refused" when the connection is closed or reset before.
+SNI_PROBE = """
+import socket, ssl, sys
+ip = socket.gethostbyname(sys.argv[1])
+ctx = ssl.create_default_context()
+out = []
+for name in dict.fromkeys(sys.argv[2:]):
+    try:
+        with socket.create_connection((ip, 443), timeout=15) as s:
+            with ctx.wrap_socket(s, server_hostname=name):
+                out.append("ok")
+    except (ConnectionError, ssl.SSLError, socket.timeout, OSError) as e:
+        out.append("refused")
+print(" ".join(out))
+"""
+
 PYPI_FETCH = (
     "import sys, urllib.request\n"
     "with urllib.request.urlopen(sys.argv[1], timeout=20) as r:\n"
@@ -480,3 +497,13 @@ def test_allow_list_of_registry_names(make, hosts, debian_image: str) -> None:
     assert r.exit_code == 0 and r.stdout.strip() == "200 True", r.stdout + r.stderr
     r = sb.run(["python3", "-c", PYPI_FETCH, hosts[0].url()], timeout=30)
     assert r.exit_code != 0
+    # The address answered for pypi.org may be shared with other sites (here: every
+    # registry); a TLS connection to it that names another one is refused by the proxy.
+    only = make(image=debian_image, network={"allow": ["pypi.org"]})
+    r = only.run(
+        ["python3", "-c", SNI_PROBE, "pypi.org", "pypi.org", "files.pythonhosted.org"],
+        timeout=60,
+    )
+    assert r.stdout.strip() == "ok refused", r.stdout + r.stderr
+    refused = [e for e in only.network_refused() if e["port"] == 443]
+    assert refused, only.network_refused()

@@ -5,7 +5,8 @@
 //!
 //! AAAA questions get an empty answer (sandboxes have IPv4 only); names not allowed get
 //! NXDOMAIN; addresses that are never a legitimate destination (loopback, link-local,
-//! unspecified, dsec's own pool) are not opened even when an allowed name resolves to them.
+//! unspecified, dsec's own pool, the host's own addresses) are not opened even when an
+//! allowed name resolves to them.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -168,7 +169,10 @@ impl Resolver {
             || ip.is_unspecified()
             || ip.is_broadcast()
             || ip.is_multicast()
-            || u32::from(ip) & mask == u32::from(net))
+            || u32::from(ip) & mask == u32::from(net)
+            // One of the host's own addresses: its services stay out of reach (and the
+            // name-checking proxy, which connects from the host, must never be led there).
+            || std::net::UdpSocket::bind((ip, 0)).is_ok())
     }
 
     /// Answers one query from `src`.

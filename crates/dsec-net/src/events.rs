@@ -34,6 +34,16 @@ pub struct Refused {
 /// Refused events by sandbox chain number.
 pub(crate) type Log = Arc<Mutex<HashMap<u32, VecDeque<Refused>>>>;
 
+/// Files `event` under sandbox chain `n`, dropping its oldest beyond [`KEEP`].
+pub(crate) fn record(log: &Log, n: u32, event: Refused) {
+    let mut log = log.lock().expect("lock");
+    let events = log.entry(n).or_default();
+    if events.len() == KEEP {
+        events.pop_front();
+    }
+    events.push_back(event);
+}
+
 /// The source address and the event of a logged packet, if it is dsec's and IPv4.
 fn parse(logged: &Logged, time: f64) -> Option<(Ipv4Addr, Refused)> {
     if !logged.prefix.starts_with(LOG_PREFIX.trim_end()) {
@@ -110,13 +120,7 @@ pub(crate) fn start(
                         continue;
                     }
                     tracing::debug!(%src, dst = %event.dst, port = ?event.port, "refused");
-                    let n = u32::from(src) - u32::from(pool.0);
-                    let mut log = log.lock().expect("lock");
-                    let events = log.entry(n).or_default();
-                    if events.len() == KEEP {
-                        events.pop_front();
-                    }
-                    events.push_back(event);
+                    record(&log, u32::from(src) - u32::from(pool.0), event);
                 }
             }
         })?;

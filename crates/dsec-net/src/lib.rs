@@ -2,9 +2,11 @@
 //!
 //! One bridge per server (`dsec<tag>`, the pool's first address), one veth pair per
 //! sandbox with a network (`dv<tag><n>` on the host, `eth0` in the sandbox), NAT for
-//! outbound traffic, and an egress policy per sandbox in nftables ([`nft`] explains the
+//! outbound traffic, and an egress policy per sandbox in nftables (module `nft` explains the
 //! layout). Domain names in allow-lists are enforced through dsec's own resolver
-//! ([`dns`]), which answers only allowed names and opens the answered addresses.
+//! (module `dns`), which answers only allowed names and opens the answered addresses, and by a
+//! proxy (module `proxy`) that checks the name each HTTP or TLS connection to those addresses
+//! carries; refusals become events (module `events`).
 //!
 //! Every host object carries this server's tag, so a server restarted after a crash finds
 //! and removes what it left ([`Networking::start`] begins with that), and never touches
@@ -16,6 +18,7 @@ mod events;
 mod netlink;
 mod nft;
 pub mod policy;
+mod proxy;
 
 use std::collections::HashSet;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -100,6 +103,8 @@ struct Active {
     generation: AtomicU32,
     /// Refused packets counted by chains already removed.
     refused_gone: AtomicU64,
+    /// Connections the name-checking proxy refused.
+    refused_by_proxy: Arc<AtomicU64>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     /// Refused-connection events by chain number.
     refused: events::Log,
@@ -299,16 +304,17 @@ impl Networking {
             bridge: bridge_name(tag),
             veth_prefix: veth_prefix(tag),
             log_group,
+            proxy_port: 0,
         };
         let gateway = Ipv4Addr::from(u32::from(pool.0) + 1);
         let pool_text = format!("{}/{}", pool.0, pool.1);
-        let n2 = names.clone();
-        let bridge_index = tokio::task::spawn_blocking(move || -> Result<i32, String> {
+        let mut n2 = names;
+        let setup = tokio::task::spawn_blocking(move || {
             if nft::query(&["--version"]).is_none() {
                 return Err("the nft command (nftables) is not installed".into());
             }
-            let forward = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
-                .unwrap_or_default();
+            let forward =
+                std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward").unwrap_or_default();
             if forward.trim() != "1" {
                 return Err("IP forwarding is off on this host (net.ipv4.ip_forward=0)".into());
             }
@@ -323,13 +329,18 @@ impl Networking {
             let index = netlink::index(&n2.bridge).map_err(|e| format!("bridge index: {e}"))?;
             rtnl.add_addr(index, gateway, pool.1)
                 .map_err(|e| format!("addressing bridge {}: {e}", n2.bridge))?;
+            // The proxy's port goes into the rules, so it is bound first.
+            let proxy = std::net::TcpListener::bind((gateway, 0))
+                .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                .map_err(|e| format!("name-checking proxy on {gateway}: {e}"))?;
+            n2.proxy_port = proxy.local_addr().map_err(|e| e.to_string())?.port();
             nft::apply(&nft::base(&n2, &pool_text, gateway))
                 .map_err(|e| format!("installing nftables rules: {e}"))?;
             allow_through_iptables(&n2.bridge, &n2.table)?;
-            Ok(index)
-        })
-        .await
-        .map_err(|e| e.to_string())??;
+            Ok::<_, String>((index, n2, proxy))
+        });
+        let (bridge_index, names, proxy) = setup.await.map_err(|e| e.to_string())??;
+        let proxy = tokio::net::TcpListener::from_std(proxy).map_err(|e| e.to_string())?;
         let listen = SocketAddr::from((gateway, 53));
         let udp = tokio::net::UdpSocket::bind(listen)
             .await
@@ -348,11 +359,19 @@ impl Networking {
             names: names.clone(),
             pool,
         });
+        let refused = events::Log::default();
+        let refused_by_proxy = Arc::new(AtomicU64::new(0));
+        let proxy_task = Arc::new(proxy::Proxy {
+            clients: Arc::clone(&clients),
+            pool,
+            refused: Arc::clone(&refused),
+            refused_count: Arc::clone(&refused_by_proxy),
+        });
         let tasks = vec![
             tokio::spawn(Arc::clone(&resolver).serve_udp(udp)),
             tokio::spawn(resolver.serve_tcp(tcp)),
+            tokio::spawn(proxy_task.serve(proxy)),
         ];
-        let refused = events::Log::default();
         let stop = Arc::new(AtomicBool::new(false));
         match nflog {
             Ok(nflog) => {
@@ -371,6 +390,7 @@ impl Networking {
             used: Mutex::new((HashSet::new(), 2)),
             generation: AtomicU32::new(0x6473_0000 | (std::process::id() & 0xffff)),
             refused_gone: AtomicU64::new(0),
+            refused_by_proxy,
             tasks,
             refused,
             stop,
@@ -421,13 +441,15 @@ impl Networking {
             return 0;
         };
         let names = active.names.clone();
-        let now: u64 = tokio::task::spawn_blocking(move || nft::refused(&names))
+        let now: u64 = tokio::task::spawn_blocking(move || nft::refused(&names, None))
             .await
             .unwrap_or_default()
             .into_iter()
             .map(|(_, p)| p)
             .sum();
-        active.refused_gone.load(Ordering::Relaxed) + now
+        active.refused_gone.load(Ordering::Relaxed)
+            + active.refused_by_proxy.load(Ordering::Relaxed)
+            + now
     }
 
     /// Tears everything down (server shutdown); attachments still held are gone after.
@@ -470,7 +492,7 @@ impl Active {
 
     /// Refused packets counted by chain `n` now.
     fn refused_by(&self, n: u32) -> u64 {
-        nft::refused(&self.names)
+        nft::refused(&self.names, Some(n))
             .into_iter()
             .filter(|(c, _)| *c == Some(n))
             .map(|(_, p)| p)

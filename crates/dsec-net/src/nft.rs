@@ -5,8 +5,10 @@
 //! by source address to the sandbox's own chain `s<n>`; that chain accepts what the
 //! sandbox's policy allows and ends with a counting `reject` (the refused counter). No map
 //! entry means no egress at all. `input` refuses everything from the bridge except DNS to
-//! dsec's resolver. The bridge table drops frames between bridge ports, so sandboxes cannot
-//! reach each other even at layer 2 (frames from any sandbox port are
+//! dsec's resolver and connections to the proxy. In `prerouting` (NAT), a second map sends
+//! each sandbox to its chain `n<n>`, which redirects ports 80 and 443 of addresses opened
+//! for names to the name-checking proxy. The bridge table drops frames between bridge
+//! ports, so sandboxes cannot reach each other even at layer 2 (frames from any sandbox port are
 //! dropped there: a sandbox's frames can only go up to the bridge itself, i.e. the host).
 //! It also stops spoofing: a sandbox port passes only IPv4 and ARP frames whose sender
 //! address is the one dsec gave that port (`ports` set), so no sandbox can borrow
@@ -35,6 +37,8 @@ pub(crate) struct Names {
     pub veth_prefix: String,
     /// The nflog group refused packets are logged to (see `events`).
     pub log_group: u16,
+    /// Port of the name-checking proxy on the bridge address (see `proxy`).
+    pub proxy_port: u16,
 }
 
 impl Names {
@@ -46,6 +50,9 @@ impl Names {
     }
     pub(crate) fn port_set(n: u32) -> String {
         format!("p{n:05x}")
+    }
+    pub(crate) fn nat_chain(n: u32) -> String {
+        format!("n{n:05x}")
     }
     /// A statement logging (rate-limited, per rule) to the server's nflog group: placed
     /// right before each refusing rule, it makes the refusal an event.
@@ -100,9 +107,15 @@ pub(crate) fn query(args: &[&str]) -> Option<String> {
 pub(crate) fn base(names: &Names, pool: &str, bridge_ip: Ipv4Addr) -> String {
     let (t, br, ports) = (&names.table, &names.bridge, &names.veth_prefix);
     let log = names.log();
+    let proxy = names.proxy_port;
     format!(
         "table inet {t} {{
   map sandboxes {{ type ipv4_addr : verdict; }}
+  map sandboxes_nat {{ type ipv4_addr : verdict; }}
+  chain prerouting {{
+    type nat hook prerouting priority dstnat - 10; policy accept;
+    iifname \"{br}\" ip saddr vmap @sandboxes_nat
+  }}
   chain forward {{
     type filter hook forward priority filter - 10; policy accept;
     oifname \"{br}\" ct state established,related accept
@@ -114,6 +127,7 @@ pub(crate) fn base(names: &Names, pool: &str, bridge_ip: Ipv4Addr) -> String {
     type filter hook input priority filter - 10; policy accept;
     iifname \"{br}\" ct state established,related accept
     iifname \"{br}\" ip daddr {bridge_ip} meta l4proto {{ tcp, udp }} th dport 53 accept
+    iifname \"{br}\" ip daddr {bridge_ip} tcp dport {proxy} accept
     iifname \"{br}\" {log}
     iifname \"{br}\" counter reject with icmpx type admin-prohibited comment \"{REFUSED}\"
   }}
@@ -196,6 +210,38 @@ fn rules(names: &Names, n: u32, policy: &Policy, generation: u32) -> String {
     s
 }
 
+/// The rules of sandbox `n`'s NAT chain: HTTP and TLS connections to addresses opened
+/// for domain names go to the name-checking proxy (addresses an IP or CIDR rule allows
+/// are left alone).
+fn nat_rules(names: &Names, n: u32, policy: &Policy) -> String {
+    let (t, c) = (&names.table, Names::nat_chain(n));
+    let mut s = String::new();
+    let Policy::Allow(list) = policy else {
+        return s;
+    };
+    for r in list {
+        if let Rule::Net { addr, prefix, port } = r {
+            let port = port.map(|p| format!(" tcp dport {p}")).unwrap_or_default();
+            let _ = writeln!(
+                s,
+                "add rule inet {t} {c} ip daddr {addr}/{prefix}{port} accept"
+            );
+        }
+    }
+    let proxy = names.proxy_port;
+    let _ = writeln!(
+        s,
+        "add rule inet {t} {c} tcp dport {{ 80, 443 }} ip daddr @{} redirect to :{proxy}",
+        Names::any_set(n)
+    );
+    let _ = writeln!(
+        s,
+        "add rule inet {t} {c} tcp dport {{ 80, 443 }} ip daddr . tcp dport @{} redirect to :{proxy}",
+        Names::port_set(n)
+    );
+    s
+}
+
 /// Creates sandbox `n`'s chain and sets, and routes its traffic there.
 pub(crate) fn attach(
     names: &Names,
@@ -206,14 +252,21 @@ pub(crate) fn attach(
 ) -> String {
     let t = &names.table;
     let (c, d, p) = (Names::chain(n), Names::any_set(n), Names::port_set(n));
+    let nc = Names::nat_chain(n);
     let mut s = format!(
-        "add chain inet {t} {c}\n\
+        "add chain inet {t} {c}\nadd chain inet {t} {nc}\n\
          add set inet {t} {d} {{ type ipv4_addr; flags timeout; }}\n\
          add set inet {t} {p} {{ type ipv4_addr . inet_service; flags timeout; }}\n\
-         flush chain inet {t} {c}\nflush set inet {t} {d}\nflush set inet {t} {p}\n"
+         flush chain inet {t} {c}\nflush chain inet {t} {nc}\n\
+         flush set inet {t} {d}\nflush set inet {t} {p}\n"
     );
     s += &rules(names, n, policy, generation);
+    s += &nat_rules(names, n, policy);
     let _ = writeln!(s, "add element inet {t} sandboxes {{ {ip} : jump {c} }}");
+    let _ = writeln!(
+        s,
+        "add element inet {t} sandboxes_nat {{ {ip} : jump {nc} }}"
+    );
     let _ = writeln!(
         s,
         "add element bridge {t} ports {{ \"{}\" . {ip} }}",
@@ -226,9 +279,13 @@ pub(crate) fn attach(
 pub(crate) fn replace(names: &Names, n: u32, policy: &Policy, generation: u32) -> String {
     let t = &names.table;
     let (c, d, p) = (Names::chain(n), Names::any_set(n), Names::port_set(n));
-    let mut s =
-        format!("flush chain inet {t} {c}\nflush set inet {t} {d}\nflush set inet {t} {p}\n");
+    let nc = Names::nat_chain(n);
+    let mut s = format!(
+        "flush chain inet {t} {c}\nflush chain inet {t} {nc}\n\
+         flush set inet {t} {d}\nflush set inet {t} {p}\n"
+    );
     s += &rules(names, n, policy, generation);
+    s += &nat_rules(names, n, policy);
     s
 }
 
@@ -238,8 +295,11 @@ pub(crate) fn detach(names: &Names, n: u32, ip: Ipv4Addr) -> String {
     let (c, d, p) = (Names::chain(n), Names::any_set(n), Names::port_set(n));
     format!(
         "delete element inet {t} sandboxes {{ {ip} }}\n\
-         delete chain inet {t} {c}\ndelete set inet {t} {d}\ndelete set inet {t} {p}\n\
+         delete element inet {t} sandboxes_nat {{ {ip} }}\n\
+         delete chain inet {t} {c}\ndelete chain inet {t} {}\n\
+         delete set inet {t} {d}\ndelete set inet {t} {p}\n\
          delete element bridge {t} ports {{ \"{}\" . {ip} }}\n",
+        Names::nat_chain(n),
         names.veth(n)
     )
 }
@@ -267,8 +327,20 @@ pub(crate) fn open(names: &Names, n: u32, dests: &[(Ipv4Addr, Option<u16>)], ttl
 
 /// Packets refused so far, per sandbox chain number, plus those refused by `input`
 /// (under `None`), from the counters of the rules commented [`REFUSED`].
-pub(crate) fn refused(names: &Names) -> Vec<(Option<u32>, u64)> {
-    let Some(json) = query(&["-j", "list", "table", "inet", &names.table]) else {
+/// (`chain`: only that sandbox's chain, which is much cheaper to list than the table.)
+pub(crate) fn refused(names: &Names, chain: Option<u32>) -> Vec<(Option<u32>, u64)> {
+    let listed = match chain {
+        None => query(&["-j", "list", "table", "inet", &names.table]),
+        Some(n) => query(&[
+            "-j",
+            "list",
+            "chain",
+            "inet",
+            &names.table,
+            &Names::chain(n),
+        ]),
+    };
+    let Some(json) = listed else {
         return Vec::new();
     };
     let Ok(doc) = serde_json::from_str::<serde_json::Value>(&json) else {
@@ -306,6 +378,7 @@ mod tests {
             bridge: "dsect".into(),
             veth_prefix: "dvt".into(),
             log_group: 9,
+            proxy_port: 4242,
         };
         let p = Policy::allow(&["10.0.0.0/8", "1.2.3.4:443", "pypi.org"]).unwrap();
         let s = attach(&names, 5, Ipv4Addr::new(10, 209, 0, 5), &p, 7);
@@ -317,7 +390,12 @@ mod tests {
         assert!(s.contains("ip daddr @d00005 ct mark set 0x7 accept"));
         assert!(s.contains("add element inet dsec_t sandboxes { 10.209.0.5 : jump s00005 }"));
         assert!(s.contains("add element bridge dsec_t ports { \"dvt5\" . 10.209.0.5 }"));
-        let last_rule = s.lines().rfind(|l| l.starts_with("add rule")).unwrap();
+        let last_rule = s
+            .lines()
+            .rfind(|l| l.starts_with("add rule inet dsec_t s00005"))
+            .unwrap();
         assert!(last_rule.contains("reject") && last_rule.contains(REFUSED));
+        assert!(s.contains("n00005 tcp dport { 80, 443 } ip daddr @d00005 redirect to :4242"));
+        assert!(s.contains("n00005 ip daddr 10.0.0.0/8 accept"));
     }
 }

@@ -301,8 +301,7 @@ async fn resume_sandbox(
 
 /// Output as text without a second copy when it is valid UTF-8 (the common case).
 fn utf8_lossy(bytes: Vec<u8>) -> String {
-    String::from_utf8(bytes)
-        .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+    String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
 }
 
 /// Turns output chunks into UTF-8 text without splitting a character across chunks.

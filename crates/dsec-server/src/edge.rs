@@ -563,6 +563,9 @@ impl Edge {
     pub async fn set_network(&self, id: &str, network: &Network) -> Result<(), ApiError> {
         let entry = self.live_entry(id).await?;
         let policy = network_policy(&entry.info.backend, network)?;
+        if policy.is_off() && entry.info.backend != "container" {
+            return Ok(()); // other backends never have a network: nothing to take away
+        }
         entry.sandbox.set_network(policy).await
     }
 

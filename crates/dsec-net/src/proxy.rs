@@ -1,0 +1,261 @@
+//! The name-checking proxy: HTTP (port 80) and TLS (port 443) connections from a sandbox
+//! to an address its resolver opened for a domain name are redirected here (nftables
+//! `redirect`), and pass only if the name the connection itself carries — the TLS SNI, or
+//! the HTTP `Host` — is allowed by that sandbox's policy. This closes the shared-address
+//! hole: a CDN address opened for `pypi.org` does not carry a connection that names
+//! another site. The proxy reads only the first bytes (never decrypts), then connects to
+//! the original destination and copies both ways.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::dns::Clients;
+use crate::events::{self, Refused};
+
+/// Longest wait for the first bytes naming the destination, and for the upstream connect.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most bytes read before the name must be known (a TLS record is at most 16 KiB + 5).
+const HEAD_MAX: usize = 16 * 1024 + 5;
+/// Connections handled at once.
+const MAX_CONNECTIONS: usize = 1024;
+
+/// What the proxy needs.
+pub(crate) struct Proxy {
+    pub clients: Clients,
+    pub pool: (Ipv4Addr, u8),
+    pub refused: events::Log,
+    /// Connections refused here (they never reach the nftables counters).
+    pub refused_count: Arc<AtomicU64>,
+}
+
+/// The destination a connection had before `redirect` (`SO_ORIGINAL_DST`).
+fn original_dst(conn: &TcpStream) -> std::io::Result<SocketAddrV4> {
+    // SAFETY: an all-zero sockaddr_in is a valid value to be overwritten.
+    let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: `addr` and `len` are valid for writes and describe the same buffer.
+    let rc = unsafe {
+        libc::getsockopt(
+            conn.as_raw_fd(),
+            libc::SOL_IP,
+            libc::SO_ORIGINAL_DST,
+            std::ptr::addr_of_mut!(addr).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(SocketAddrV4::new(
+        Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr)),
+        u16::from_be(addr.sin_port),
+    ))
+}
+
+/// The server name of a TLS ClientHello: `Some(Some(name))`, `Some(None)` when the hello
+/// has none (or is not TLS), `None` when more bytes are needed.
+pub(crate) fn sni(buf: &[u8]) -> Option<Option<String>> {
+    if buf.len() < 5 {
+        return None;
+    }
+    if buf[0] != 0x16 {
+        return Some(None);
+    }
+    let rec_len = usize::from(u16::from_be_bytes([buf[3], buf[4]]));
+    if buf.len() < 5 + rec_len {
+        return None;
+    }
+    let h = &buf[5..5 + rec_len];
+    let parse = || -> Option<String> {
+        if *h.first()? != 1 {
+            return None;
+        }
+        let mut i = 4 + 2 + 32; // handshake header, version, random
+        i += 1 + usize::from(*h.get(i)?); // session id
+        i += 2 + usize::from(u16::from_be_bytes([*h.get(i)?, *h.get(i + 1)?])); // suites
+        i += 1 + usize::from(*h.get(i)?); // compression
+        let ext_end = i + 2 + usize::from(u16::from_be_bytes([*h.get(i)?, *h.get(i + 1)?]));
+        i += 2;
+        while i + 4 <= ext_end.min(h.len()) {
+            let kind = u16::from_be_bytes([h[i], h[i + 1]]);
+            let len = usize::from(u16::from_be_bytes([h[i + 2], h[i + 3]]));
+            let data = h.get(i + 4..i + 4 + len)?;
+            if kind == 0 {
+                // server_name_list: length, then (type 0 = host_name, length, name)
+                let name_len = usize::from(u16::from_be_bytes([*data.get(3)?, *data.get(4)?]));
+                let name = data.get(5..5 + name_len)?;
+                return Some(String::from_utf8_lossy(name).to_ascii_lowercase());
+            }
+            i += 4 + len;
+        }
+        None
+    };
+    Some(parse())
+}
+
+/// The `Host` of an HTTP request head (port removed), with the same three outcomes as
+/// [`sni`].
+pub(crate) fn http_host(buf: &[u8]) -> Option<Option<String>> {
+    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return (buf.len() >= HEAD_MAX).then_some(None);
+    };
+    let head = String::from_utf8_lossy(&buf[..end]);
+    Some(head.lines().skip(1).find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case("host").then(|| {
+            let v = v.trim();
+            v.rsplit_once(':')
+                .map_or(v, |(h, p)| {
+                    if p.bytes().all(|b| b.is_ascii_digit()) {
+                        h
+                    } else {
+                        v
+                    }
+                })
+                .to_ascii_lowercase()
+        })
+    }))
+}
+
+impl Proxy {
+    /// Serves redirected connections on `listener` forever.
+    pub(crate) async fn serve(self: Arc<Self>, listener: TcpListener) {
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        loop {
+            let Ok((conn, peer)) = listener.accept().await else {
+                continue;
+            };
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                continue;
+            };
+            let this = Arc::clone(&self);
+            tokio::spawn(async move {
+                let _slot = slot;
+                this.handle(conn, peer).await;
+            });
+        }
+    }
+
+    async fn handle(&self, mut conn: TcpStream, peer: SocketAddr) {
+        let SocketAddr::V4(peer) = peer else { return };
+        let Ok(dst) = original_dst(&conn) else { return };
+        let client = self.clients.read().expect("lock").get(peer.ip()).cloned();
+        let Some(client) = client else { return };
+        let mut head = Vec::new();
+        let name = tokio::time::timeout(HEAD_TIMEOUT, async {
+            let mut chunk = [0u8; 4096];
+            loop {
+                let parsed = if dst.port() == 443 {
+                    sni(&head)
+                } else {
+                    http_host(&head)
+                };
+                if let Some(name) = parsed {
+                    return name;
+                }
+                match conn.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return None,
+                    Ok(n) => head.extend_from_slice(&chunk[..n]),
+                }
+                if head.len() > HEAD_MAX {
+                    return None;
+                }
+            }
+        })
+        .await
+        .ok()
+        .flatten();
+        let allowed = name.as_deref().and_then(|n| client.policy.domain_ports(n));
+        let allowed = match allowed {
+            Some(None) => true,
+            Some(Some(ports)) => ports.contains(&dst.port()),
+            None => false,
+        };
+        // Never toward the host itself (the resolver does not open such addresses anyway).
+        let allowed = allowed && std::net::UdpSocket::bind((*dst.ip(), 0)).is_err();
+        if !allowed {
+            tracing::debug!(%peer, %dst, ?name, "connection refused by name");
+            self.refuse(*peer.ip(), dst);
+            return;
+        }
+        let upstream = tokio::time::timeout(HEAD_TIMEOUT, TcpStream::connect(dst)).await;
+        let Ok(Ok(mut upstream)) = upstream else {
+            return;
+        };
+        if upstream.write_all(&head).await.is_err() {
+            return;
+        }
+        let _ = tokio::io::copy_bidirectional(&mut conn, &mut upstream).await;
+    }
+
+    fn refuse(&self, src: Ipv4Addr, dst: SocketAddrV4) {
+        self.refused_count.fetch_add(1, Ordering::Relaxed);
+        let n = u32::from(src) - u32::from(self.pool.0);
+        let time = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        events::record(
+            &self.refused,
+            n,
+            Refused {
+                time,
+                dst: *dst.ip(),
+                port: Some(dst.port()),
+                protocol: "tcp".into(),
+            },
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client_hello(name: &str) -> Vec<u8> {
+        let mut sni_ext = Vec::new();
+        let n = name.as_bytes();
+        sni_ext.extend_from_slice(&((n.len() + 3) as u16).to_be_bytes());
+        sni_ext.push(0);
+        sni_ext.extend_from_slice(&(n.len() as u16).to_be_bytes());
+        sni_ext.extend_from_slice(n);
+        let mut exts = vec![0, 0];
+        exts.extend_from_slice(&(sni_ext.len() as u16).to_be_bytes());
+        exts.extend_from_slice(&sni_ext);
+        let mut body = vec![3, 3];
+        body.extend_from_slice(&[0; 32]);
+        body.push(0); // session id
+        body.extend_from_slice(&[0, 2, 0x13, 0x01]); // one suite
+        body.extend_from_slice(&[1, 0]); // null compression
+        body.extend_from_slice(&(exts.len() as u16).to_be_bytes());
+        body.extend_from_slice(&exts);
+        let mut hs = vec![1];
+        hs.extend_from_slice(&(body.len() as u32).to_be_bytes()[1..]);
+        hs.extend_from_slice(&body);
+        let mut rec = vec![0x16, 3, 1];
+        rec.extend_from_slice(&(hs.len() as u16).to_be_bytes());
+        rec.extend_from_slice(&hs);
+        rec
+    }
+
+    #[test]
+    fn reads_the_sni_of_a_client_hello() {
+        let hello = client_hello("PyPI.org");
+        assert_eq!(sni(&hello), Some(Some("pypi.org".into())));
+        assert_eq!(sni(&hello[..hello.len() - 1]), None);
+        assert_eq!(sni(b"GET / HTTP/1.1\r\n"), Some(None));
+    }
+
+    #[test]
+    fn reads_the_host_of_an_http_request() {
+        let req = b"GET / HTTP/1.1\r\nUser-Agent: x\r\nHOST: Files.example.org:8080\r\n\r\n";
+        assert_eq!(http_host(req), Some(Some("files.example.org".into())));
+        assert_eq!(http_host(&req[..20]), None);
+        assert_eq!(http_host(b"GET / HTTP/1.0\r\n\r\n"), Some(None));
+    }
+}
