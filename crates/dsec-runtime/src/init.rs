@@ -443,21 +443,7 @@ impl Init {
             Some(_) => libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC,
             None => 0,
         };
-        // SAFETY: clone(2) without CLONE_VM and with a null stack behaves like fork(2); init
-        // is single-threaded, so the child may run arbitrary code.
-        let pid = unsafe {
-            libc::syscall(
-                libc::SYS_clone,
-                (flags | libc::SIGCHLD) as libc::c_ulong,
-                std::ptr::null_mut::<libc::c_void>(),
-                std::ptr::null_mut::<libc::c_int>(),
-                std::ptr::null_mut::<libc::c_int>(),
-                0 as libc::c_ulong,
-            )
-        } as i32;
-        if pid < 0 {
-            return Err(errno("fork")(std::io::Error::last_os_error()));
-        }
+        let pid = crate::zygote::fork_into(flags).map_err(errno("fork"))?;
         if pid == 0 {
             let fds = ChildFds {
                 stdin: stdin_child,

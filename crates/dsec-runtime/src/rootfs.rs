@@ -50,8 +50,8 @@ impl<T, E: Into<std::io::Error>> Step<T> for Result<T, E> {
 }
 
 /// Paths hidden from the sandbox (runc's defaults, plus the kpage* files that expose
-/// host physical memory layout).
-const MASKED_PATHS: &[&str] = &[
+/// host physical memory layout). Public so that other backends mask the same list.
+pub const MASKED_PATHS: &[&str] = &[
     "/proc/acpi",
     "/proc/asound",
     "/proc/interrupts",

@@ -236,21 +236,7 @@ fn clone_sandbox(
         None,
         SockFlag::SOCK_CLOEXEC,
     )?;
-    // SAFETY: clone(2) without CLONE_VM and with a null stack behaves like fork(2): the
-    // child gets a private copy of this single-threaded process and continues on it.
-    let pid = unsafe {
-        libc::syscall(
-            libc::SYS_clone,
-            (CLONE_FLAGS | libc::SIGCHLD) as libc::c_ulong,
-            std::ptr::null_mut::<libc::c_void>(),
-            std::ptr::null_mut::<libc::c_int>(),
-            std::ptr::null_mut::<libc::c_int>(),
-            0 as libc::c_ulong,
-        )
-    };
-    if pid < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    let pid = fork_into(CLONE_FLAGS)?;
     if pid == 0 {
         // SAFETY: the child owns copies of these descriptors; closing them is local.
         unsafe {
@@ -260,5 +246,28 @@ fn clone_sandbox(
         std::mem::forget(edge_end);
         crate::init::run(spec, init_end, seccomp);
     }
-    Ok((pid as i32, edge_end))
+    Ok((pid, edge_end))
+}
+
+/// `fork(2)` into new namespaces: `clone(2)` with `flags` (`CLONE_NEW*`), no `CLONE_VM`
+/// and a null stack, so the child continues on a private copy of the caller. Returns 0 in
+/// the child. Only for single-threaded callers (the zygote, a sandbox's init): the child
+/// runs arbitrary code.
+pub(crate) fn fork_into(flags: libc::c_int) -> std::io::Result<i32> {
+    // SAFETY: clone(2) without CLONE_VM and with a null stack behaves like fork(2); the
+    // callers are single-threaded, so the child's copy holds no lock another thread owns.
+    let pid = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            (flags | libc::SIGCHLD) as libc::c_ulong,
+            std::ptr::null_mut::<libc::c_void>(),
+            std::ptr::null_mut::<libc::c_int>(),
+            std::ptr::null_mut::<libc::c_int>(),
+            0 as libc::c_ulong,
+        )
+    };
+    if pid < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(pid as i32)
 }

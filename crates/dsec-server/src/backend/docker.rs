@@ -89,24 +89,9 @@ const MAX_LINKS: usize = 40;
 const GO_MODE_DIR: u32 = 1 << 31;
 const GO_MODE_SYMLINK: u32 = 1 << 27;
 
-/// Paths hidden from the sandbox: runc's defaults plus the kpage* files, as the native
-/// backend masks them (Docker's own list lacks the kpage* files).
-const MASKED_PATHS: &[&str] = &[
-    "/proc/acpi",
-    "/proc/asound",
-    "/proc/interrupts",
-    "/proc/kcore",
-    "/proc/keys",
-    "/proc/kpagecgroup",
-    "/proc/kpagecount",
-    "/proc/kpageflags",
-    "/proc/latency_stats",
-    "/proc/timer_list",
-    "/proc/timer_stats",
-    "/proc/sched_debug",
-    "/proc/scsi",
-    "/sys/firmware",
-];
+/// Paths hidden from the sandbox: the native backend's list (Docker's own lacks the kpage*
+/// files).
+const MASKED_PATHS: &[&str] = dsec_runtime::rootfs::MASKED_PATHS;
 
 /// Creates sandboxes as Docker containers.
 pub struct DockerBackend {
