@@ -73,7 +73,7 @@ def test_a_reused_worker_is_pristine(fn: dsec.Sandbox) -> None:
     )
     assert first.exit_code == 0, first.stderr
     hosts = {first.stdout.split()[-1]}
-    for _ in range(5):
+    for _ in range(11):
         r = fn.run(
             "ls /dev/shm /root /var/run/left 2>&1; ls / >/dev/null && echo ls-ok;"
             " ps -o pid | wc -l; hostname"
@@ -83,8 +83,8 @@ def test_a_reused_worker_is_pristine(fn: dsec.Sandbox) -> None:
         assert "seg" not in r.stdout and "home" not in r.stdout, r.stdout
         assert "ls-ok" in r.stdout
         assert lines[-2] == first.stdout.split()[-2], "a process from an earlier call lives on"
-    # Calls this close together are served by warm workers, some of them reused.
-    assert len(hosts) < 6
+    # Calls this close together are served by a few warm workers, in turn: reused.
+    assert len(hosts) < 12
 
 
 def test_environment_and_files_do_not_carry(fn: dsec.Sandbox) -> None:
