@@ -427,12 +427,8 @@ def docker_available() -> bool:
         return False
 
 
-def bench_docker(rootfs: Path, n: int, concurrencies: list[int]) -> dict[str, Any] | None:
-    if not docker_available():
-        print("docker: no daemon", flush=True)
-        log("docker: no daemon, skipped")
-        return None
-    image = f"{TAG}:latest"
+def docker_import(rootfs: Path, image: str) -> None:
+    """Makes a Docker image of the rootfs (no registry is reachable here)."""
     log(f"docker import {rootfs} -> {image}")
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
     r = subprocess.run(
@@ -445,6 +441,15 @@ def bench_docker(rootfs: Path, n: int, concurrencies: list[int]) -> dict[str, An
     tar.wait()
     if r.returncode != 0:
         raise RuntimeError(f"docker import failed: {r.stderr}")
+
+
+def bench_docker(rootfs: Path, n: int, concurrencies: list[int]) -> dict[str, Any] | None:
+    if not docker_available():
+        print("docker: no daemon", flush=True)
+        log("docker: no daemon, skipped")
+        return None
+    image = f"{TAG}:latest"
+    docker_import(rootfs, image)
     names: list[str] = []
     names_lock = threading.Lock()
 
@@ -883,7 +888,11 @@ def bench_dsec_fork(d: Dsec, trials: int = 3) -> dict[str, Any]:
     finally:
         sb.stop()
         d.untrack(sb.id)
-    return {"fork8_s": sorted(fork_s)[len(fork_s) // 2], "fork8_all_s": fork_s, "snapshot_s": snap_s}
+    return {
+        "fork8_s": sorted(fork_s)[len(fork_s) // 2],
+        "fork8_all_s": fork_s,
+        "snapshot_s": snap_s,
+    }
 
 
 def bench_dsec_exec(d: Dsec, n: int) -> dict[str, Any]:
@@ -919,18 +928,7 @@ def bench_dsec_docker(d: Dsec, rootfs: Path, n: int, exec_n: int) -> dict[str, A
         log("dsec-docker: no daemon, skipped")
         return None
     image = f"{TAG}-dsec:latest"
-    log(f"docker import {rootfs} -> {image}")
-    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-    r = subprocess.run(
-        ["docker", "import", "-", image],
-        stdin=tar.stdout,
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    tar.wait()
-    if r.returncode != 0:
-        raise RuntimeError(f"docker import failed: {r.stderr}")
+    docker_import(rootfs, image)
     CLEANUP.push("dsec-docker image", lambda: run_cmd(["docker", "rmi", "-f", image]))
     client = d.client
     first_exec: list[float] = []
@@ -1477,9 +1475,7 @@ def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: 
             t["replay_1000_s"],
             f"≤ {TARGET_REPLAY_1000_S:g} s {ok}",
         )
-        drow(
-            "  … of which in the server's exec handler, s ⁷", t["replay_1000_server_s"]
-        )
+        drow("  … of which in the server's exec handler, s ⁷", t["replay_1000_server_s"])
         drow("fast-forward of 1,000 recorded steps, s (SDK) ⁷", t["replay_1000_sdk_s"])
     if "idle" in res:
         i = res["idle"]

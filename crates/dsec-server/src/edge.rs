@@ -554,6 +554,8 @@ impl Edge {
             for c in &children {
                 let _ = self.stop(&c.id).await;
             }
+            // No child uses the fork's image now: it must not outlive the failed fork.
+            let _ = self.delete_image(&image.name);
             return Err(e);
         }
         Ok(children)

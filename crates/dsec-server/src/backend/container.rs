@@ -252,6 +252,16 @@ async fn write_files(container: &Arc<Container>, files: Vec<FileWrite>) -> Resul
 }
 
 impl ContainerSandbox {
+    async fn set_frozen(&self, frozen: bool) -> Result<(), ApiError> {
+        self.blocking(move |c| {
+            c.cgroup().set_frozen(frozen).map_err(|e| {
+                let what = if frozen { "pausing" } else { "resuming" };
+                ApiError::internal(format!("{what}: {e}"))
+            })
+        })
+        .await
+    }
+
     async fn blocking<T: Send + 'static>(
         &self,
         f: impl FnOnce(&Container) -> Result<T, ApiError> + Send + 'static,
@@ -298,21 +308,11 @@ impl Sandbox for ContainerSandbox {
     }
 
     async fn pause(&self) -> Result<(), ApiError> {
-        self.blocking(|c| {
-            c.cgroup()
-                .set_frozen(true)
-                .map_err(|e| ApiError::internal(format!("pausing: {e}")))
-        })
-        .await
+        self.set_frozen(true).await
     }
 
     async fn resume(&self) -> Result<(), ApiError> {
-        self.blocking(|c| {
-            c.cgroup()
-                .set_frozen(false)
-                .map_err(|e| ApiError::internal(format!("resuming: {e}")))
-        })
-        .await
+        self.set_frozen(false).await
     }
 
     async fn snapshot(&self, name: &str) -> Result<ImageInfo, ApiError> {
