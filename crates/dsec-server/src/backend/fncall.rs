@@ -35,7 +35,8 @@ use tokio::sync::Notify;
 
 use super::container::{create_options, run, ContainerOutput};
 use super::{
-    Backend, CommandSpec, Created, ImageDefaults, Output, OutputStream, Sandbox, SandboxRequest,
+    Backend, CommandSpec, Created, ExitStatus, ImageDefaults, Output, OutputStream, Sandbox,
+    SandboxRequest,
 };
 use crate::error::ApiError;
 
@@ -368,7 +369,21 @@ struct CallOutput {
 #[async_trait]
 impl OutputStream for CallOutput {
     async fn next(&mut self) -> Option<Result<Output, ApiError>> {
-        let event = self.inner.next().await;
+        let mut event = self.inner.next().await;
+        // The worker's cgroup is the call's cgroup: if the worker died while the memory
+        // limit was firing, the call hit its limit, and that is its result.
+        if matches!(event, Some(Err(_))) {
+            let worker = self.worker.as_ref().map(|w| &w.container);
+            if worker.is_some_and(|c| !c.is_alive() && c.take_oom_kill()) {
+                tracing::warn!(image = %self.pool.key.image, "fncall worker died at its memory limit");
+                event = Some(Ok(Output::Exit(ExitStatus {
+                    exit_code: Some(128 + libc::SIGKILL),
+                    oom_killed: true,
+                    duration_ms: self.started.elapsed().as_secs_f64() * 1000.0,
+                    ..ExitStatus::default()
+                })));
+            }
+        }
         if let Some(Ok(Output::Exit(exit))) = &event {
             self.reusable = !exit.timed_out && !exit.oom_killed;
             metrics::histogram!("dsec_fncall_call_seconds", "image" => self.pool.key.image.clone())
