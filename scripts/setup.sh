@@ -4,7 +4,8 @@
 #   ./scripts/setup.sh
 #
 # Idempotent: re-running it only installs what is missing and rebuilds incrementally.
-# Steps: Debian packages -> Rust toolchain check -> Python SDK + test deps -> release build.
+# Steps: Debian packages (QEMU and the guest kernel included) -> Rust toolchain check ->
+# Python SDK + test deps -> release build and the static guest agent.
 #
 # Environment:
 #   DSEC_SETUP_SKIP_APT=1     do not touch Debian packages
@@ -52,7 +53,12 @@ PACKAGES=(
     procps          # pgrep/ps used by tests
     psmisc
     kmod            # modprobe overlay
+    linux-image-cloud-amd64 # the microvm/vm backends' guest kernel (booted by QEMU, not here)
+    e2fsprogs       # mkfs.ext4: VM image and scratch disks
 )
+# QEMU for the microvm/vm backends. Installed apart, with qemu-utils pinned to the same
+# version: a newer qemu-utils (from backports) conflicts with bookworm's qemu-system.
+QEMU_PACKAGES=(qemu-system-x86 qemu-utils)
 
 if [[ "${DSEC_SETUP_SKIP_APT:-0}" == 1 ]]; then
     log "DSEC_SETUP_SKIP_APT=1: skipping Debian packages"
@@ -85,6 +91,19 @@ else
         apt-get update -q
         log "installing: ${missing[*]}"
         apt-get install -y -q -o Dpkg::Use-Pty=0 --no-install-recommends "${missing[@]}"
+    fi
+    qemu_version="$(apt-cache policy qemu-system-x86 | awk '/Candidate:/ {print $2}')"
+    [[ -n "$qemu_version" && "$qemu_version" != "(none)" ]] || die "apt knows no qemu-system-x86"
+    qemu_missing=()
+    for p in "${QEMU_PACKAGES[@]}"; do
+        if [[ "$(dpkg-query -W -f='${Status} ${Version}' "$p" 2>/dev/null)" != "install ok installed $qemu_version" ]]; then
+            qemu_missing+=("$p=$qemu_version")
+        fi
+    done
+    if ((${#qemu_missing[@]} > 0)); then
+        log "installing: ${qemu_missing[*]}"
+        apt-get install -y -q -o Dpkg::Use-Pty=0 --no-install-recommends --allow-downgrades \
+            "${qemu_missing[@]}"
     fi
 fi
 
@@ -163,6 +182,8 @@ else
     cargo build --release --workspace
     [[ -x target/release/dsec ]] || die "build finished but target/release/dsec is missing"
     log "built target/release/dsec"
+    log "building the static VM guest agent (scripts/build-agent.sh)"
+    ./scripts/build-agent.sh
 fi
 
 log "done"

@@ -5,7 +5,8 @@
 #   ./scripts/test.sh            # every stage
 #   ./scripts/test.sh -k create  # extra arguments go to pytest
 #
-# Stages, stopping at the first failure: fmt, clippy, cargo test, debug build, pytest.
+# Stages, stopping at the first failure: fmt, clippy, the static VM guest agent, cargo test,
+# debug build, pytest.
 # Before pytest it starts dockerd if no Docker daemon answers (stopping it again at the end)
 # and adds "docker" to $DSEC_TEST_BACKENDS, so the conformance suite runs on both backends.
 set -euo pipefail
@@ -47,6 +48,7 @@ command -v cargo >/dev/null || { echo "[test] cargo not found: run scripts/setup
 
 stage "fmt" cargo fmt --all --check
 stage "clippy" cargo clippy --workspace --all-targets -- -D warnings
+stage "guest agent" ./scripts/build-agent.sh
 stage "cargo test" cargo test --workspace
 stage "debug build" cargo build --workspace
 

@@ -40,6 +40,8 @@ BACKENDS = [
 DOCKER_TEST_IMAGE = "dsec-test/busybox:latest"
 #: Backends whose sandboxes keep state between commands (fncall runs each call fresh).
 STATEFUL = {"container", "docker", "microvm", "vm"}
+#: Backends whose sandboxes are QEMU guests.
+VM_BACKENDS = {"microvm", "vm"}
 
 
 def image_for(backend: str) -> str:
@@ -447,6 +449,26 @@ def leftovers(server: Server, sandbox_id: str) -> list[str]:
         out.append(f"directory {d}")
     out += [f"cgroup {c}" for c in cgroup_dirs(sandbox_id, server.cgroups or None)]
     out += [f"process {pid}: {cmd}" for pid, cmd in procs_in(sandbox_id)]
+    vm_dir = server.state_dir / "vm" / "sandboxes" / sandbox_id
+    if os.path.lexists(vm_dir):
+        out.append(f"directory {vm_dir}")
+    out += [f"qemu {pid}: {cmd[:120]}" for pid, cmd in qemu_procs(sandbox_id)]
+    return out
+
+
+def qemu_procs(sandbox_id: str) -> list[tuple[int, str]]:
+    """QEMU processes of a VM sandbox (their command line names its directory)."""
+    out = []
+    needle = f"/vm/sandboxes/{sandbox_id}/"
+    for e in os.scandir("/proc"):
+        if not e.name.isdigit():
+            continue
+        try:
+            cmd = Path(e.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cmd.startswith("qemu-system") and needle in cmd:
+            out.append((int(e.name), cmd.strip()))
     return out
 
 

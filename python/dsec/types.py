@@ -167,11 +167,14 @@ class SandboxInfo:
     trajectory_id: str | None = None
     #: Set on the sandboxes ``fork`` returns: the step their inherited trajectory continues at.
     next_step: int | None = None
+    #: ``microvm`` and ``vm`` sandboxes: the accelerator their guest runs on, ``kvm`` or ``tcg``.
+    accelerator: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SandboxInfo:
         tid = d.get("trajectory_id")
+        accel = d.get("accelerator")
         return cls(
             id=str(d.get("id", "")),
             backend=str(d.get("backend", "")),
@@ -185,6 +188,7 @@ class SandboxInfo:
             idle_ttl_s=_opt_float(d.get("idle_ttl_s")),
             trajectory_id=str(tid) if tid is not None else None,
             next_step=int(d["next_step"]) if d.get("next_step") is not None else None,
+            accelerator=str(accel) if accel is not None else None,
             raw=d,
         )
 

@@ -205,6 +205,10 @@ pub struct SandboxInfo {
     /// trajectories inherit the parent's steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next_step: Option<i64>,
+    /// The hardware accelerator of a `microvm` or `vm` sandbox: `kvm`, or `tcg` where KVM
+    /// is missing or does not boot guests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accelerator: Option<String>,
     /// Resource usage now.
     pub usage: Usage,
 }

@@ -2,24 +2,21 @@
 //!
 //! A [`Container`] owns its init through a pidfd (so a recycled pid can never be
 //! signalled by mistake), its cgroups, its directory under the state dir, and the control
-//! channel, whose reader task routes output frames to the exec that asked for them.
+//! [`Channel`].
 
-use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::unix::OwnedWriteHalf;
-use tokio::net::UnixStream;
-use tokio::sync::{mpsc, watch};
 
 use crate::cgroup::{CgroupError, CgroupLayout, CgroupLimits, SandboxCgroup};
+use crate::channel::Channel;
+pub use crate::channel::{ExecEvent, ExecHandle};
 use crate::files::SandboxRoot;
-use crate::proto::{self, ExecExit, ExecSpec, Frame, FrameKind, InitError};
+use crate::proto::{ExecSpec, InitError};
 use crate::spec::SandboxSpec;
 use crate::zygote::{Zygote, ZygoteError};
 
@@ -100,19 +97,6 @@ pub struct ContainerRuntime {
     sandboxes_dir: PathBuf,
 }
 
-/// One event of a running command.
-#[derive(Debug)]
-pub enum ExecEvent {
-    /// A chunk of standard output.
-    Stdout(Vec<u8>),
-    /// A chunk of standard error.
-    Stderr(Vec<u8>),
-    /// The command ended.
-    Exit(ExecExit),
-}
-
-type Routes = Arc<Mutex<HashMap<u32, mpsc::UnboundedSender<Result<ExecEvent, RuntimeError>>>>>;
-
 /// A running native container.
 pub struct Container {
     id: String,
@@ -123,10 +107,7 @@ pub struct Container {
     root: SandboxRoot,
     upper: PathBuf,
     worker: bool,
-    writer: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
-    routes: Routes,
-    next_exec: AtomicU32,
-    alive: watch::Receiver<bool>,
+    channel: Channel,
     oom_kills_seen: AtomicU64,
 }
 
@@ -159,18 +140,23 @@ impl ContainerRuntime {
                 return Err(RuntimeError::Channel(format!("pidfd_open: {e}")));
             }
         };
-        let (ready, upper_fd) = match wait_ready(channel).await {
-            Ok(ready) => ready,
+        let opened = async {
+            let stream = std::os::unix::net::UnixStream::from(channel);
+            stream
+                .set_nonblocking(true)
+                .map_err(|e| RuntimeError::Channel(e.to_string()))?;
+            let stream = tokio::net::UnixStream::from_std(stream)
+                .map_err(|e| RuntimeError::Channel(e.to_string()))?;
+            Channel::open(stream, READY_TIMEOUT).await
+        };
+        let (channel, ready) = match opened.await {
+            Ok(opened) => opened,
             Err(e) => {
                 let _ = rustix::process::pidfd_send_signal(&pidfd, rustix::process::Signal::KILL);
                 self.discard(&cgroup, &dir).await;
                 return Err(e);
             }
         };
-        let (reader, writer) = ready.into_split();
-        let routes: Routes = Arc::default();
-        let (alive_tx, alive) = watch::channel(true);
-        tokio::spawn(read_frames(reader, Arc::clone(&routes), alive_tx));
         Ok(Container {
             id,
             pid,
@@ -178,12 +164,9 @@ impl ContainerRuntime {
             cgroup,
             dir,
             root: SandboxRoot::of_pid(pid),
-            upper: PathBuf::from(format!("/proc/{pid}/fd/{upper_fd}")),
+            upper: PathBuf::from(format!("/proc/{pid}/fd/{}", ready.upper_fd)),
             worker,
-            writer: Arc::new(tokio::sync::Mutex::new(writer)),
-            routes,
-            next_exec: AtomicU32::new(1),
-            alive,
+            channel,
             oom_kills_seen: AtomicU64::new(0),
         })
     }
@@ -280,140 +263,6 @@ fn remove_sandbox(cgroup: &SandboxCgroup, dir: &Path) {
     }
 }
 
-/// Waits for init's `Ready`; returns the channel and init's upper-directory descriptor.
-async fn wait_ready(channel: OwnedFd) -> Result<(UnixStream, i32), RuntimeError> {
-    let std_stream = std::os::unix::net::UnixStream::from(channel);
-    std_stream
-        .set_nonblocking(true)
-        .map_err(|e| RuntimeError::Channel(e.to_string()))?;
-    let mut stream =
-        UnixStream::from_std(std_stream).map_err(|e| RuntimeError::Channel(e.to_string()))?;
-    let mut buf = Vec::new();
-    let frame = tokio::time::timeout(READY_TIMEOUT, read_frame(&mut stream, &mut buf))
-        .await
-        .map_err(|_| RuntimeError::Channel("sandbox did not become ready in time".into()))??
-        .ok_or(RuntimeError::Gone)?;
-    match frame.kind {
-        FrameKind::Ready => {
-            let ready: proto::Ready = frame
-                .json()
-                .map_err(|e| RuntimeError::Channel(e.to_string()))?;
-            if ready.version != proto::VERSION {
-                return Err(RuntimeError::Channel(format!(
-                    "init speaks protocol {}, the edge {}",
-                    ready.version,
-                    proto::VERSION
-                )));
-            }
-            Ok((stream, ready.upper_fd))
-        }
-        FrameKind::Error => Err(RuntimeError::Setup(
-            frame
-                .json()
-                .map_err(|e| RuntimeError::Channel(e.to_string()))?,
-        )),
-        other => Err(RuntimeError::Channel(format!(
-            "unexpected {other:?} before ready"
-        ))),
-    }
-}
-
-async fn read_frame<R: AsyncReadExt + Unpin>(
-    reader: &mut R,
-    buf: &mut Vec<u8>,
-) -> Result<Option<Frame>, RuntimeError> {
-    loop {
-        if let Some(frame) = proto::decode(buf).map_err(|e| RuntimeError::Channel(e.to_string()))? {
-            return Ok(Some(frame));
-        }
-        let mut chunk = [0u8; 64 << 10];
-        let n = reader
-            .read(&mut chunk)
-            .await
-            .map_err(|e| RuntimeError::Channel(e.to_string()))?;
-        if n == 0 {
-            return Ok(None);
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-}
-
-/// Routes frames from init to the exec they belong to; when the channel ends, every
-/// exec still waiting learns that the sandbox is gone.
-async fn read_frames(
-    mut reader: tokio::net::unix::OwnedReadHalf,
-    routes: Routes,
-    alive: watch::Sender<bool>,
-) {
-    let mut buf = Vec::new();
-    while let Ok(Some(frame)) = read_frame(&mut reader, &mut buf).await {
-        let id = frame.exec_id;
-        let event = match frame.kind {
-            FrameKind::Stdout => Ok(ExecEvent::Stdout(frame.payload)),
-            FrameKind::Stderr => Ok(ExecEvent::Stderr(frame.payload)),
-            FrameKind::Exit => match frame.json() {
-                Ok(exit) => Ok(ExecEvent::Exit(exit)),
-                Err(e) => Err(RuntimeError::Channel(e.to_string())),
-            },
-            FrameKind::Error => match frame.json() {
-                Ok(err) => Err(RuntimeError::Exec(err)),
-                Err(e) => Err(RuntimeError::Channel(e.to_string())),
-            },
-            _ => continue,
-        };
-        let last = !matches!(event, Ok(ExecEvent::Stdout(_)) | Ok(ExecEvent::Stderr(_)));
-        let mut routes = routes.lock().expect("routes lock");
-        if let Some(tx) = routes.get(&id) {
-            let _ = tx.send(event);
-        }
-        if last {
-            routes.remove(&id);
-        }
-    }
-    let _ = alive.send(false);
-    for (_, tx) in routes.lock().expect("routes lock").drain() {
-        let _ = tx.send(Err(RuntimeError::Gone));
-    }
-}
-
-/// A command running in a container: its events, in order, ending with `Exit`.
-pub struct ExecHandle {
-    id: u32,
-    events: mpsc::UnboundedReceiver<Result<ExecEvent, RuntimeError>>,
-    writer: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
-    done: bool,
-}
-
-impl ExecHandle {
-    /// The next event; `None` after `Exit` or an error.
-    pub async fn next(&mut self) -> Option<Result<ExecEvent, RuntimeError>> {
-        if self.done {
-            return None;
-        }
-        let event = self.events.recv().await.unwrap_or(Err(RuntimeError::Gone));
-        self.done = !matches!(event, Ok(ExecEvent::Stdout(_)) | Ok(ExecEvent::Stderr(_)));
-        Some(event)
-    }
-}
-
-impl Drop for ExecHandle {
-    /// A caller that stops listening (a client that disconnected mid-stream) must not
-    /// leave the command running: tell init to kill its tree.
-    fn drop(&mut self) {
-        if self.done {
-            return;
-        }
-        let mut frame = Vec::new();
-        proto::encode(&mut frame, FrameKind::Kill, self.id, &[]);
-        let writer = Arc::clone(&self.writer);
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            handle.spawn(async move {
-                let _ = writer.lock().await.write_all(&frame).await;
-            });
-        }
-    }
-}
-
 impl Container {
     /// The sandbox id.
     pub fn id(&self) -> &str {
@@ -443,7 +292,7 @@ impl Container {
 
     /// Whether init is still there.
     pub fn is_alive(&self) -> bool {
-        *self.alive.borrow()
+        self.channel.is_alive()
     }
 
     /// Confined file access.
@@ -475,25 +324,7 @@ impl Container {
         stdin: &[u8],
         files: &[&[u8]],
     ) -> Result<ExecHandle, RuntimeError> {
-        if !self.is_alive() {
-            return Err(RuntimeError::Gone);
-        }
-        let id = self.next_exec.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::unbounded_channel();
-        self.routes.lock().expect("routes lock").insert(id, tx);
-        let mut frame = Vec::new();
-        proto::encode_exec(&mut frame, id, spec, stdin, files);
-        let sent = self.writer.lock().await.write_all(&frame).await;
-        if sent.is_err() {
-            self.routes.lock().expect("routes lock").remove(&id);
-            return Err(RuntimeError::Gone);
-        }
-        Ok(ExecHandle {
-            id,
-            events: rx,
-            writer: Arc::clone(&self.writer),
-            done: false,
-        })
+        self.channel.exec(spec, stdin, files).await
     }
 
     /// Whether the memory limit killed something since the last call.
@@ -506,8 +337,7 @@ impl Container {
     pub async fn stop(&self) {
         let _ = rustix::process::pidfd_send_signal(&self.pidfd, rustix::process::Signal::KILL);
         // The channel closes when init's descriptors do, i.e. once it has exited.
-        let mut alive = self.alive.clone();
-        let _ = tokio::time::timeout(Duration::from_secs(5), alive.wait_for(|a| !*a)).await;
+        self.channel.wait_closed(Duration::from_secs(5)).await;
         let (cgroup, dir) = (self.cgroup.clone(), self.dir.clone());
         let _ = tokio::task::spawn_blocking(move || remove_sandbox(&cgroup, &dir)).await;
     }

@@ -6,13 +6,18 @@
 //! directory, through `..` or through a symbolic link (absolute links included), so a
 //! link an agent planted cannot redirect the edge to a host file. No round trip to init
 //! is needed, and file traffic never competes with command output on the channel.
+//!
+//! A VM guest's agent runs the same code against its own root ([`SandboxRoot::at`]), and
+//! sends failures back as [`FileFault`]s, so both backends answer alike.
 
+use std::borrow::Cow;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
 
 use rustix::fs::{Mode, OFlags, ResolveFlags};
+use serde::{Deserialize, Serialize};
 
 /// A file operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -23,7 +28,7 @@ pub enum FileError {
         /// The path as given.
         path: String,
         /// What is wrong with it.
-        reason: &'static str,
+        reason: Cow<'static, str>,
     },
     /// Resolution would leave the sandbox's root.
     #[error("path {0:?} escapes the sandbox's root through '..' or a symbolic link")]
@@ -37,7 +42,7 @@ pub enum FileError {
         /// The path as given.
         path: String,
         /// What was expected.
-        reason: &'static str,
+        reason: Cow<'static, str>,
     },
     /// The writable layer is full.
     #[error("no space left in the sandbox's writable layer writing {0:?}")]
@@ -53,7 +58,7 @@ pub enum FileError {
 }
 
 /// An entry of a directory listing.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Entry {
     /// File name.
     pub name: String,
@@ -63,6 +68,81 @@ pub struct Entry {
     pub is_dir: bool,
     /// Permission bits.
     pub mode: u32,
+}
+
+/// A [`FileError`] as it crosses a VM guest's channel (the path travels separately).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum FileFault {
+    /// [`FileError::InvalidPath`].
+    InvalidPath {
+        /// What is wrong with the path.
+        reason: String,
+    },
+    /// [`FileError::Escapes`].
+    Escapes,
+    /// [`FileError::NotFound`].
+    NotFound,
+    /// [`FileError::WrongType`].
+    WrongType {
+        /// What was expected.
+        reason: String,
+    },
+    /// [`FileError::NoSpace`].
+    NoSpace,
+    /// [`FileError::Io`].
+    Io {
+        /// The OS error number, if there was one.
+        errno: Option<i32>,
+        /// The OS error's message.
+        message: String,
+    },
+}
+
+impl FileError {
+    /// This error in its wire form.
+    pub fn fault(&self) -> FileFault {
+        match self {
+            FileError::InvalidPath { reason, .. } => FileFault::InvalidPath {
+                reason: reason.to_string(),
+            },
+            FileError::Escapes(_) => FileFault::Escapes,
+            FileError::NotFound(_) => FileFault::NotFound,
+            FileError::WrongType { reason, .. } => FileFault::WrongType {
+                reason: reason.to_string(),
+            },
+            FileError::NoSpace(_) => FileFault::NoSpace,
+            FileError::Io { source, .. } => FileFault::Io {
+                errno: source.raw_os_error(),
+                message: source.to_string(),
+            },
+        }
+    }
+
+    /// The error a guest reported for `path`.
+    pub fn from_fault(path: &str, fault: FileFault) -> FileError {
+        let path = path.to_owned();
+        match fault {
+            FileFault::InvalidPath { reason } => FileError::InvalidPath {
+                path,
+                reason: reason.into(),
+            },
+            FileFault::Escapes => FileError::Escapes(path),
+            FileFault::NotFound => FileError::NotFound(path),
+            FileFault::WrongType { reason } => FileError::WrongType {
+                path,
+                reason: reason.into(),
+            },
+            FileFault::NoSpace => FileError::NoSpace(path),
+            FileFault::Io { errno, message } => FileError::Io {
+                path,
+                source: match errno {
+                    Some(errno) => io::Error::from_raw_os_error(errno),
+                    None => io::Error::other(message),
+                },
+            },
+        }
+    }
 }
 
 /// The root of one sandbox, seen from the host.
@@ -78,6 +158,13 @@ impl SandboxRoot {
     pub fn of_pid(pid: i32) -> SandboxRoot {
         SandboxRoot {
             proc_root: PathBuf::from(format!("/proc/{pid}/root")),
+        }
+    }
+
+    /// The directory `root` (a VM guest's agent serves files beneath `/`).
+    pub fn at(root: impl Into<PathBuf>) -> SandboxRoot {
+        SandboxRoot {
+            proc_root: root.into(),
         }
     }
 
@@ -99,7 +186,7 @@ impl SandboxRoot {
         if file.metadata().map_err(|e| map_err(path, e))?.is_dir() {
             return Err(FileError::WrongType {
                 path: path.to_owned(),
-                reason: "is a directory; use list_files",
+                reason: "is a directory; use list_files".into(),
             });
         }
         Ok(file)
@@ -110,7 +197,7 @@ impl SandboxRoot {
         let rel = relative(path)?;
         let name = rel.file_name().ok_or(FileError::InvalidPath {
             path: path.to_owned(),
-            reason: "names a directory",
+            reason: "names a directory".into(),
         })?;
         let mut dir = self.open_root().map_err(|e| map_err(path, e))?;
         for comp in rel.parent().into_iter().flat_map(Path::components) {
@@ -171,7 +258,7 @@ impl SandboxRoot {
         .map_err(|e| match e.raw_os_error() {
             Some(libc::ENOTDIR) => FileError::WrongType {
                 path: path.to_owned(),
-                reason: "is not a directory",
+                reason: "is not a directory".into(),
             },
             _ => map_err(path, e),
         })?;
@@ -214,9 +301,9 @@ fn openat2(dir: impl AsFd, path: &Path, flags: OFlags, mode: Mode) -> io::Result
 /// Checks that `path` is absolute and stays inside `/` lexically, and makes it relative
 /// to the root.
 pub fn relative(path: &str) -> Result<PathBuf, FileError> {
-    let invalid = |reason| FileError::InvalidPath {
+    let invalid = |reason: &'static str| FileError::InvalidPath {
         path: path.to_owned(),
-        reason,
+        reason: reason.into(),
     };
     if path.contains('\0') {
         return Err(invalid("contains a NUL byte"));
@@ -248,11 +335,11 @@ fn map_err(path: &str, e: io::Error) -> FileError {
         Some(libc::ENOSPC) | Some(libc::EDQUOT) => FileError::NoSpace(path.to_owned()),
         Some(libc::EISDIR) => FileError::WrongType {
             path: path.to_owned(),
-            reason: "is a directory",
+            reason: "is a directory".into(),
         },
         Some(libc::ENOTDIR) => FileError::WrongType {
             path: path.to_owned(),
-            reason: "a parent is not a directory",
+            reason: "a parent is not a directory".into(),
         },
         _ => FileError::Io {
             path: path.to_owned(),
@@ -264,12 +351,6 @@ fn map_err(path: &str, e: io::Error) -> FileError {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn root_at(dir: &Path) -> SandboxRoot {
-        SandboxRoot {
-            proc_root: dir.to_owned(),
-        }
-    }
 
     #[test]
     fn lexical_escape_is_refused() {
@@ -289,7 +370,7 @@ mod tests {
         std::fs::write(tmp.path().join("secret"), b"host").unwrap();
         std::os::unix::fs::symlink("../secret", root.join("rel")).unwrap();
         std::os::unix::fs::symlink("/etc", root.join("abs")).unwrap();
-        let sb = root_at(&root);
+        let sb = SandboxRoot::at(&root);
         assert!(matches!(sb.open_read("/rel"), Err(FileError::Escapes(_))));
         assert!(matches!(
             sb.open_read("/abs/passwd"),
@@ -304,7 +385,7 @@ mod tests {
     #[test]
     fn write_creates_parents_and_list_reports_them() {
         let tmp = tempfile::tempdir().unwrap();
-        let sb = root_at(tmp.path());
+        let sb = SandboxRoot::at(tmp.path());
         sb.write("/a/b/c.txt", b"hello", 0o600).unwrap();
         let mut content = String::new();
         io::Read::read_to_string(&mut sb.open_read("/a/b/c.txt").unwrap(), &mut content).unwrap();

@@ -18,6 +18,11 @@
 //! - every descriptor init holds is close-on-exec and init is non-dumpable, so commands
 //!   cannot reach the channel through `/proc/1/fd`; signals from inside the pid
 //!   namespace cannot kill init either (the kernel protects a namespace's PID 1).
+//!
+//! A VM guest's agent (`dsec-agent`) is this same loop, entered through [`serve_guest`]
+//! once the agent has built the guest's root: there the channel is a virtio-serial port
+//! or a vsock connection, and file requests arrive on it too. The agent first takes the
+//! guest's identity with full privileges, then confines itself as init does.
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -29,6 +34,7 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
+use crate::files::{FileError, SandboxRoot};
 use crate::proto::{self, ExecExit, ExecSpec, Frame, FrameKind, InitError};
 use crate::seccomp::SeccompProfile;
 use crate::spec::SandboxSpec;
@@ -37,6 +43,8 @@ use crate::spec::SandboxSpec;
 const MAX_QUEUED: usize = 8 << 20;
 /// Bytes read from a pipe at a time (and the largest output frame).
 const CHUNK: usize = 64 << 10;
+/// Stack of a command's first process between `clone` and `execve`.
+const CHILD_STACK: usize = 256 << 10;
 /// Pipe reads after a command's exit, to collect what it wrote just before exiting,
 /// without waiting on background processes that keep the pipe open.
 const DRAIN_READS: usize = 32;
@@ -47,16 +55,8 @@ pub fn run(spec: &SandboxSpec, control: OwnedFd, seccomp: &SeccompProfile) -> ! 
     let mut out = Vec::new();
     let code = match prepare(spec, seccomp) {
         Ok(prepared) => {
-            proto::encode_json(
-                &mut out,
-                FrameKind::Ready,
-                0,
-                &proto::Ready {
-                    version: proto::VERSION,
-                    upper_fd: prepared.upper.as_raw_fd(),
-                },
-            );
-            let mut init = Init::new(control, prepared, out);
+            encode_ready(&mut out, prepared.upper.as_ref().map(AsRawFd::as_raw_fd));
+            let mut init = Init::new(control, prepared, out, Vec::new());
             init.serve();
             0
         }
@@ -70,14 +70,137 @@ pub fn run(spec: &SandboxSpec, control: OwnedFd, seccomp: &SeccompProfile) -> ! 
     unsafe { libc::_exit(code) }
 }
 
+fn encode_ready(out: &mut Vec<u8>, upper_fd: Option<RawFd>) {
+    proto::encode_json(
+        out,
+        FrameKind::Ready,
+        0,
+        &proto::Ready {
+            version: proto::VERSION,
+            upper_fd: upper_fd.unwrap_or(-1),
+        },
+    );
+}
+
+/// Serves a VM guest's commands and file requests over `control` until the edge closes
+/// it, then returns. The caller (the guest agent, PID 1 of the guest) has built the root.
+///
+/// The agent reports ready, then waits for the guest's [`proto::Identity`] — a boot
+/// template is saved right there, so every guest restored from it takes its own — and
+/// takes it with full privileges. Then it confines itself exactly as a container's init
+/// does (capabilities, no_new_privs, `seccomp`): commands inherit all of it for free,
+/// and installing a filter per command would cost a BPF JIT compile each time, which is
+/// slow under binary translation.
+pub fn serve_guest(control: OwnedFd, seccomp: SeccompProfile) -> Result<(), InitError> {
+    // SAFETY: restoring default dispositions; no handler code is involved.
+    unsafe {
+        libc::signal(libc::SIGCHLD, libc::SIG_DFL);
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
+    let devnull = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+        .map_err(|e| io_setup_error("open /dev/null", e))?;
+    let signals = signal_fd()?;
+    let mut out = Vec::new();
+    encode_ready(&mut out, None);
+    let fd = control.as_raw_fd();
+    write_all_blocking(fd, &out).map_err(|e| io_setup_error("report ready", e))?;
+    let mut inbuf = Vec::new();
+    let identity = loop {
+        match proto::decode(&mut inbuf) {
+            Ok(Some(frame)) if frame.kind == FrameKind::Identity => break frame,
+            Ok(Some(frame)) => {
+                let mut answer = Vec::new();
+                let err = setup_error(
+                    "identity",
+                    "the first request must be the guest's identity",
+                    None,
+                );
+                proto::encode_json(&mut answer, FrameKind::Error, frame.exec_id, &err);
+                let _ = write_all_blocking(fd, &answer);
+            }
+            Ok(None) => {
+                let mut chunk = [0u8; 4096];
+                // SAFETY: reading into a local buffer of chunk.len() bytes.
+                let n = unsafe { libc::read(fd, chunk.as_mut_ptr().cast(), chunk.len()) };
+                match n {
+                    0 => return Ok(()),
+                    n if n < 0 => {
+                        let err = std::io::Error::last_os_error();
+                        if err.kind() == std::io::ErrorKind::Interrupted {
+                            continue;
+                        }
+                        return Err(io_setup_error("read the channel", err));
+                    }
+                    n => inbuf.extend_from_slice(&chunk[..n as usize]),
+                }
+            }
+            Err(e) => return Err(setup_error("decode", e, None)),
+        }
+    };
+    let mut answer = Vec::new();
+    let taken = identity
+        .json::<proto::Identity>()
+        .map_err(|e| setup_error("identity", e, None))
+        .and_then(|id| take_identity(&id).map_err(|e| io_setup_error("identity", e)));
+    match &taken {
+        Ok(()) => proto::encode(&mut answer, FrameKind::Done, identity.exec_id, &[]),
+        Err(err) => proto::encode_json(&mut answer, FrameKind::Error, identity.exec_id, err),
+    }
+    write_all_blocking(fd, &answer).map_err(|e| io_setup_error("answer the identity", e))?;
+    taken?;
+    crate::caps::drop_to_default().map_err(|e| setup_error("drop capabilities", e, None))?;
+    seccomp
+        .apply()
+        .map_err(|e| setup_error("install seccomp filter", e, None))?;
+    let prepared = Prepared {
+        upper: None,
+        confine: Confine::Inherited,
+        signals,
+        devnull: devnull.into(),
+        guest: true,
+    };
+    Init::new(control, prepared, Vec::new(), inbuf).serve();
+    Ok(())
+}
+
 struct Prepared {
-    /// Held for the edge's snapshots; see [`crate::rootfs::setup`].
-    upper: OwnedFd,
-    /// For a fncall worker: how each command confines itself (init stays privileged to
-    /// build each call's namespaces).
-    calls: Option<CallSetup>,
+    /// Held for the edge's snapshots; see [`crate::rootfs::setup`]. A VM guest has none:
+    /// its writable layer lives on its own disk.
+    upper: Option<OwnedFd>,
+    confine: Confine,
     signals: SignalFd,
     devnull: OwnedFd,
+    /// A VM guest: the whole machine is the sandbox (OOM kills are read from
+    /// `/proc/vmstat`; no cgroup tells the edge).
+    guest: bool,
+}
+
+/// Where commands get their capabilities, no_new_privs and seccomp filter from.
+enum Confine {
+    /// init confined itself before serving; commands inherit it at no cost.
+    Inherited,
+    /// A fncall worker: each command builds its own namespaces and root, then confines
+    /// itself (init stays privileged to build them).
+    Call(CallSetup),
+}
+
+impl Confine {
+    /// Whether each command is PID 1 of a pid namespace of its own.
+    fn own_pid_namespace(&self) -> bool {
+        matches!(self, Confine::Call(_))
+    }
+}
+
+fn signal_fd() -> Result<SignalFd, InitError> {
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGCHLD);
+    mask.thread_block()
+        .map_err(|e| setup_error("block SIGCHLD", e, Some(e as i32)))?;
+    SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .map_err(|e| setup_error("signalfd", e, Some(e as i32)))
 }
 
 fn setup_error(stage: &str, err: impl std::fmt::Display, errno: Option<i32>) -> InitError {
@@ -85,6 +208,7 @@ fn setup_error(stage: &str, err: impl std::fmt::Display, errno: Option<i32>) -> 
         stage: stage.to_owned(),
         errno,
         message: err.to_string(),
+        file: None,
     }
 }
 
@@ -124,14 +248,9 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
     }
     // SAFETY: prctl(PR_SET_DUMPABLE) takes integer arguments only.
     unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
-    let mut mask = SigSet::empty();
-    mask.add(Signal::SIGCHLD);
-    mask.thread_block()
-        .map_err(|e| setup_error("block SIGCHLD", e, Some(e as i32)))?;
-    let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
-        .map_err(|e| setup_error("signalfd", e, Some(e as i32)))?;
-    let calls = if spec.worker {
-        Some(CallSetup {
+    let signals = signal_fd()?;
+    let confine = if spec.worker {
+        Confine::Call(CallSetup {
             layer_count: spec.layers.len(),
             disk_bytes: spec.disk_bytes,
             seccomp: seccomp.clone(),
@@ -144,20 +263,21 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
         seccomp
             .apply()
             .map_err(|e| setup_error("install seccomp filter", e, None))?;
-        None
+        Confine::Inherited
     };
     Ok(Prepared {
-        upper,
-        calls,
+        upper: Some(upper),
+        confine,
         signals,
         devnull: devnull.into(),
+        guest: false,
     })
 }
 
 fn write_all_blocking(fd: RawFd, mut data: &[u8]) -> std::io::Result<()> {
     while !data.is_empty() {
         // SAFETY: data points to data.len() initialised bytes.
-        let n = unsafe { libc::send(fd, data.as_ptr().cast(), data.len(), libc::MSG_NOSIGNAL) };
+        let n = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
         if n < 0 {
             let err = std::io::Error::last_os_error();
             if err.kind() == std::io::ErrorKind::Interrupted {
@@ -232,6 +352,10 @@ struct Init {
     execs: HashMap<u32, Exec>,
     by_pid: HashMap<i32, u32>,
     scratch: Vec<u8>,
+    /// A VM guest's OOM kill count as last read.
+    oom_seen: Option<u64>,
+    /// The stack each command's first process runs on until its `execve`.
+    child_stack: Vec<u8>,
 }
 
 /// What a poll slot stands for.
@@ -245,12 +369,16 @@ enum Slot {
 }
 
 impl Init {
-    fn new(control: OwnedFd, prepared: Prepared, outbuf: Vec<u8>) -> Self {
+    /// `outbuf` holds frames to send first, `inbuf` bytes already received.
+    fn new(control: OwnedFd, prepared: Prepared, outbuf: Vec<u8>, inbuf: Vec<u8>) -> Self {
         set_nonblocking(control.as_raw_fd());
+        let oom_seen = if prepared.guest { oom_kills() } else { None };
         Init {
             control,
-            inbuf: Vec::new(),
+            inbuf,
             outbuf,
+            oom_seen,
+            child_stack: vec![0; CHILD_STACK],
             prepared,
             execs: HashMap::new(),
             by_pid: HashMap::new(),
@@ -369,9 +497,25 @@ impl Init {
             },
             FrameKind::Kill => {
                 if let Some(ex) = self.execs.get(&frame.exec_id) {
-                    kill_command(ex.pid, self.prepared.calls.is_some());
+                    kill_command(ex.pid, self.prepared.confine.own_pid_namespace());
                 }
             }
+            FrameKind::ReadFile | FrameKind::WriteFile | FrameKind::ListDir => {
+                match serve_file_request(&frame) {
+                    Ok(answer) => {
+                        proto::encode(&mut self.outbuf, FrameKind::Done, frame.exec_id, &answer)
+                    }
+                    Err(err) => {
+                        proto::encode_json(&mut self.outbuf, FrameKind::Error, frame.exec_id, &err)
+                    }
+                }
+            }
+            FrameKind::Identity => self.send_error(
+                frame.exec_id,
+                "identity",
+                None,
+                "the guest took its identity when it started; it cannot change".into(),
+            ),
             _ => {}
         }
     }
@@ -385,6 +529,7 @@ impl Init {
                 stage: stage.to_owned(),
                 errno,
                 message,
+                file: None,
             },
         );
     }
@@ -437,22 +582,27 @@ impl Init {
             .as_ref()
             .map_or(self.prepared.devnull.as_raw_fd(), |(r, _)| r.as_raw_fd());
         let started = Instant::now();
-        // A fncall worker's command gets mount, pid and IPC namespaces of its own, so it
-        // is PID 1 there and everything it leaves behind dies with it.
-        let flags = match self.prepared.calls {
-            Some(_) => libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC,
-            None => 0,
+        let fds = ChildFds {
+            stdin: stdin_child,
+            stdout: out_w.as_raw_fd(),
+            stderr: err_w.as_raw_fd(),
+            report: report_w.as_raw_fd(),
         };
-        let pid = crate::zygote::fork_into(flags).map_err(errno("fork"))?;
-        if pid == 0 {
-            let fds = ChildFds {
-                stdin: stdin_child,
-                stdout: out_w.as_raw_fd(),
-                stderr: err_w.as_raw_fd(),
-                report: report_w.as_raw_fd(),
-            };
-            launch.exec_child(&fds, self.prepared.calls.as_ref());
-        }
+        let pid = match self.prepared.confine {
+            // A fncall worker's command gets mount, pid and IPC namespaces of its own, so
+            // it is PID 1 there and everything it leaves behind dies with it.
+            Confine::Call(_) => {
+                let flags = libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC;
+                let pid = crate::zygote::fork_into(flags).map_err(errno("fork"))?;
+                if pid == 0 {
+                    launch.exec_child(&fds, &self.prepared.confine);
+                }
+                pid
+            }
+            Confine::Inherited => {
+                spawn_shared(&launch, &fds, &mut self.child_stack).map_err(errno("clone"))?
+            }
+        };
         drop((out_w, err_w, report_w));
         let stdin_w = stdin_pipe.map(|(r, w)| {
             drop(r);
@@ -612,8 +762,21 @@ impl Init {
             timed_out: ex.timed_out,
             truncated: ex.truncated,
             duration_us: ex.started.elapsed().as_micros() as u64,
+            oom_killed: exit_code == Some(128 + libc::SIGKILL) && self.oom_kill_since_last(),
         };
         proto::encode_json(&mut self.outbuf, FrameKind::Exit, id, &exit);
+    }
+
+    /// Whether a VM guest's OOM killer struck since the last look. Asked only when a
+    /// command ended by SIGKILL (itself, or its shell reporting 137): reading
+    /// `/proc/vmstat` costs too much under binary translation to do per command.
+    fn oom_kill_since_last(&mut self) -> bool {
+        let Some(seen) = self.oom_seen else {
+            return false;
+        };
+        let now = oom_kills().unwrap_or(seen);
+        self.oom_seen = Some(now);
+        now > seen
     }
 
     fn expire_deadlines(&mut self) {
@@ -622,20 +785,21 @@ impl Init {
             if ex.deadline.is_some_and(|d| d <= now) {
                 ex.deadline = None;
                 ex.timed_out = true;
-                kill_command(ex.pid, self.prepared.calls.is_some());
+                kill_command(ex.pid, self.prepared.confine.own_pid_namespace());
             }
         }
     }
 
     fn flush(&mut self) {
         while !self.outbuf.is_empty() {
-            // SAFETY: outbuf holds outbuf.len() initialised bytes.
+            // SAFETY: outbuf holds outbuf.len() initialised bytes. The channel is
+            // non-blocking and SIGPIPE ignored; write(2), not send(2): a guest's channel
+            // may be a character device.
             let n = unsafe {
-                libc::send(
+                libc::write(
                     self.control.as_raw_fd(),
                     self.outbuf.as_ptr().cast(),
                     self.outbuf.len(),
-                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
                 )
             };
             if n <= 0 {
@@ -662,6 +826,99 @@ fn forward(outbuf: &mut Vec<u8>, id: u32, ex: &mut Exec, stream: usize, data: &[
         proto::encode(outbuf, kind, id, &data[..n]);
         ex.sent[stream] += n as u64;
     }
+}
+
+/// OOM kills since boot, from `/proc/vmstat`: in a VM guest the whole machine is the
+/// sandbox, so any kill during a command is charged to it.
+fn oom_kills() -> Option<u64> {
+    std::fs::read_to_string("/proc/vmstat")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("oom_kill "))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Answers a guest's file request from its own root, confined exactly as the edge
+/// confines a container's file access.
+fn serve_file_request(frame: &Frame) -> Result<Vec<u8>, InitError> {
+    let failed = |e: FileError| InitError {
+        stage: "files".to_owned(),
+        errno: None,
+        message: e.to_string(),
+        file: Some(e.fault()),
+    };
+    let decode = |e: proto::ProtoError| setup_error("decode", e, None);
+    let root = SandboxRoot::at("/");
+    match frame.kind {
+        FrameKind::ReadFile => {
+            let path = String::from_utf8_lossy(&frame.payload);
+            let mut file = root.open_read(&path).map_err(failed)?;
+            let mut data = Vec::new();
+            let limit = (proto::MAX_PAYLOAD - proto::HEADER_LEN) as u64;
+            std::io::Read::read_to_end(&mut std::io::Read::take(&mut file, limit + 1), &mut data)
+                .map_err(|e| {
+                failed(FileError::Io {
+                    path: path.to_string(),
+                    source: e,
+                })
+            })?;
+            if data.len() as u64 > limit {
+                return Err(failed(FileError::WrongType {
+                    path: path.to_string(),
+                    reason: "is larger than the 256 MiB a VM sandbox reads at once".into(),
+                }));
+            }
+            Ok(data)
+        }
+        FrameKind::WriteFile => {
+            let (header, data): (proto::WriteFile, _) =
+                proto::decode_with_header(frame).map_err(decode)?;
+            root.write(&header.path, data, header.mode)
+                .map_err(failed)?;
+            Ok(Vec::new())
+        }
+        _ => {
+            let path = String::from_utf8_lossy(&frame.payload);
+            let entries = root.list(&path).map_err(failed)?;
+            Ok(serde_json::to_vec(&entries).expect("entries serialize"))
+        }
+    }
+}
+
+/// Makes a restored guest distinct from its siblings: hostname, credited entropy and a
+/// forced reseed of the kernel's generator, and the current time.
+fn take_identity(identity: &proto::Identity) -> std::io::Result<()> {
+    crate::rootfs::set_hostname(&identity.hostname)?;
+    let urandom = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/urandom")?;
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let mut info = Vec::with_capacity(8 + identity.entropy.len());
+    info.extend_from_slice(&((identity.entropy.len() * 8) as i32).to_ne_bytes());
+    info.extend_from_slice(&(identity.entropy.len() as i32).to_ne_bytes());
+    info.extend_from_slice(&identity.entropy);
+    const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+    const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+    // SAFETY: ioctls on a descriptor we own; info is a valid rand_pool_info that
+    // outlives the call, and RNDRESEEDCRNG takes no argument.
+    unsafe {
+        if libc::ioctl(urandom.as_raw_fd(), RNDADDENTROPY, info.as_ptr()) < 0
+            || libc::ioctl(urandom.as_raw_fd(), RNDRESEEDCRNG) < 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    let now = libc::timespec {
+        tv_sec: (identity.unix_time_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (identity.unix_time_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: clock_settime with a valid timespec.
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &now) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Kills a command and everything it started. A fncall call is PID 1 of its own pid
@@ -788,6 +1045,43 @@ impl ChildStage {
     }
 }
 
+/// Starts a command the way `posix_spawn` does: `clone(CLONE_VM | CLONE_VFORK)` onto a
+/// stack of its own. The child shares init's memory until its `execve` while init is
+/// suspended, so nothing is copied — no page tables, no copy-on-write faults afterwards.
+/// That is a large share of an exec's cost in a VM guest under binary translation (and
+/// free to save in a container). The child makes syscalls and small allocations only,
+/// which is safe: init is single-threaded and waits, holding no lock.
+fn spawn_shared(launch: &Launch, fds: &ChildFds, stack: &mut [u8]) -> std::io::Result<i32> {
+    struct Args<'a> {
+        launch: &'a Launch,
+        fds: &'a ChildFds,
+    }
+    extern "C" fn entry(arg: *mut libc::c_void) -> libc::c_int {
+        // SAFETY: `arg` points to the `Args` below, on the stack of the parent, which is
+        // suspended (CLONE_VFORK) until this child execs or exits.
+        let args = unsafe { &*(arg as *const Args<'_>) };
+        args.launch.exec_child(args.fds, &Confine::Inherited)
+    }
+    let args = Args { launch, fds };
+    let end = stack.as_mut_ptr_range().end as usize;
+    let top = (end & !15) as *mut libc::c_void;
+    // SAFETY: `top` is the 16-byte aligned end of a writable buffer that outlives the
+    // child's use of it (the parent resumes only after the child's execve or exit), and
+    // `entry` never returns into the parent's frames.
+    let pid = unsafe {
+        libc::clone(
+            entry,
+            top,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            (&raw const args).cast_mut().cast(),
+        )
+    };
+    if pid < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(pid)
+}
+
 /// Writes a file (parents created) in the command's own root.
 fn write_file(path: &str, mode: u32, data: &[u8]) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
@@ -871,7 +1165,7 @@ impl Launch {
     /// Runs in the forked child: becomes a subreaper, wires stdio, enters the working
     /// directory and execs; capabilities, no_new_privs and seccomp are inherited from
     /// init. Reports a failing step through the report pipe and exits.
-    fn exec_child(&self, fds: &ChildFds, call: Option<&CallSetup>) -> ! {
+    fn exec_child(&self, fds: &ChildFds, confine: &Confine) -> ! {
         let fail = |stage: ChildStage, errno: i32| -> ! {
             let mut msg = [0u8; 8];
             msg[..4].copy_from_slice(&(stage as u32).to_le_bytes());
@@ -892,17 +1186,17 @@ impl Launch {
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
         // SAFETY: setsid(2) has no arguments.
         unsafe { libc::setsid() };
-        match call {
-            Some(call) => {
+        match confine {
+            Confine::Call(call) => {
                 if let Err(e) = crate::rootfs::setup_call(call.layer_count, call.disk_bytes) {
                     fail(ChildStage::CallRoot, e.errno());
                 }
             }
             // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) takes integer arguments only.
-            None if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } < 0 => {
+            _ if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } < 0 => {
                 fail(ChildStage::Subreaper, last_errno());
             }
-            None => {}
+            _ => {}
         }
         // init is exempt from the OOM killer; its commands must not be.
         let _ = std::fs::write("/proc/self/oom_score_adj", "0");
@@ -921,7 +1215,7 @@ impl Launch {
         if unsafe { libc::chdir(self.cwd.as_ptr()) } < 0 {
             fail(ChildStage::Chdir, last_errno());
         }
-        if let Some(call) = call {
+        if let Confine::Call(call) = confine {
             if crate::caps::drop_to_default().is_err() {
                 fail(ChildStage::Confine, libc::EPERM);
             }

@@ -6,14 +6,19 @@
 //! - [`init`]: the sandbox's PID 1 (a fork of the zygote): joins its [`cgroup`]s, builds
 //!   the [`rootfs`], then runs commands for the edge over the [`proto`] channel, with
 //!   [`caps`] dropped and the [`seccomp`] filter installed in each command;
-//! - [`container`]: the edge's async handle on a sandbox; [`files`]: confined file access
-//!   from the host side.
+//! - [`container`]: the edge's async handle on a sandbox, talking to init through a
+//!   [`channel`]; [`files`]: confined file access from the host side.
+//!
+//! A VM guest's agent reuses [`init`]'s command loop, [`proto`], [`files`], [`caps`] and
+//! [`seccomp`] inside the guest (see `dsec-agent`).
 #![warn(missing_docs)]
 
 pub mod caps;
 pub mod cgroup;
+pub mod channel;
 pub mod container;
 pub mod files;
+pub mod guest;
 pub mod init;
 pub mod proto;
 pub mod rootfs;

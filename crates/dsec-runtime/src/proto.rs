@@ -1,9 +1,13 @@
 //! The control protocol between the edge and a sandbox's init.
 //!
-//! The channel is one end of a `socketpair(AF_UNIX, SOCK_STREAM)` that init inherited at
-//! clone time. It has no name in any filesystem, init marks itself non-dumpable so
-//! `/proc/1/fd` is closed to the sandbox's processes, and every descriptor init holds is
-//! close-on-exec: nothing inside the sandbox can open, reach or forge it.
+//! For a container the channel is one end of a `socketpair(AF_UNIX, SOCK_STREAM)` that
+//! init inherited at clone time. It has no name in any filesystem, init marks itself
+//! non-dumpable so `/proc/1/fd` is closed to the sandbox's processes, and every descriptor
+//! init holds is close-on-exec: nothing inside the sandbox can open, reach or forge it.
+//! A VM guest's agent speaks the same protocol over a virtio-serial port or a vsock
+//! connection (see `dsec-agent`); there file operations and the guest's identity travel
+//! on the channel too, as request frames answered by [`FrameKind::Done`] or
+//! [`FrameKind::Error`] with the request's id.
 //!
 //! Each frame is a 9-byte header — payload length (`u32` LE), kind (`u8`), exec id
 //! (`u32` LE) — followed by the payload. Output travels as raw bytes (no JSON escaping on
@@ -11,8 +15,8 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Bumped on any incompatible change; init refuses a mismatching edge.
-pub const VERSION: u32 = 1;
+/// Bumped on any incompatible change; the edge refuses a mismatching init or agent.
+pub const VERSION: u32 = 2;
 
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 9;
@@ -36,8 +40,22 @@ pub enum FrameKind {
     Stderr = 5,
     /// init → edge: the command ended; payload: JSON [`ExecExit`].
     Exit = 6,
-    /// init → edge: the command or the setup failed; payload: JSON [`InitError`].
+    /// init → edge: the command, the request or the setup failed; payload: JSON
+    /// [`InitError`].
     Error = 7,
+    /// edge → agent: take a fresh identity after a snapshot restore; payload: JSON
+    /// [`Identity`].
+    Identity = 8,
+    /// edge → agent: read a file; payload: the absolute path. Answer: its contents.
+    ReadFile = 9,
+    /// edge → agent: write a file; payload: `u32` LE JSON length, JSON [`WriteFile`],
+    /// contents.
+    WriteFile = 10,
+    /// edge → agent: list a directory; payload: the absolute path. Answer: JSON
+    /// `Vec<`[`crate::files::Entry`]`>`.
+    ListDir = 11,
+    /// init → edge: a request succeeded; payload: its answer.
+    Done = 12,
 }
 
 impl FrameKind {
@@ -50,6 +68,11 @@ impl FrameKind {
             5 => FrameKind::Stderr,
             6 => FrameKind::Exit,
             7 => FrameKind::Error,
+            8 => FrameKind::Identity,
+            9 => FrameKind::ReadFile,
+            10 => FrameKind::WriteFile,
+            11 => FrameKind::ListDir,
+            12 => FrameKind::Done,
             _ => return None,
         })
     }
@@ -186,17 +209,78 @@ pub struct ExecExit {
     pub truncated: bool,
     /// Wall time from fork to exit.
     pub duration_us: u64,
+    /// The kernel's OOM killer struck while the command ran (set by a VM guest's agent,
+    /// where the whole guest is the sandbox; a container's edge asks its cgroup instead).
+    #[serde(default)]
+    pub oom_killed: bool,
 }
 
 /// Why init could not do what it was asked.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InitError {
-    /// Which step failed (`chdir`, `exec`, `setup`, ...).
+    /// Which step failed (`chdir`, `exec`, `setup`, `files`, ...).
     pub stage: String,
     /// `errno`, when a syscall failed.
     pub errno: Option<i32>,
     /// Human-readable explanation.
     pub message: String,
+    /// For a failed file request: what kind of failure, so the edge can answer exactly as
+    /// it does for a container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<crate::files::FileFault>,
+}
+
+/// What a VM guest takes on when it is restored from a snapshot that other sandboxes
+/// share: its own name, fresh randomness and the current time.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    /// The new hostname (the sandbox id).
+    pub hostname: String,
+    /// Bytes mixed into the guest's random pool, credited as entropy, before the pool
+    /// is reseeded: no two restored guests share a random stream.
+    pub entropy: Vec<u8>,
+    /// Wall-clock time, nanoseconds since the epoch.
+    pub unix_time_ns: u128,
+}
+
+/// Header of a [`FrameKind::WriteFile`] request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteFile {
+    /// Absolute path in the guest.
+    pub path: String,
+    /// Permission bits.
+    pub mode: u32,
+}
+
+/// Builds a payload made of a JSON header and raw bytes (`u32` LE header length first),
+/// as [`FrameKind::WriteFile`] uses.
+pub fn encode_with_header<T: Serialize>(header: &T, data: &[u8]) -> Vec<u8> {
+    let json = serde_json::to_vec(header).expect("protocol types serialize");
+    let mut payload = Vec::with_capacity(4 + json.len() + data.len());
+    payload.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    payload.extend_from_slice(&json);
+    payload.extend_from_slice(data);
+    payload
+}
+
+/// Splits a payload built by [`encode_with_header`].
+pub fn decode_with_header<T: for<'de> Deserialize<'de>>(
+    frame: &Frame,
+) -> Result<(T, &[u8]), ProtoError> {
+    let bad = |reason: String| ProtoError::Payload {
+        kind: frame.kind,
+        reason,
+    };
+    let p = &frame.payload;
+    let n = p
+        .get(0..4)
+        .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize)
+        .ok_or_else(|| bad("missing header length".into()))?;
+    let json = p
+        .get(4..4 + n)
+        .ok_or_else(|| bad("header past the end".into()))?;
+    let header = serde_json::from_slice(json).map_err(|e| bad(e.to_string()))?;
+    Ok((header, &p[4 + n..]))
 }
 
 /// Builds the payload of an [`FrameKind::Exec`] frame: the spec, stdin, then the
@@ -208,12 +292,7 @@ pub fn encode_exec(
     stdin: &[u8],
     files: &[&[u8]],
 ) {
-    let json = serde_json::to_vec(spec).expect("protocol types serialize");
-    let data: usize = files.iter().map(|f| f.len()).sum();
-    let mut payload = Vec::with_capacity(4 + json.len() + stdin.len() + data);
-    payload.extend_from_slice(&(json.len() as u32).to_le_bytes());
-    payload.extend_from_slice(&json);
-    payload.extend_from_slice(stdin);
+    let mut payload = encode_with_header(spec, stdin);
     for f in files {
         payload.extend_from_slice(f);
     }
@@ -237,14 +316,7 @@ pub fn decode_exec(frame: &Frame) -> Result<ExecPayload<'_>, ProtoError> {
         kind: FrameKind::Exec,
         reason: reason.to_owned(),
     };
-    let p = &frame.payload;
-    if p.len() < 4 {
-        return Err(bad("missing spec length"));
-    }
-    let n = u32::from_le_bytes(p[0..4].try_into().expect("4 bytes")) as usize;
-    let json = p.get(4..4 + n).ok_or_else(|| bad("spec past the end"))?;
-    let spec: ExecSpec = serde_json::from_slice(json).map_err(|e| bad(&e.to_string()))?;
-    let rest = &p[4 + n..];
+    let (spec, rest): (ExecSpec, _) = decode_with_header(frame)?;
     let data: u64 = spec.files.iter().map(|f| f.len).sum();
     let stdin_len = (rest.len() as u64)
         .checked_sub(data)

@@ -132,6 +132,39 @@ pub fn setup_call(layer_count: usize, disk_bytes: u64) -> Result<(), RootfsError
     pivot(&rootfs)
 }
 
+/// Builds a VM guest's root on `rootfs` and makes it `/`. Runs in the guest's agent
+/// (PID 1, still in its initramfs), after it mounted the image's read-only disk on
+/// `lower` and the sandbox's own scratch disk on `scratch`: an overlay of the scratch
+/// disk's `upper/` over the image, then the container backend's `/proc`, `/dev`, `/sys`,
+/// masked and read-only paths. An initramfs cannot be `pivot_root`ed: the new root is
+/// moved over `/` and the agent chroots into it, as `switch_root` does.
+pub fn setup_guest(lower: &Path, scratch: &Path, rootfs: &Path) -> Result<(), RootfsError> {
+    let (upper, work) = (scratch.join("upper"), scratch.join("work"));
+    for dir in [&upper, &work, &rootfs.to_path_buf()] {
+        fs::create_dir_all(dir).step("mkdir", dir)?;
+    }
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.display(),
+        upper.display(),
+        work.display()
+    );
+    mount(
+        Some("overlay"),
+        rootfs,
+        Some("overlay"),
+        MsFlags::empty(),
+        Some(opts.as_str()),
+    )
+    .step("mount overlay on", rootfs)?;
+    build_view(rootfs)?;
+    nix::unistd::chdir(rootfs).step("chdir", rootfs)?;
+    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
+        .step("move the new root over", Path::new("/"))?;
+    nix::unistd::chroot(".").step("chroot", rootfs)?;
+    nix::unistd::chdir("/").step("chdir", Path::new("/"))
+}
+
 fn make_private() -> Result<(), RootfsError> {
     let root = Path::new("/");
     mount(

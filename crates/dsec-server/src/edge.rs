@@ -395,6 +395,7 @@ impl Edge {
             labels: req.labels,
             trajectory_id: req.trajectory_id,
             next_step: None,
+            accelerator: sandbox.accelerator().map(str::to_owned),
             usage: Default::default(),
         };
         let registered = self.log.register(SandboxRecord {

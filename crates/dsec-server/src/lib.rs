@@ -26,6 +26,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use crate::backend::container::ContainerBackend;
 use crate::backend::docker::DockerBackend;
 use crate::backend::fncall::{FnCallBackend, PoolConfig};
+use crate::backend::vm::{VmBackend, VmConfig, VmHost};
 use crate::backend::Backends;
 use crate::edge::{Edge, EdgeConfig};
 
@@ -48,6 +49,8 @@ pub struct ServerConfig {
     pub fncall: PoolConfig,
     /// Addresses of sandboxes with a network: (network, prefix length).
     pub net_pool: (std::net::Ipv4Addr, u8),
+    /// The `microvm` and `vm` backends.
+    pub vm: VmConfig,
 }
 
 /// Why the server could not start.
@@ -97,6 +100,7 @@ pub struct HostSetup {
     _lock: nix::fcntl::Flock<std::fs::File>,
     layout: CgroupLayout,
     zygote: Zygote,
+    exe: PathBuf,
 }
 
 fn state_err(path: &Path) -> impl FnOnce(std::io::Error) -> ServeError + '_ {
@@ -138,6 +142,7 @@ impl HostSetup {
             _lock: lock,
             layout,
             zygote,
+            exe: exe.to_owned(),
         })
     }
 }
@@ -188,6 +193,32 @@ pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError
     let docker = Arc::new(DockerBackend::new(docker_tag));
     // Before serving, so that a server stopped right after it started still cleans up.
     docker.clean_leftovers().await;
+    let vm_host = Arc::new(VmHost::new(
+        &config.state_dir,
+        images.clone(),
+        config.vm.clone(),
+        host.exe,
+    ));
+    let cleaned = {
+        let vm_host = Arc::clone(&vm_host);
+        tokio::task::spawn_blocking(move || vm_host.clean_leftovers())
+            .await
+            .unwrap_or_default()
+    };
+    if cleaned > 0 {
+        tracing::info!(
+            count = cleaned,
+            "removed VM sandboxes left by an earlier run"
+        );
+    }
+    // The accelerator probe boots a guest: start it now so the first VM sandbox does
+    // not wait for it. Hosts that cannot run VMs learn why at their first VM create.
+    {
+        let vm_host = Arc::clone(&vm_host);
+        tokio::spawn(async move {
+            let _ = vm_host.accel().await;
+        });
+    }
     let backends = Backends {
         container: Arc::new(ContainerBackend::new(
             Arc::clone(&runtime),
@@ -196,6 +227,11 @@ pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError
         )),
         fncall: Arc::clone(&fncall),
         docker,
+        microvm: Arc::new(VmBackend::new(
+            Arc::clone(&vm_host),
+            dsec_vm::qemu::Machine::Microvm,
+        )),
+        vm: Arc::new(VmBackend::new(vm_host, dsec_vm::qemu::Machine::Q35)),
     };
     let log = dsec_trajectory::TrajectoryLog::open(
         &config.state_dir.join("trajectory.db"),

@@ -11,9 +11,12 @@ use dsec_api::{
     CommandResult, CreateSandboxRequest, ErrorBody, ImageInfo, ImportImageRequest, SandboxInfo,
 };
 use dsec_server::backend::fncall::PoolConfig;
+use dsec_server::backend::vm::{AccelChoice, BootMode, VmConfig};
 use dsec_server::edge::EdgeConfig;
 use dsec_server::{HostSetup, ServerConfig};
 use dsec_trajectory::SandboxLog;
+use dsec_vm::assets::KernelSource;
+use dsec_vm::disk::BaseFs;
 
 #[derive(Parser)]
 #[command(
@@ -174,6 +177,29 @@ struct ServeArgs {
     /// fncall: most workers over all images (each idle worker costs ~0.2 MiB).
     #[arg(long, default_value_t = 512)]
     fncall_max_total: usize,
+    /// VM backends: the static guest agent (scripts/build-agent.sh builds it); by default
+    /// target/x86_64-unknown-linux-gnu/release/dsec-agent beside the dsec binary's
+    /// directory, else `dsec-agent` next to the dsec binary.
+    #[arg(long)]
+    vm_agent: Option<PathBuf>,
+    /// VM backends: guest kernel image; by default the newest
+    /// /boot/vmlinuz-*-cloud-amd64 (Debian's linux-image-cloud-amd64).
+    #[arg(long)]
+    vm_kernel: Option<PathBuf>,
+    /// VM backends: the guest kernel's modules tree; by default /lib/modules/<version>.
+    /// A kernel with virtio, vsock, overlay and erofs built in needs none.
+    #[arg(long)]
+    vm_modules: Option<PathBuf>,
+    /// VM backends: filesystem of the read-only image disks, `ext4` or `erofs`.
+    #[arg(long, default_value = "ext4", value_parser = parse_base_fs)]
+    vm_base_fs: BaseFs,
+    /// VM backends: `snapshot` restores a boot template (booted once per image and
+    /// shape) for each sandbox; `cold` boots each sandbox's kernel.
+    #[arg(long, default_value = "snapshot", value_parser = parse_boot)]
+    vm_boot: BootMode,
+    /// VM backends: `auto` uses KVM when a probe guest boots under it, else TCG.
+    #[arg(long, default_value = "auto", value_parser = parse_accel)]
+    vm_accel: AccelChoice,
 }
 
 #[derive(Subcommand)]
@@ -201,6 +227,31 @@ fn parse_sync(s: &str) -> Result<dsec_trajectory::SyncMode, String> {
         "full" => Ok(dsec_trajectory::SyncMode::Full),
         "normal" => Ok(dsec_trajectory::SyncMode::Normal),
         _ => Err(format!("{s:?} is not full or normal")),
+    }
+}
+
+fn parse_base_fs(s: &str) -> Result<BaseFs, String> {
+    match s {
+        "ext4" => Ok(BaseFs::Ext4),
+        "erofs" => Ok(BaseFs::Erofs),
+        _ => Err(format!("{s:?} is not ext4 or erofs")),
+    }
+}
+
+fn parse_boot(s: &str) -> Result<BootMode, String> {
+    match s {
+        "snapshot" => Ok(BootMode::Snapshot),
+        "cold" => Ok(BootMode::Cold),
+        _ => Err(format!("{s:?} is not snapshot or cold")),
+    }
+}
+
+fn parse_accel(s: &str) -> Result<AccelChoice, String> {
+    match s {
+        "auto" => Ok(AccelChoice::Auto),
+        "kvm" => Ok(AccelChoice::Kvm),
+        "tcg" => Ok(AccelChoice::Tcg),
+        _ => Err(format!("{s:?} is not auto, kvm or tcg")),
     }
 }
 
@@ -389,6 +440,16 @@ fn serve(args: ServeArgs) -> Result<()> {
             min_warm: args.fncall_min_warm,
             max_warm: args.fncall_max_warm.max(1),
             max_total: args.fncall_max_total.max(1),
+        },
+        vm: VmConfig {
+            agent: args.vm_agent,
+            kernel: KernelSource {
+                kernel: args.vm_kernel,
+                modules: args.vm_modules,
+            },
+            base_fs: args.vm_base_fs,
+            boot: args.vm_boot,
+            accel: args.vm_accel,
         },
     };
     // Command output lives in buffers of up to --max-output-bytes per stream. glibc would

@@ -757,7 +757,7 @@ impl Inner {
             if !last.dir {
                 return Err(FileError::WrongType {
                     path: path.to_owned(),
-                    reason: "a parent is not a directory",
+                    reason: "a parent is not a directory".into(),
                 }
                 .into());
             }
@@ -988,7 +988,7 @@ impl Sandbox for DockerSandbox {
         if resolved.last.dir {
             return Err(FileError::WrongType {
                 path: path.to_owned(),
-                reason: "is a directory; use list_files",
+                reason: "is a directory; use list_files".into(),
             }
             .into());
         }
@@ -1004,7 +1004,7 @@ impl Sandbox for DockerSandbox {
             if !entry.header().entry_type().is_file() {
                 return Err(FileError::WrongType {
                     path,
-                    reason: "is not a regular file",
+                    reason: "is not a regular file".into(),
                 }
                 .into());
             }
@@ -1024,14 +1024,14 @@ impl Sandbox for DockerSandbox {
             if resolved.last.dir {
                 return Err(FileError::WrongType {
                     path: path.to_owned(),
-                    reason: "is a directory",
+                    reason: "is a directory".into(),
                 }
                 .into());
             }
             let mut existing = resolved.existing;
             let name = existing.pop().ok_or_else(|| FileError::InvalidPath {
                 path: path.to_owned(),
-                reason: "names a directory",
+                reason: "names a directory".into(),
             })?;
             (existing, vec![name])
         } else {
@@ -1068,7 +1068,7 @@ impl Sandbox for DockerSandbox {
         if !resolved.last.dir {
             return Err(FileError::WrongType {
                 path: path.to_owned(),
-                reason: "is not a directory",
+                reason: "is not a directory".into(),
             }
             .into());
         }

@@ -8,6 +8,7 @@
 pub mod container;
 pub mod docker;
 pub mod fncall;
+pub mod vm;
 
 use std::fs::File;
 use std::sync::Arc;
@@ -165,6 +166,10 @@ pub trait Sandbox: Send + Sync {
     }
     /// Resource usage now.
     fn usage(&self) -> Usage;
+    /// The hardware accelerator a VM sandbox runs on (`kvm`, `tcg`); `None` elsewhere.
+    fn accelerator(&self) -> Option<&'static str> {
+        None
+    }
     /// False once the sandbox died on its own.
     fn is_alive(&self) -> bool;
     /// Kills it and removes everything it made; idempotent.
@@ -186,6 +191,10 @@ pub struct Backends {
     pub fncall: Arc<fncall::FnCallBackend>,
     /// Containers of a Docker Engine.
     pub docker: Arc<docker::DockerBackend>,
+    /// QEMU microvm guests.
+    pub microvm: Arc<vm::VmBackend>,
+    /// QEMU q35 guests.
+    pub vm: Arc<vm::VmBackend>,
 }
 
 impl Backends {
@@ -196,10 +205,8 @@ impl Backends {
             "container" => Ok(self.container.clone()),
             "fncall" => Ok(self.fncall.clone()),
             "docker" => Ok(self.docker.clone()),
-            "microvm" | "vm" => Err(ApiError::unavailable(format!(
-                "backend {name:?} is not available on this server yet: this build runs \
-                 the \"container\", \"fncall\" and \"docker\" backends only"
-            ))),
+            "microvm" => Ok(self.microvm.clone()),
+            "vm" => Ok(self.vm.clone()),
             _ => Err(ApiError::invalid(format!(
                 "unknown backend {name:?}; valid backends are: {}",
                 dsec_api::BACKENDS.join(", ")

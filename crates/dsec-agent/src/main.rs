@@ -1,0 +1,293 @@
+//! dsec's agent: PID 1 of every dsec VM guest.
+//!
+//! The host boots the guest's kernel with an initramfs holding this (static) binary and
+//! the few kernel modules it needs. The agent loads them, opens its channel to the host —
+//! the virtio-serial port named [`guest::PORT_NAME`], or a vsock listener when the VMM
+//! offers no such port — mounts the image's read-only disk and the sandbox's scratch
+//! disk, stacks an overlay of the two into the guest's root, then serves the container
+//! backend's protocol ([`dsec_runtime::init::serve_guest`]): the same exec, timeout,
+//! output and file semantics, byte for byte.
+//!
+//! The channel cannot be opened or forged from inside the guest: the agent holds the
+//! only open of the port (virtio-serial allows one), the guest's root has its own
+//! minimal `/dev` without the port's node, the initramfs' `/dev` is unmounted, and every
+//! command runs with Docker's default capabilities minus `CAP_MKNOD` (no `mknod`, no
+//! `mount`, no `ptrace` of the non-dumpable agent) under the same seccomp filter as a
+//! container.
+//!
+//! When the host closes the channel the guest has no further purpose: the agent reboots
+//! it, which ends QEMU (started with `-no-reboot`).
+
+use std::fs;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use dsec_runtime::guest::{self, BootArgs};
+use dsec_runtime::proto::{self, FrameKind, InitError};
+use dsec_runtime::seccomp::SeccompProfile;
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+
+/// How long devices may take to appear once their drivers are loaded.
+const DEVICE_WAIT: Duration = Duration::from_secs(10);
+
+fn main() {
+    if std::process::id() != 1 {
+        eprintln!("dsec-agent runs only as PID 1 of a dsec VM guest (the host starts it)");
+        std::process::exit(2);
+    }
+    if let Err(e) = run() {
+        eprintln!("dsec-agent: {e}");
+    }
+    nix::unistd::sync();
+    // SAFETY: reboot(2) with a constant command; QEMU runs with -no-reboot and exits.
+    unsafe { libc::reboot(libc::RB_AUTOBOOT) };
+}
+
+/// Boots the guest and serves the host until it goes away.
+fn run() -> Result<(), String> {
+    mount_early()?;
+    let cmdline = fs::read_to_string("/proc/cmdline").map_err(|e| format!("/proc/cmdline: {e}"))?;
+    let args = BootArgs::parse(&cmdline);
+    load_modules(&cmdline)?;
+    let control = open_channel()?;
+    if args.probe {
+        let mut ready = Vec::new();
+        proto::encode_json(
+            &mut ready,
+            FrameKind::Ready,
+            0,
+            &proto::Ready {
+                version: proto::VERSION,
+                upper_fd: -1,
+            },
+        );
+        return fs::File::from(control)
+            .write_all(&ready)
+            .map_err(|e| format!("answering the probe: {e}"));
+    }
+    let prepared = build_root(&args).and_then(|()| {
+        SeccompProfile::docker_default().map_err(|e| format!("seccomp profile: {e}"))
+    });
+    let seccomp = match prepared {
+        Ok(seccomp) => seccomp,
+        Err(message) => {
+            report_setup_error(control, &message);
+            return Err(message);
+        }
+    };
+    dsec_runtime::init::serve_guest(control, seccomp).map_err(|e| e.message)
+}
+
+fn mount_early() -> Result<(), String> {
+    for (fstype, target) in [("devtmpfs", "/dev"), ("proc", "/proc"), ("sysfs", "/sys")] {
+        fs::create_dir_all(target).map_err(|e| format!("mkdir {target}: {e}"))?;
+        mount(
+            Some(fstype),
+            target,
+            Some(fstype),
+            MsFlags::MS_NOSUID,
+            None::<&str>,
+        )
+        .map_err(|e| format!("mount {fstype} on {target}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Loads the modules the host listed, in its order (dependencies first), each with the
+/// `<module>.<param>=<value>` words of the kernel command line meant for it — as
+/// modprobe would; QEMU's microvm declares its virtio-mmio devices that way.
+fn load_modules(cmdline: &str) -> Result<(), String> {
+    let dir = Path::new(guest::MODULE_DIR);
+    let order = fs::read_to_string(dir.join(guest::MODULE_ORDER)).unwrap_or_default();
+    for name in order.lines().filter(|l| !l.is_empty()) {
+        let path = dir.join(name);
+        let file = fs::File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let module = name.split(".ko").next().unwrap_or(name).replace('-', "_");
+        let params: Vec<&str> = cmdline
+            .split_whitespace()
+            .filter_map(|w| w.strip_prefix(module.as_str())?.strip_prefix('.'))
+            .collect();
+        let params = std::ffi::CString::new(params.join(" "))
+            .map_err(|_| format!("parameters of {name} hold a NUL byte"))?;
+        match nix::kmod::finit_module(&file, &params, nix::kmod::ModuleInitFlags::empty()) {
+            Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
+            Err(e) => return Err(format!("loading {name}: {e}")),
+        }
+    }
+    Ok(())
+}
+
+/// Polls `probe` until it yields or [`DEVICE_WAIT`] passes.
+fn wait_for<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> Result<T, String> {
+    let start = Instant::now();
+    loop {
+        if let Some(found) = probe() {
+            return Ok(found);
+        }
+        if start.elapsed() > DEVICE_WAIT {
+            return Err(format!("{what} did not appear within {DEVICE_WAIT:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// virtio device ids (virtio spec 5): console (virtio-serial) and socket (vsock).
+const VIRTIO_CONSOLE: &str = "0x0003";
+const VIRTIO_VSOCK: &str = "0x0013";
+
+/// Whether a virtio device of type `id` is present.
+fn virtio_device(id: &str) -> bool {
+    fs::read_dir("/sys/bus/virtio/devices").is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| fs::read_to_string(e.path().join("device")).is_ok_and(|d| d.trim() == id))
+    })
+}
+
+/// The host's channel: the named virtio-serial port if the VMM offers a virtio console
+/// device, else the first vsock connection from the host.
+fn open_channel() -> Result<OwnedFd, String> {
+    let serial = wait_for("a virtio console or vsock device", || {
+        if virtio_device(VIRTIO_CONSOLE) {
+            Some(true)
+        } else {
+            virtio_device(VIRTIO_VSOCK).then_some(false)
+        }
+    })?;
+    if !serial {
+        return accept_vsock();
+    }
+    let node = wait_for("the agent's virtio-serial port", serial_port)?;
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&node)
+        .map_err(|e| format!("{}: {e}", node.display()))?;
+    Ok(file.into())
+}
+
+/// `/dev/<port>` of the port named [`guest::PORT_NAME`].
+fn serial_port() -> Option<PathBuf> {
+    fs::read_dir("/sys/class/virtio-ports")
+        .ok()?
+        .flatten()
+        .find(|e| {
+            fs::read_to_string(e.path().join("name")).is_ok_and(|n| n.trim() == guest::PORT_NAME)
+        })
+        .map(|e| Path::new("/dev").join(e.file_name()))
+        .filter(|node| node.exists())
+}
+
+fn accept_vsock() -> Result<OwnedFd, String> {
+    let os = |what: &str| format!("vsock {what}: {}", std::io::Error::last_os_error());
+    // SAFETY: socket(2) with constant arguments; the result is checked.
+    let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(os("socket"));
+    }
+    // SAFETY: fd was just returned by socket(2) and nothing else owns it.
+    let listener = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: sockaddr_vm is plain old data; all-zeroes is a valid value.
+    let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
+    addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
+    addr.svm_port = guest::VSOCK_PORT;
+    addr.svm_cid = libc::VMADDR_CID_ANY;
+    let len = std::mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t;
+    // SAFETY: addr is a valid sockaddr_vm of `len` bytes on our socket.
+    if unsafe { libc::bind(listener.as_raw_fd(), (&raw const addr).cast(), len) } < 0 {
+        return Err(os("bind"));
+    }
+    // SAFETY: listen(2) on our socket with an integer backlog.
+    if unsafe { libc::listen(listener.as_raw_fd(), 1) } < 0 {
+        return Err(os("listen"));
+    }
+    loop {
+        // SAFETY: sockaddr_vm is plain old data; all-zeroes is a valid value.
+        let mut peer: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
+        let mut peer_len = len;
+        // SAFETY: peer is a writable sockaddr_vm of peer_len bytes.
+        let conn = unsafe {
+            libc::accept4(
+                listener.as_raw_fd(),
+                (&raw mut peer).cast(),
+                &mut peer_len,
+                libc::SOCK_CLOEXEC,
+            )
+        };
+        if conn < 0 {
+            return Err(os("accept"));
+        }
+        // SAFETY: conn was just returned by accept4(2) and nothing else owns it.
+        let conn = unsafe { OwnedFd::from_raw_fd(conn) };
+        if peer.svm_cid == libc::VMADDR_CID_HOST {
+            return Ok(conn);
+        }
+    }
+}
+
+/// `/dev/<vdX>` of the virtio disk whose serial is `serial`.
+fn disk_with_serial(serial: &str) -> Option<PathBuf> {
+    fs::read_dir("/sys/block")
+        .ok()?
+        .flatten()
+        .find(|e| fs::read_to_string(e.path().join("serial")).is_ok_and(|s| s.trim() == serial))
+        .map(|e| Path::new("/dev").join(e.file_name()))
+        .filter(|node| node.exists())
+}
+
+fn build_root(args: &BootArgs) -> Result<(), String> {
+    let base = wait_for("the image disk", || {
+        disk_with_serial(guest::BASE_DISK_SERIAL)
+    })?;
+    let scratch = wait_for("the scratch disk", || {
+        disk_with_serial(guest::SCRATCH_DISK_SERIAL)
+    })?;
+    let (lower, upper) = (Path::new("/mnt/image"), Path::new("/mnt/scratch"));
+    for (device, target, fstype, flags) in [
+        (&base, lower, args.base_fs.as_str(), MsFlags::MS_RDONLY),
+        (&scratch, upper, "ext4", MsFlags::empty()),
+    ] {
+        fs::create_dir_all(target).map_err(|e| format!("mkdir {}: {e}", target.display()))?;
+        mount(
+            Some(device.as_path()),
+            target,
+            Some(fstype),
+            flags | MsFlags::MS_NODEV,
+            None::<&str>,
+        )
+        .map_err(|e| {
+            format!(
+                "mount {} ({fstype}) on {}: {e}",
+                device.display(),
+                target.display()
+            )
+        })?;
+    }
+    // Nothing of the initramfs' own view may remain reachable from the guest's root.
+    for target in ["/dev", "/proc", "/sys"] {
+        umount2(target, MntFlags::MNT_DETACH).map_err(|e| format!("unmount {target}: {e}"))?;
+    }
+    dsec_runtime::rootfs::setup_guest(lower, upper, Path::new("/mnt/root"))
+        .map_err(|e| e.to_string())?;
+    dsec_runtime::rootfs::set_hostname(&args.hostname).map_err(|e| format!("sethostname: {e}"))?;
+    dsec_runtime::rootfs::loopback_up().map_err(|e| format!("loopback: {e}"))
+}
+
+/// Tells the host why the guest cannot serve, before rebooting it.
+fn report_setup_error(control: OwnedFd, message: &str) {
+    let mut frame = Vec::new();
+    proto::encode_json(
+        &mut frame,
+        FrameKind::Error,
+        0,
+        &InitError {
+            stage: "guest setup".into(),
+            errno: None,
+            message: message.to_owned(),
+            file: None,
+        },
+    );
+    let _ = fs::File::from(control).write_all(&frame);
+}

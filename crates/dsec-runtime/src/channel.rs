@@ -1,0 +1,262 @@
+//! The edge's end of a control channel: to a container's init, or to a VM guest's agent.
+//!
+//! One reader task per channel routes every frame to whoever is waiting for its id — a
+//! running command, or a request (file operation, identity change) awaiting its answer.
+//! When the channel ends, each waiter learns that the sandbox is gone; nothing hangs.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, watch};
+
+use crate::container::RuntimeError;
+use crate::proto::{self, ExecExit, ExecSpec, Frame, FrameKind};
+
+type Routes = Arc<Mutex<HashMap<u32, mpsc::UnboundedSender<Frame>>>>;
+type Writer = Arc<tokio::sync::Mutex<OwnedWriteHalf>>;
+
+/// One event of a running command.
+#[derive(Debug)]
+pub enum ExecEvent {
+    /// A chunk of standard output.
+    Stdout(Vec<u8>),
+    /// A chunk of standard error.
+    Stderr(Vec<u8>),
+    /// The command ended.
+    Exit(ExecExit),
+}
+
+/// A connected control channel whose peer has reported ready.
+pub struct Channel {
+    writer: Writer,
+    routes: Routes,
+    next_id: AtomicU32,
+    alive: watch::Receiver<bool>,
+}
+
+impl Channel {
+    /// Waits up to `timeout` for the peer's `Ready` on `stream`, checks its protocol
+    /// version, then starts routing. Returns the peer's `Ready`.
+    pub async fn open(
+        mut stream: UnixStream,
+        timeout: Duration,
+    ) -> Result<(Channel, proto::Ready), RuntimeError> {
+        let mut buf = Vec::new();
+        let frame = tokio::time::timeout(timeout, read_frame(&mut stream, &mut buf))
+            .await
+            .map_err(|_| {
+                RuntimeError::Channel(format!(
+                    "the sandbox did not become ready within {} s",
+                    timeout.as_secs()
+                ))
+            })??
+            .ok_or(RuntimeError::Gone)?;
+        let ready: proto::Ready = match frame.kind {
+            FrameKind::Ready => frame.json().map_err(channel_err)?,
+            FrameKind::Error => {
+                return Err(RuntimeError::Setup(frame.json().map_err(channel_err)?))
+            }
+            other => {
+                return Err(RuntimeError::Channel(format!(
+                    "unexpected {other:?} before ready"
+                )))
+            }
+        };
+        if ready.version != proto::VERSION {
+            return Err(RuntimeError::Channel(format!(
+                "the sandbox speaks protocol {}, this server {}",
+                ready.version,
+                proto::VERSION
+            )));
+        }
+        Ok((Channel::route(stream, buf), ready))
+    }
+
+    /// Starts routing on a channel whose peer is already serving — a VM guest restored
+    /// from a snapshot taken after its `Ready` — without waiting for anything.
+    pub fn attach(stream: UnixStream) -> Channel {
+        Channel::route(stream, Vec::new())
+    }
+
+    /// `pending` holds bytes already read past the `Ready` frame.
+    fn route(stream: UnixStream, pending: Vec<u8>) -> Channel {
+        let (reader, writer) = stream.into_split();
+        let routes: Routes = Arc::default();
+        let (alive_tx, alive) = watch::channel(true);
+        tokio::spawn(route_frames(reader, pending, Arc::clone(&routes), alive_tx));
+        Channel {
+            writer: Arc::new(tokio::sync::Mutex::new(writer)),
+            routes,
+            next_id: AtomicU32::new(1),
+            alive,
+        }
+    }
+
+    /// Whether the peer is still there.
+    pub fn is_alive(&self) -> bool {
+        *self.alive.borrow()
+    }
+
+    /// Waits up to `timeout` for the channel to close (the peer exited).
+    pub async fn wait_closed(&self, timeout: Duration) {
+        let mut alive = self.alive.clone();
+        let _ = tokio::time::timeout(timeout, alive.wait_for(|a| !*a)).await;
+    }
+
+    /// Registers a new id and sends the frame `encode` builds for it.
+    async fn send(
+        &self,
+        encode: impl FnOnce(&mut Vec<u8>, u32),
+    ) -> Result<(u32, mpsc::UnboundedReceiver<Frame>), RuntimeError> {
+        if !self.is_alive() {
+            return Err(RuntimeError::Gone);
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.routes.lock().expect("routes lock").insert(id, tx);
+        let mut frame = Vec::new();
+        encode(&mut frame, id);
+        if self.writer.lock().await.write_all(&frame).await.is_err() {
+            self.routes.lock().expect("routes lock").remove(&id);
+            return Err(RuntimeError::Gone);
+        }
+        Ok((id, rx))
+    }
+
+    /// Starts a command; `files` are the contents of `spec.files`.
+    pub async fn exec(
+        &self,
+        spec: &ExecSpec,
+        stdin: &[u8],
+        files: &[&[u8]],
+    ) -> Result<ExecHandle, RuntimeError> {
+        let (id, frames) = self
+            .send(|out, id| proto::encode_exec(out, id, spec, stdin, files))
+            .await?;
+        Ok(ExecHandle {
+            id,
+            frames,
+            writer: Arc::clone(&self.writer),
+            done: false,
+        })
+    }
+
+    /// Sends a request and waits for its answer (`Done`'s payload). An `Error` answer
+    /// becomes [`RuntimeError::Exec`].
+    pub async fn request(&self, kind: FrameKind, payload: &[u8]) -> Result<Vec<u8>, RuntimeError> {
+        let (_, mut frames) = self
+            .send(|out, id| proto::encode(out, kind, id, payload))
+            .await?;
+        let frame = frames.recv().await.ok_or(RuntimeError::Gone)?;
+        match frame.kind {
+            FrameKind::Done => Ok(frame.payload),
+            FrameKind::Error => Err(RuntimeError::Exec(frame.json().map_err(channel_err)?)),
+            other => Err(RuntimeError::Channel(format!(
+                "unexpected {other:?} answering {kind:?}"
+            ))),
+        }
+    }
+}
+
+fn channel_err(e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Channel(e.to_string())
+}
+
+async fn read_frame<R: AsyncReadExt + Unpin>(
+    reader: &mut R,
+    buf: &mut Vec<u8>,
+) -> Result<Option<Frame>, RuntimeError> {
+    loop {
+        if let Some(frame) = proto::decode(buf).map_err(channel_err)? {
+            return Ok(Some(frame));
+        }
+        let mut chunk = [0u8; 64 << 10];
+        let n = reader.read(&mut chunk).await.map_err(channel_err)?;
+        if n == 0 {
+            return Ok(None);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Whether `frame` is the last one of its id.
+fn ends_route(frame: &Frame) -> bool {
+    !matches!(frame.kind, FrameKind::Stdout | FrameKind::Stderr)
+}
+
+/// Routes frames to the exec or request they belong to; when the channel ends, every
+/// waiter's sender is dropped, which it reads as the sandbox being gone.
+async fn route_frames(
+    mut reader: OwnedReadHalf,
+    mut buf: Vec<u8>,
+    routes: Routes,
+    alive: watch::Sender<bool>,
+) {
+    while let Ok(Some(frame)) = read_frame(&mut reader, &mut buf).await {
+        let id = frame.exec_id;
+        let last = ends_route(&frame);
+        let mut routes = routes.lock().expect("routes lock");
+        if let Some(tx) = routes.get(&id) {
+            let _ = tx.send(frame);
+        }
+        if last {
+            routes.remove(&id);
+        }
+    }
+    let _ = alive.send(false);
+    routes.lock().expect("routes lock").clear();
+}
+
+/// A running command: its events, in order, ending with `Exit`.
+pub struct ExecHandle {
+    id: u32,
+    frames: mpsc::UnboundedReceiver<Frame>,
+    writer: Writer,
+    done: bool,
+}
+
+impl ExecHandle {
+    /// The next event; `None` after `Exit` or an error.
+    pub async fn next(&mut self) -> Option<Result<ExecEvent, RuntimeError>> {
+        if self.done {
+            return None;
+        }
+        let event = match self.frames.recv().await {
+            None => Err(RuntimeError::Gone),
+            Some(frame) => match frame.kind {
+                FrameKind::Stdout => Ok(ExecEvent::Stdout(frame.payload)),
+                FrameKind::Stderr => Ok(ExecEvent::Stderr(frame.payload)),
+                FrameKind::Exit => frame.json().map(ExecEvent::Exit).map_err(channel_err),
+                FrameKind::Error => Err(frame.json().map_or_else(channel_err, RuntimeError::Exec)),
+                other => Err(RuntimeError::Channel(format!(
+                    "unexpected {other:?} for a command"
+                ))),
+            },
+        };
+        self.done = !matches!(event, Ok(ExecEvent::Stdout(_)) | Ok(ExecEvent::Stderr(_)));
+        Some(event)
+    }
+}
+
+impl Drop for ExecHandle {
+    /// A caller that stops listening (a client that disconnected mid-stream) must not
+    /// leave the command running: tell init to kill its tree.
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut frame = Vec::new();
+        proto::encode(&mut frame, FrameKind::Kill, self.id, &[]);
+        let writer = Arc::clone(&self.writer);
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                let _ = writer.lock().await.write_all(&frame).await;
+            });
+        }
+    }
+}

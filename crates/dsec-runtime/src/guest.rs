@@ -1,0 +1,80 @@
+//! The contract between the host's VM driver and the agent inside every guest: where
+//! the agent finds its kernel modules and disks, how it is told who it is, and where it
+//! listens. Both sides compile this one module, so they cannot drift apart.
+
+/// Name of the virtio-serial port the agent serves (`virtserialport,name=...`).
+pub const PORT_NAME: &str = "dsec.agent";
+
+/// vsock port the agent listens on when the VMM offers no virtio-serial port (as
+/// Firecracker does not); only the host (CID 2) may connect.
+pub const VSOCK_PORT: u32 = 1024;
+
+/// Initramfs directory holding the kernel modules the agent loads.
+pub const MODULE_DIR: &str = "/lib/modules/dsec";
+
+/// File in [`MODULE_DIR`] naming the modules, one per line, dependencies first.
+pub const MODULE_ORDER: &str = "order";
+
+/// Serial number of the read-only disk holding the image (`virtio-blk,serial=...`).
+pub const BASE_DISK_SERIAL: &str = "dsec-base";
+
+/// Serial number of the sandbox's own writable disk (ext4, the overlay's upper layer).
+pub const SCRATCH_DISK_SERIAL: &str = "dsec-scratch";
+
+/// What the host says on the kernel command line, as `dsec.<key>=<value>` words.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BootArgs {
+    /// Hostname until the edge assigns an identity.
+    pub hostname: String,
+    /// Filesystem of the image disk: `ext4` or `erofs`.
+    pub base_fs: String,
+    /// An accelerator probe: the agent reports ready as soon as its channel is open and
+    /// builds nothing.
+    pub probe: bool,
+}
+
+impl BootArgs {
+    /// The kernel command line words for these arguments.
+    pub fn to_cmdline(&self) -> String {
+        let probe = if self.probe { " dsec.probe=1" } else { "" };
+        format!(
+            "dsec.hostname={} dsec.basefs={}{probe}",
+            self.hostname, self.base_fs
+        )
+    }
+
+    /// Reads the arguments back from `/proc/cmdline`; missing ones get defaults.
+    pub fn parse(cmdline: &str) -> BootArgs {
+        let mut args = BootArgs {
+            hostname: "dsec".to_owned(),
+            base_fs: "ext4".to_owned(),
+            probe: false,
+        };
+        for word in cmdline.split_whitespace() {
+            match word.split_once('=') {
+                Some(("dsec.hostname", v)) => args.hostname = v.to_owned(),
+                Some(("dsec.basefs", v)) => args.base_fs = v.to_owned(),
+                Some(("dsec.probe", v)) => args.probe = v == "1",
+                _ => {}
+            }
+        }
+        args
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boot_args_round_trip_through_a_command_line() {
+        let args = BootArgs {
+            hostname: "sb-1".into(),
+            base_fs: "erofs".into(),
+            probe: true,
+        };
+        let cmdline = format!("console=ttyS0 quiet {} panic=-1", args.to_cmdline());
+        assert_eq!(BootArgs::parse(&cmdline), args);
+        assert_eq!(BootArgs::parse("quiet").base_fs, "ext4");
+    }
+}

@@ -1,0 +1,644 @@
+//! `backend="microvm"` and `backend="vm"`: sandboxes behind a kernel boundary, in QEMU.
+//!
+//! Both backends share one [`VmHost`]: the guest kernel and initramfs, the accelerator
+//! (probed once: KVM when a guest actually boots under it, TCG otherwise), one read-only
+//! disk per image and one boot template per image and hardware shape. A new sandbox is a
+//! copy of its template's small scratch qcow2 and a QEMU restoring it (`-loadvm`); with
+//! `--vm-boot cold` each sandbox boots its kernel instead. The guest's agent speaks the
+//! container backend's protocol, so exec, timeouts, output bounds and files behave alike.
+//!
+//! Everything a VM makes lives in `<state>/vm/sandboxes/<id>/` (scratch disk, console
+//! log, a record naming its QEMU) and goes at stop; a restarted server kills the QEMUs
+//! its records name (checking each one's start time, so a recycled pid is never hit)
+//! and removes the directories.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::hash::{Hash, Hasher};
+use std::io::{Seek, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use dsec_api::{FileInfo, Usage};
+use dsec_image::{Image, ImageStore};
+use dsec_runtime::channel::{ExecEvent, ExecHandle};
+use dsec_runtime::container::RuntimeError;
+use dsec_runtime::files::{relative, Entry, FileError};
+use dsec_runtime::proto::{self, ExecSpec, FrameKind};
+use dsec_vm::assets::{GuestAssets, KernelSource};
+use dsec_vm::disk::{self, BaseFs};
+use dsec_vm::qemu::{self, Accel, Disks, Hardware, Machine, Start, Vm, BOOT_SNAPSHOT};
+use dsec_vm::VmError;
+use serde::{Deserialize, Serialize};
+use tokio::sync::OnceCell;
+
+use super::{
+    Backend, CommandSpec, Created, ExitStatus, ImageDefaults, Output, OutputStream, Sandbox,
+    SandboxRequest,
+};
+use crate::error::ApiError;
+
+/// The smallest guest that boots the cloud kernel and runs commands comfortably.
+const MIN_VM_MEMORY_MB: u64 = 128;
+
+/// How long the accelerator probe waits for a KVM guest's agent.
+const KVM_PROBE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(8);
+
+/// How new VM sandboxes start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BootMode {
+    /// Restore a boot template's snapshot (the template boots once per image and shape).
+    #[default]
+    Snapshot,
+    /// Boot the kernel for every sandbox.
+    Cold,
+}
+
+/// Which accelerator to use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AccelChoice {
+    /// KVM if a probe guest boots under it, TCG otherwise.
+    #[default]
+    Auto,
+    /// KVM only.
+    Kvm,
+    /// TCG only.
+    Tcg,
+}
+
+/// Operator settings of the VM backends.
+#[derive(Clone, Debug, Default)]
+pub struct VmConfig {
+    /// The static guest agent; by default looked up next to the `dsec` binary.
+    pub agent: Option<PathBuf>,
+    /// The guest kernel.
+    pub kernel: KernelSource,
+    /// Filesystem of image disks.
+    pub base_fs: BaseFs,
+    /// How sandboxes start.
+    pub boot: BootMode,
+    /// Accelerator.
+    pub accel: AccelChoice,
+}
+
+/// What a boot template depends on.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct TemplateKey {
+    image_id: String,
+    hardware: Hardware,
+    disk_mb: u64,
+}
+
+type Lazy<T> = Arc<OnceCell<T>>;
+
+/// What both VM backends share on this host.
+pub struct VmHost {
+    dir: PathBuf,
+    images: ImageStore,
+    config: VmConfig,
+    exe: PathBuf,
+    assets: OnceCell<Result<GuestAssets, String>>,
+    accel: OnceCell<Accel>,
+    image_disks: Mutex<HashMap<String, Lazy<PathBuf>>>,
+    scratch_bases: Mutex<HashMap<u64, Lazy<PathBuf>>>,
+    templates: Mutex<HashMap<TemplateKey, Lazy<PathBuf>>>,
+}
+
+/// What `<state>/vm/sandboxes/<id>/record.json` holds, for cleanup after a crash.
+#[derive(Debug, Serialize, Deserialize)]
+struct Record {
+    qemu_pid: i32,
+    /// `/proc/<pid>/stat` start time of that QEMU: a recycled pid has another.
+    start_ticks: u64,
+}
+
+fn start_ticks(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
+}
+
+fn vm_error(e: VmError) -> ApiError {
+    match e {
+        VmError::Unavailable(_) => ApiError::unavailable(e.to_string()),
+        _ => ApiError::internal(e.to_string()),
+    }
+}
+
+fn blocking_error(e: tokio::task::JoinError) -> ApiError {
+    ApiError::internal(e.to_string())
+}
+
+/// The value of `map[key]`, built once by `init` even when many sandboxes ask at once;
+/// a failed build is retried by the next caller.
+async fn once<K, T, F, Fut>(
+    map: &Mutex<HashMap<K, Lazy<T>>>,
+    key: K,
+    init: F,
+) -> Result<T, ApiError>
+where
+    K: Eq + Hash,
+    T: Clone,
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ApiError>>,
+{
+    let cell = Arc::clone(map.lock().expect("lock").entry(key).or_default());
+    cell.get_or_try_init(init).await.cloned()
+}
+
+impl VmHost {
+    /// The VM host under `<state>/vm`; `exe` is the running `dsec` binary (the agent is
+    /// looked up beside it).
+    pub fn new(state_dir: &Path, images: ImageStore, config: VmConfig, exe: PathBuf) -> VmHost {
+        VmHost {
+            dir: state_dir.join("vm"),
+            images,
+            config,
+            exe,
+            assets: OnceCell::new(),
+            accel: OnceCell::new(),
+            image_disks: Mutex::default(),
+            scratch_bases: Mutex::default(),
+            templates: Mutex::default(),
+        }
+    }
+
+    fn agent_path(&self) -> PathBuf {
+        if let Some(agent) = &self.config.agent {
+            return agent.clone();
+        }
+        let dir = self.exe.parent().unwrap_or(Path::new("."));
+        let built = dir.join("../x86_64-unknown-linux-gnu/release/dsec-agent");
+        if built.exists() {
+            return built;
+        }
+        dir.join("dsec-agent")
+    }
+
+    async fn assets(&self) -> Result<GuestAssets, ApiError> {
+        let result = self
+            .assets
+            .get_or_init(|| async {
+                let (source, agent, cache) = (
+                    self.config.kernel.clone(),
+                    self.agent_path(),
+                    self.dir.join("guest"),
+                );
+                tokio::task::spawn_blocking(move || GuestAssets::prepare(&source, &agent, &cache))
+                    .await
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r.map_err(|e| e.to_string()))
+            })
+            .await;
+        result.clone().map_err(|reason| {
+            ApiError::unavailable(format!("VM sandboxes cannot run on this server: {reason}"))
+        })
+    }
+
+    /// The accelerator, probed on first use.
+    pub async fn accel(&self) -> Result<Accel, ApiError> {
+        let assets = self.assets().await?;
+        Ok(*self
+            .accel
+            .get_or_init(|| async {
+                match self.config.accel {
+                    AccelChoice::Kvm => Accel::Kvm,
+                    AccelChoice::Tcg => Accel::Tcg,
+                    AccelChoice::Auto => {
+                        match qemu::probe_kvm(&assets, &self.dir.join("probe"), KVM_PROBE_DEADLINE)
+                            .await
+                        {
+                            Ok(()) => {
+                                tracing::info!("KVM boots guests; VM sandboxes use it");
+                                Accel::Kvm
+                            }
+                            Err(reason) => {
+                                tracing::info!(%reason, "VM sandboxes fall back to TCG");
+                                Accel::Tcg
+                            }
+                        }
+                    }
+                }
+            })
+            .await)
+    }
+
+    async fn image_disk(&self, image: &Image) -> Result<PathBuf, ApiError> {
+        let fs = self.config.base_fs;
+        let target =
+            self.dir
+                .join("disks")
+                .join(format!("{}.{}", image.id.replace(':', "-"), fs.name()));
+        let layers = self.images.layer_dirs(image);
+        once(&self.image_disks, image.id.clone(), || async move {
+            if !target.exists() {
+                let t = target.clone();
+                tokio::task::spawn_blocking(move || disk::build_image_disk(&layers, fs, &t))
+                    .await
+                    .map_err(blocking_error)?
+                    .map_err(vm_error)?;
+            }
+            Ok(target)
+        })
+        .await
+    }
+
+    async fn scratch_base(&self, disk_mb: u64) -> Result<PathBuf, ApiError> {
+        let target = self.dir.join("scratch").join(format!("{disk_mb}M.ext4"));
+        once(&self.scratch_bases, disk_mb, || async move {
+            if !target.exists() {
+                let t = target.clone();
+                tokio::task::spawn_blocking(move || disk::build_scratch_base(disk_mb, &t))
+                    .await
+                    .map_err(blocking_error)?
+                    .map_err(vm_error)?;
+            }
+            Ok(target)
+        })
+        .await
+    }
+
+    /// The scratch qcow2 holding the boot snapshot for `key`, booting and saving the
+    /// template guest the first time.
+    async fn template(
+        &self,
+        key: TemplateKey,
+        assets: &GuestAssets,
+        disks: Disks,
+    ) -> Result<PathBuf, ApiError> {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (&key, &assets.kernel, &assets.initramfs).hash(&mut hasher);
+        let dir = self
+            .dir
+            .join("templates")
+            .join(format!("{:016x}", hasher.finish()));
+        let hw = key.hardware.clone();
+        once(&self.templates, key, || async move {
+            let snapshot = dir.join("scratch.qcow2");
+            if dir.join("ready").exists() {
+                return Ok(snapshot);
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
+            let built = async {
+                disk::create_scratch(&disks.scratch, &snapshot).map_err(vm_error)?;
+                let disks = Disks {
+                    scratch: snapshot.clone(),
+                    ..disks
+                };
+                let vm = Vm::start(&hw, assets, Some(&disks), Start::Template, &dir, None)
+                    .await
+                    .map_err(vm_error)?;
+                let saved = vm.save(BOOT_SNAPSHOT).await;
+                vm.kill().await;
+                saved.map_err(vm_error)?;
+                std::fs::write(dir.join("ready"), b"")
+                    .map_err(|e| ApiError::internal(e.to_string()))
+            };
+            match built.await {
+                Ok(()) => Ok(snapshot),
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&dir);
+                    Err(e)
+                }
+            }
+        })
+        .await
+    }
+
+    /// Removes what an earlier run left: QEMUs named by records (if still the same
+    /// process), sandbox directories, half-built templates and temporary files.
+    pub fn clean_leftovers(&self) -> usize {
+        let sandboxes = self.dir.join("sandboxes");
+        let mut cleaned = 0;
+        for entry in std::fs::read_dir(&sandboxes)
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let record: Option<Record> = std::fs::read(entry.path().join("record.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
+            if let Some(r) = record {
+                if start_ticks(r.qemu_pid) == Some(r.start_ticks) {
+                    // SAFETY: kill(2) with integer arguments, on the QEMU our record names,
+                    // whose start time still matches.
+                    unsafe { libc::kill(r.qemu_pid, libc::SIGKILL) };
+                }
+            }
+            let _ = std::fs::remove_dir_all(entry.path());
+            cleaned += 1;
+        }
+        for entry in std::fs::read_dir(self.dir.join("templates"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if !entry.path().join("ready").exists() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        for sub in ["disks", "scratch", "guest"] {
+            for entry in std::fs::read_dir(self.dir.join(sub))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.contains(".tmp-") || name.starts_with("merge-") {
+                    let path = entry.path();
+                    let _ = std::fs::remove_file(&path).or_else(|_| std::fs::remove_dir(&path));
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(self.dir.join("probe"));
+        cleaned
+    }
+}
+
+/// `backend="microvm"` or `backend="vm"`.
+pub struct VmBackend {
+    host: Arc<VmHost>,
+    machine: Machine,
+}
+
+impl VmBackend {
+    /// The backend running `machine`s on `host`.
+    pub fn new(host: Arc<VmHost>, machine: Machine) -> VmBackend {
+        VmBackend { host, machine }
+    }
+}
+
+#[async_trait]
+impl Backend for VmBackend {
+    async fn create(&self, req: SandboxRequest) -> Result<Created, ApiError> {
+        if req.memory_mb < MIN_VM_MEMORY_MB {
+            return Err(ApiError::invalid(format!(
+                "memory_mb must be at least {MIN_VM_MEMORY_MB} for a {} sandbox (its guest \
+                 runs a kernel of its own), got {}",
+                self.machine.backend(),
+                req.memory_mb
+            )));
+        }
+        let host = &self.host;
+        let image = host.images.get(&req.image)?;
+        let assets = host.assets().await?;
+        let hardware = Hardware {
+            machine: self.machine,
+            accel: host.accel().await?,
+            vcpus: req.cpus.ceil().max(1.0) as u32,
+            memory_mb: req.memory_mb,
+        };
+        let (base, scratch_base) =
+            tokio::try_join!(host.image_disk(&image), host.scratch_base(req.disk_mb))?;
+        let template_disks = Disks {
+            base,
+            base_fs: host.config.base_fs,
+            scratch: scratch_base.clone(),
+        };
+        let dir = host.dir.join("sandboxes").join(&req.id);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
+        let scratch = dir.join("scratch.qcow2");
+        let started = async {
+            let start = match host.config.boot {
+                BootMode::Snapshot => {
+                    let key = TemplateKey {
+                        image_id: image.id.clone(),
+                        hardware: hardware.clone(),
+                        disk_mb: req.disk_mb,
+                    };
+                    let template = host.template(key, &assets, template_disks.clone()).await?;
+                    let target = scratch.clone();
+                    tokio::task::spawn_blocking(move || std::fs::copy(template, target))
+                        .await
+                        .map_err(blocking_error)?
+                        .map_err(|e| {
+                            ApiError::internal(format!("copying the boot snapshot: {e}"))
+                        })?;
+                    Start::Restore { hostname: &req.id }
+                }
+                BootMode::Cold => {
+                    disk::create_scratch(&scratch_base, &scratch).map_err(vm_error)?;
+                    Start::Cold { hostname: &req.id }
+                }
+            };
+            let disks = Disks {
+                scratch: scratch.clone(),
+                ..template_disks.clone()
+            };
+            let vm = Vm::start(&hardware, &assets, Some(&disks), start, &dir, None)
+                .await
+                .map_err(vm_error)?;
+            let record = Record {
+                qemu_pid: vm.pid(),
+                start_ticks: start_ticks(vm.pid()).unwrap_or_default(),
+            };
+            if let Err(e) = std::fs::write(
+                dir.join("record.json"),
+                serde_json::to_vec(&record).expect("record serializes"),
+            ) {
+                vm.kill().await;
+                return Err(ApiError::internal(format!(
+                    "writing the sandbox record: {e}"
+                )));
+            }
+            Ok(vm)
+        };
+        let vm = match started.await {
+            Ok(vm) => vm,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        Ok(Created {
+            sandbox: Box::new(VmSandbox {
+                vm: Arc::new(vm),
+                dir,
+                accel: hardware.accel,
+            }),
+            image: ImageDefaults {
+                env: image.config.env,
+                workdir: image.config.workdir,
+                layers: image.layers,
+            },
+        })
+    }
+}
+
+struct VmSandbox {
+    vm: Arc<Vm>,
+    dir: PathBuf,
+    accel: Accel,
+}
+
+/// The output of a command in a guest.
+struct VmOutput {
+    handle: ExecHandle,
+}
+
+#[async_trait]
+impl OutputStream for VmOutput {
+    async fn next(&mut self) -> Option<Result<Output, ApiError>> {
+        let event = self.handle.next().await?;
+        Some(match event {
+            Ok(ExecEvent::Stdout(data)) => Ok(Output::Stdout(data)),
+            Ok(ExecEvent::Stderr(data)) => Ok(Output::Stderr(data)),
+            Ok(ExecEvent::Exit(exit)) => Ok(Output::Exit(ExitStatus {
+                exit_code: exit.exit_code,
+                timed_out: exit.timed_out,
+                truncated: exit.truncated,
+                oom_killed: exit.oom_killed,
+                duration_ms: exit.duration_us as f64 / 1000.0,
+            })),
+            Err(e) => Err(e.into()),
+        })
+    }
+}
+
+/// A file request's failure, answered exactly as the container backend answers it.
+fn file_error(path: &str, e: RuntimeError) -> ApiError {
+    match e {
+        RuntimeError::Exec(err) => match err.file {
+            Some(fault) => FileError::from_fault(path, fault).into(),
+            None => ApiError::internal(err.message),
+        },
+        other => other.into(),
+    }
+}
+
+impl VmSandbox {
+    async fn file_request(
+        &self,
+        kind: FrameKind,
+        path: &str,
+        payload: &[u8],
+    ) -> Result<Vec<u8>, ApiError> {
+        relative(path)?;
+        self.vm
+            .channel()
+            .request(kind, payload)
+            .await
+            .map_err(|e| file_error(path, e))
+    }
+}
+
+#[async_trait]
+impl Sandbox for VmSandbox {
+    async fn exec(&self, cmd: CommandSpec) -> Result<Box<dyn OutputStream>, ApiError> {
+        for f in &cmd.files {
+            self.write_file(&f.path, f.data.clone(), f.mode).await?;
+        }
+        let spec = ExecSpec {
+            argv: cmd.argv,
+            env: cmd.env,
+            cwd: cmd.cwd,
+            timeout_ms: Some(cmd.timeout_ms),
+            max_output_bytes: cmd.max_output_bytes,
+            files: Vec::new(),
+        };
+        let handle = self.vm.channel().exec(&spec, &cmd.stdin, &[]).await?;
+        Ok(Box::new(VmOutput { handle }))
+    }
+
+    async fn read_file(&self, path: &str) -> Result<File, ApiError> {
+        let data = self
+            .file_request(FrameKind::ReadFile, path, path.as_bytes())
+            .await?;
+        tokio::task::spawn_blocking(move || -> std::io::Result<File> {
+            let mut file = tempfile::tempfile()?;
+            file.write_all(&data)?;
+            file.rewind()?;
+            Ok(file)
+        })
+        .await
+        .map_err(blocking_error)?
+        .map_err(|e| ApiError::internal(format!("buffering the file: {e}")))
+    }
+
+    async fn write_file(&self, path: &str, data: Vec<u8>, mode: u32) -> Result<(), ApiError> {
+        let header = proto::WriteFile {
+            path: path.to_owned(),
+            mode,
+        };
+        let payload = proto::encode_with_header(&header, &data);
+        self.file_request(FrameKind::WriteFile, path, &payload)
+            .await
+            .map(drop)
+    }
+
+    async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError> {
+        let answer = self
+            .file_request(FrameKind::ListDir, path, path.as_bytes())
+            .await?;
+        let entries: Vec<Entry> = serde_json::from_slice(&answer)
+            .map_err(|e| ApiError::internal(format!("the guest's listing: {e}")))?;
+        Ok(entries
+            .into_iter()
+            .map(|e| FileInfo {
+                name: e.name,
+                size: e.size,
+                is_dir: e.is_dir,
+                mode: e.mode,
+            })
+            .collect())
+    }
+
+    async fn pause(&self) -> Result<(), ApiError> {
+        self.vm.pause().await.map_err(vm_error)
+    }
+
+    async fn resume(&self) -> Result<(), ApiError> {
+        self.vm.resume().await.map_err(vm_error)
+    }
+
+    fn usage(&self) -> Usage {
+        let pid = self.vm.pid();
+        let rss_kib: u64 = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmRSS:"))?
+                    .split_whitespace()
+                    .nth(1)?
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(0);
+        let cpu_ticks: u64 = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                let fields: Vec<&str> = s.rsplit_once(')')?.1.split_whitespace().collect();
+                Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+            })
+            .unwrap_or(0);
+        // SAFETY: sysconf with a constant argument.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        Usage {
+            memory_bytes: rss_kib * 1024,
+            pids: 0,
+            cpu_ms: cpu_ticks as f64 * 1000.0 / hz,
+        }
+    }
+
+    fn is_alive(&self) -> bool {
+        self.vm.is_alive()
+    }
+
+    fn accelerator(&self) -> Option<&'static str> {
+        Some(self.accel.name())
+    }
+
+    async fn stop(&self) {
+        self.vm.kill().await;
+        let dir = self.dir.clone();
+        let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(dir)).await;
+    }
+}

@@ -1,0 +1,524 @@
+//! One QEMU process per sandbox.
+//!
+//! QEMU inherits two socketpair ends — the guest agent's virtio-serial port and the QMP
+//! monitor — so a VM has no socket file, tap device or pid file on the host: its
+//! sandbox directory (console log, scratch disk) is all there is, and it is removed at
+//! stop. QEMU runs with `PR_SET_PDEATHSIG`, so it dies with the server, and dsec signals
+//! it only through a pidfd opened while it was still an unreaped child.
+//!
+//! A VM starts either cold (kernel boot, the agent builds the root and reports ready)
+//! or from a boot template: a guest booted once, idle in its agent's poll loop, saved
+//! with `savevm` into its scratch qcow2. Restoring is a copy of that small qcow2 plus
+//! `-loadvm`; the guest then takes a fresh [`Identity`](dsec_runtime::proto::Identity).
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use dsec_runtime::channel::Channel;
+use dsec_runtime::guest::{self, BootArgs};
+use dsec_runtime::proto::{self, FrameKind};
+use tokio::net::UnixStream;
+use tokio::sync::watch;
+
+use crate::assets::GuestAssets;
+use crate::disk::BaseFs;
+use crate::qmp::Qmp;
+use crate::VmError;
+
+/// The QEMU binary.
+const QEMU: &str = "qemu-system-x86_64";
+
+/// How long a cold boot may take before create gives up (TCG on a busy host is slow).
+const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How long a restored guest may take to answer its first request.
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The tag of the boot snapshot inside a template's scratch qcow2.
+pub const BOOT_SNAPSHOT: &str = "dsec-booted";
+
+/// The kind of virtual machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Machine {
+    /// QEMU's `microvm`: virtio-mmio devices, no PCI, no firmware, direct kernel boot.
+    Microvm,
+    /// A full PC (q35 chipset, PCI, ACPI).
+    Q35,
+}
+
+impl Machine {
+    /// The dsec backend name.
+    pub fn backend(self) -> &'static str {
+        match self {
+            Machine::Microvm => "microvm",
+            Machine::Q35 => "vm",
+        }
+    }
+
+    fn virtio(self, device: &str) -> String {
+        match self {
+            Machine::Microvm => format!("{device}-device"),
+            Machine::Q35 => format!("{device}-pci"),
+        }
+    }
+
+    fn machine_arg(self) -> &'static str {
+        match self {
+            // ACPI stays on: it is how the guest finds the virtio-mmio devices (Debian's
+            // kernel ignores virtio_mmio.device= on the command line).
+            Machine::Microvm => "microvm,x-option-roms=off",
+            Machine::Q35 => "q35",
+        }
+    }
+}
+
+/// How guest code runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Accel {
+    /// Hardware virtualisation through `/dev/kvm`.
+    Kvm,
+    /// QEMU's binary translator: slower, works everywhere.
+    Tcg,
+}
+
+impl Accel {
+    /// The name `sb.info()` reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+}
+
+/// Everything QEMU's command line depends on; a boot template is valid for exactly one.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Hardware {
+    /// Machine type.
+    pub machine: Machine,
+    /// Accelerator.
+    pub accel: Accel,
+    /// Virtual CPUs.
+    pub vcpus: u32,
+    /// Guest memory in MiB.
+    pub memory_mb: u64,
+}
+
+/// Where a VM's disks are.
+#[derive(Clone, Debug)]
+pub struct Disks {
+    /// The image's read-only disk.
+    pub base: PathBuf,
+    /// Its filesystem.
+    pub base_fs: BaseFs,
+    /// The sandbox's scratch qcow2.
+    pub scratch: PathBuf,
+}
+
+/// A running QEMU and the guest agent's channel.
+pub struct Vm {
+    pid: i32,
+    pidfd: OwnedFd,
+    channel: Channel,
+    qmp: Qmp,
+    exited: watch::Receiver<bool>,
+    console: PathBuf,
+}
+
+fn clear_cloexec(fd: i32) -> std::io::Result<()> {
+    // SAFETY: fcntl(2) on a descriptor this process owns, integer arguments only.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn socketpair() -> Result<(UnixStream, OwnedFd), VmError> {
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair()
+        .map_err(|e| VmError::Qemu(format!("socketpair: {e}")))?;
+    ours.set_nonblocking(true)
+        .map_err(|e| VmError::Qemu(format!("socketpair: {e}")))?;
+    let ours = UnixStream::from_std(ours).map_err(|e| VmError::Qemu(format!("socketpair: {e}")))?;
+    Ok((ours, theirs.into()))
+}
+
+/// The end of a guest console log, for error messages.
+pub fn console_tail(path: &Path) -> String {
+    let text = std::fs::read(path).unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// The host's TSC frequency, from the first `cpu MHz` of `/proc/cpuinfo`.
+fn host_tsc_khz() -> Option<u64> {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let mhz: f64 = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("cpu MHz"))?
+        .split(':')
+        .nth(1)?
+        .trim()
+        .parse()
+        .ok()?;
+    Some((mhz * 1000.0) as u64)
+}
+
+/// QEMU's arguments for a VM of `hw` in `dir`.
+fn qemu_args(
+    hw: &Hardware,
+    assets: &GuestAssets,
+    boot: &BootArgs,
+    disks: Option<&Disks>,
+    fds: (i32, i32),
+    console: &Path,
+) -> Vec<String> {
+    let (agent_fd, qmp_fd) = fds;
+    let cpu = match hw.accel {
+        Accel::Kvm => "host",
+        Accel::Tcg => "max",
+    };
+    let mut args: Vec<String> = [
+        "-nodefaults",
+        "-no-user-config",
+        "-no-reboot",
+        "-display",
+        "none",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut append = format!(
+        "console=ttyS0 quiet panic=-1 no_timer_check {}",
+        boot.to_cmdline()
+    );
+    if hw.machine == Machine::Microvm && hw.accel == Accel::Tcg {
+        // Under TCG the guest reads the host's TSC. microvm has no timer that the kernel
+        // can calibrate the TSC against reliably (about one boot in three hung): tell it.
+        if let Some(khz) = host_tsc_khz() {
+            append.push_str(&format!(" tsc_early_khz={khz}"));
+        }
+    }
+    args.extend([
+        "-machine".into(),
+        hw.machine.machine_arg().into(),
+        "-accel".into(),
+        hw.accel.name().into(),
+        "-cpu".into(),
+        cpu.into(),
+        "-smp".into(),
+        hw.vcpus.to_string(),
+        "-m".into(),
+        format!("{}M", hw.memory_mb),
+        "-kernel".into(),
+        assets.kernel.to_string_lossy().into_owned(),
+        "-initrd".into(),
+        assets.initramfs.to_string_lossy().into_owned(),
+        "-append".into(),
+        append,
+        "-chardev".into(),
+        format!("file,id=console,path={}", console.display()),
+        "-serial".into(),
+        "chardev:console".into(),
+        "-chardev".into(),
+        format!("socket,id=agent,fd={agent_fd}"),
+        "-device".into(),
+        hw.machine.virtio("virtio-serial"),
+        "-device".into(),
+        format!("virtserialport,chardev=agent,name={}", guest::PORT_NAME),
+        "-chardev".into(),
+        format!("socket,id=qmp,fd={qmp_fd}"),
+        "-mon".into(),
+        "chardev=qmp,mode=control".into(),
+    ]);
+    if let Some(d) = disks {
+        args.extend([
+            "-drive".into(),
+            format!(
+                "file={},format=raw,if=none,id=base,readonly=on",
+                d.base.display()
+            ),
+            "-device".into(),
+            format!(
+                "{},drive=base,serial={}",
+                hw.machine.virtio("virtio-blk"),
+                guest::BASE_DISK_SERIAL
+            ),
+            "-drive".into(),
+            format!(
+                "file={},format=qcow2,if=none,id=scratch,discard=unmap,cache=unsafe",
+                d.scratch.display()
+            ),
+            "-device".into(),
+            format!(
+                "{},drive=scratch,serial={}",
+                hw.machine.virtio("virtio-blk"),
+                guest::SCRATCH_DISK_SERIAL
+            ),
+        ]);
+    }
+    args
+}
+
+/// How a new VM starts.
+pub enum Start<'a> {
+    /// Boot the kernel; once the agent reports ready the guest takes `hostname`.
+    Cold {
+        /// The sandbox's hostname.
+        hostname: &'a str,
+    },
+    /// Boot the kernel and stop when the agent reports ready, before it takes an
+    /// identity: the state a boot template is saved in.
+    Template,
+    /// Resume the boot snapshot in the scratch disk; the guest takes `hostname`.
+    Restore {
+        /// The sandbox's hostname.
+        hostname: &'a str,
+    },
+    /// Boot only far enough for the agent to answer (accelerator probe; no disks).
+    Probe,
+}
+
+impl Start<'_> {
+    fn hostname(&self) -> Option<&str> {
+        match self {
+            Start::Cold { hostname } | Start::Restore { hostname } => Some(hostname),
+            Start::Template | Start::Probe => None,
+        }
+    }
+}
+
+/// Gives the guest its name, fresh randomness and the time; the agent confines itself
+/// right after.
+async fn send_identity(channel: &Channel, hostname: &str) -> Result<(), String> {
+    let identity = proto::Identity {
+        hostname: hostname.to_owned(),
+        entropy: (0..64).map(|_| rand::random::<u8>()).collect(),
+        unix_time_ns: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    };
+    let payload = serde_json::to_vec(&identity).expect("identity serializes");
+    channel
+        .request(FrameKind::Identity, &payload)
+        .await
+        .map(drop)
+        .map_err(|e| format!("the guest refused its identity: {e}"))
+}
+
+impl Vm {
+    /// Starts QEMU for a VM of `hw` whose files live in `dir`.
+    pub async fn start(
+        hw: &Hardware,
+        assets: &GuestAssets,
+        disks: Option<&Disks>,
+        start: Start<'_>,
+        dir: &Path,
+        timeout: Option<Duration>,
+    ) -> Result<Vm, VmError> {
+        let (agent_host, agent_qemu) = socketpair()?;
+        let (qmp_host, qmp_qemu) = socketpair()?;
+        let console = dir.join("console.log");
+        let boot = BootArgs {
+            hostname: start.hostname().unwrap_or("dsec").to_owned(),
+            base_fs: disks.map_or(BaseFs::Ext4, |d| d.base_fs).name().into(),
+            probe: matches!(start, Start::Probe),
+        };
+        let mut args = qemu_args(
+            hw,
+            assets,
+            &boot,
+            disks,
+            (agent_qemu.as_raw_fd(), qmp_qemu.as_raw_fd()),
+            &console,
+        );
+        if matches!(start, Start::Restore { .. }) {
+            args.extend(["-loadvm".into(), BOOT_SNAPSHOT.into()]);
+        }
+        let log_path = dir.join("qemu.log");
+        let log = std::fs::File::create(&log_path).map_err(VmError::io("create", &log_path))?;
+        let mut cmd = tokio::process::Command::new(QEMU);
+        cmd.args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .kill_on_drop(true);
+        let inherited = [agent_qemu.as_raw_fd(), qmp_qemu.as_raw_fd()];
+        // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
+        // syscalls (fcntl, prctl) on descriptors and state of the child.
+        unsafe {
+            cmd.pre_exec(move || {
+                for fd in inherited {
+                    clear_cloexec(fd)?;
+                }
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|e| {
+            VmError::Unavailable(format!("cannot run {QEMU} ({e}); run scripts/setup.sh"))
+        })?;
+        drop((agent_qemu, qmp_qemu));
+        let pid = child
+            .id()
+            .expect("a child that was not waited for has a pid") as i32;
+        let pidfd = rustix::process::pidfd_open(
+            rustix::process::Pid::from_raw(pid).expect("positive pid"),
+            rustix::process::PidfdFlags::empty(),
+        )
+        .map_err(|e| VmError::Qemu(format!("pidfd_open: {e}")))?;
+        let (exited_tx, exited) = watch::channel(false);
+        tokio::spawn(async move {
+            let _ = child.wait().await;
+            let _ = exited_tx.send(true);
+        });
+        let failed = |reason: String| {
+            let qemu_log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let mut console_text = console_tail(&console);
+            if !qemu_log.trim().is_empty() {
+                console_text = format!("{console_text}\n[qemu] {}", qemu_log.trim());
+            }
+            VmError::Boot {
+                reason,
+                console: console_text,
+            }
+        };
+        let kill = || {
+            let _ = rustix::process::pidfd_send_signal(&pidfd, rustix::process::Signal::KILL);
+        };
+        let qmp = match Qmp::connect(qmp_host).await {
+            Ok(qmp) => qmp,
+            Err(e) => {
+                kill();
+                return Err(failed(e.to_string()));
+            }
+        };
+        let channel = async {
+            let channel = match start {
+                Start::Restore { .. } => Channel::attach(agent_host),
+                _ => Channel::open(agent_host, timeout.unwrap_or(BOOT_TIMEOUT))
+                    .await
+                    .map(|(channel, _)| channel)
+                    .map_err(|e| e.to_string())?,
+            };
+            if let Some(hostname) = start.hostname() {
+                let wait = timeout.unwrap_or(RESTORE_TIMEOUT);
+                tokio::time::timeout(wait, send_identity(&channel, hostname))
+                    .await
+                    .map_err(|_| {
+                        format!("the guest did not answer within {} s", wait.as_secs())
+                    })??;
+            }
+            Ok::<_, String>(channel)
+        }
+        .await;
+        match channel {
+            Ok(channel) => Ok(Vm {
+                pid,
+                pidfd,
+                channel,
+                qmp,
+                exited,
+                console,
+            }),
+            Err(reason) => {
+                kill();
+                Err(failed(reason))
+            }
+        }
+    }
+
+    /// QEMU's host pid.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// The guest agent's channel.
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    /// The guest's serial console log.
+    pub fn console(&self) -> &Path {
+        &self.console
+    }
+
+    /// False once QEMU has exited or the agent's channel closed.
+    pub fn is_alive(&self) -> bool {
+        !*self.exited.borrow() && self.channel.is_alive()
+    }
+
+    /// Stops the vCPUs (the guest's clocks stop with them).
+    pub async fn pause(&self) -> Result<(), VmError> {
+        self.qmp
+            .execute("stop", serde_json::json!({}))
+            .await
+            .map(drop)
+    }
+
+    /// Restarts the vCPUs.
+    pub async fn resume(&self) -> Result<(), VmError> {
+        self.qmp
+            .execute("cont", serde_json::json!({}))
+            .await
+            .map(drop)
+    }
+
+    /// Saves the whole machine (memory, devices, disks) as the internal snapshot `tag` of
+    /// the scratch qcow2; the image disk, read-only, is left out.
+    pub async fn save(&self, tag: &str) -> Result<(), VmError> {
+        self.pause().await?;
+        self.qmp.human(&format!("savevm {tag}")).await
+    }
+
+    /// Kills QEMU and waits until it is gone. Idempotent.
+    pub async fn kill(&self) {
+        let _ = rustix::process::pidfd_send_signal(&self.pidfd, rustix::process::Signal::KILL);
+        let mut exited = self.exited.clone();
+        let _ = tokio::time::timeout(Duration::from_secs(10), exited.wait_for(|e| *e)).await;
+    }
+
+    /// Resolves when QEMU exits.
+    pub fn exited(&self) -> watch::Receiver<bool> {
+        self.exited.clone()
+    }
+}
+
+/// Whether KVM runs this guest: boots the kernel and agent with nothing else attached
+/// and waits up to `deadline` for the agent. A nested `/dev/kvm` that opens but stalls
+/// Linux early in boot (as on some CI hosts) fails here and dsec falls back to TCG.
+pub async fn probe_kvm(assets: &GuestAssets, dir: &Path, deadline: Duration) -> Result<(), String> {
+    if std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_err()
+    {
+        return Err("/dev/kvm cannot be opened".into());
+    }
+    let hw = Hardware {
+        machine: Machine::Q35,
+        accel: Accel::Kvm,
+        vcpus: 1,
+        memory_mb: 128,
+    };
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    let started = tokio::time::Instant::now();
+    let result = Vm::start(&hw, assets, None, Start::Probe, dir, Some(deadline)).await;
+    let outcome = match &result {
+        Ok(vm) => {
+            vm.kill().await;
+            Ok(())
+        }
+        Err(e) => Err(format!(
+            "a KVM guest did not reach its agent within {:.1} s: {}",
+            started.elapsed().as_secs_f64(),
+            e.to_string().lines().next().unwrap_or_default()
+        )),
+    };
+    let _ = std::fs::remove_dir_all(dir);
+    outcome
+}

@@ -1,0 +1,88 @@
+//! The QEMU Machine Protocol, as much of it as dsec uses: `stop`, `cont`, `savevm` (through
+//! `human-monitor-command`) and `quit`.
+//!
+//! QEMU gets one end of a socketpair as its monitor (`-chardev socket,fd=N`), so there is
+//! no socket file to leak or to be reached by anyone else. Commands are serialised by a
+//! mutex; asynchronous events QEMU interleaves are skipped.
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+use tokio::sync::Mutex;
+
+use crate::VmError;
+
+/// A negotiated QMP connection.
+pub struct Qmp {
+    conn: Mutex<BufReader<UnixStream>>,
+}
+
+impl Qmp {
+    /// Reads QEMU's greeting and leaves capability negotiation mode.
+    pub async fn connect(stream: UnixStream) -> Result<Qmp, VmError> {
+        let qmp = Qmp {
+            conn: Mutex::new(BufReader::new(stream)),
+        };
+        {
+            let mut conn = qmp.conn.lock().await;
+            let greeting = read_message(&mut conn).await?;
+            if greeting.get("QMP").is_none() {
+                return Err(VmError::Qemu(format!("unexpected QMP greeting {greeting}")));
+            }
+        }
+        qmp.execute("qmp_capabilities", json!({})).await?;
+        Ok(qmp)
+    }
+
+    /// Runs `command` and returns its `return` value.
+    pub async fn execute(&self, command: &str, arguments: Value) -> Result<Value, VmError> {
+        let mut conn = self.conn.lock().await;
+        let mut line = serde_json::to_vec(&json!({"execute": command, "arguments": arguments}))
+            .expect("JSON serializes");
+        line.push(b'\n');
+        conn.get_mut()
+            .write_all(&line)
+            .await
+            .map_err(|e| VmError::Qemu(format!("monitor write: {e}")))?;
+        loop {
+            let msg = read_message(&mut conn).await?;
+            if let Some(ret) = msg.get("return") {
+                return Ok(ret.clone());
+            }
+            if let Some(err) = msg.get("error") {
+                let desc = err
+                    .get("desc")
+                    .and_then(Value::as_str)
+                    .unwrap_or("unknown error");
+                return Err(VmError::Qemu(format!("{command}: {desc}")));
+            }
+        }
+    }
+
+    /// Runs a human monitor command (QMP has no `savevm` of its own in QEMU 7.2); its
+    /// output, which is empty on success, is returned as an error otherwise.
+    pub async fn human(&self, command_line: &str) -> Result<(), VmError> {
+        let out = self
+            .execute(
+                "human-monitor-command",
+                json!({"command-line": command_line}),
+            )
+            .await?;
+        match out.as_str().map(str::trim) {
+            None | Some("") => Ok(()),
+            Some(text) => Err(VmError::Qemu(format!("{command_line}: {text}"))),
+        }
+    }
+}
+
+async fn read_message(conn: &mut BufReader<UnixStream>) -> Result<Value, VmError> {
+    let mut line = String::new();
+    let n = conn
+        .read_line(&mut line)
+        .await
+        .map_err(|e| VmError::Qemu(format!("monitor read: {e}")))?;
+    if n == 0 {
+        return Err(VmError::Qemu("QEMU exited".into()));
+    }
+    serde_json::from_str(&line).map_err(|e| VmError::Qemu(format!("monitor sent {line:?}: {e}")))
+}

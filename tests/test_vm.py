@@ -1,0 +1,124 @@
+"""What only VM sandboxes (`microvm`, `vm`) have: a guest of their own, restored from a
+boot snapshot with a fresh identity, and a QEMU process whose death fails the sandbox
+promptly. Runs against real QEMU guests (TCG here when KVM does not boot guests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import dsec
+import pytest
+from dsec_testlib import (
+    VM_BACKENDS,
+    Server,
+    assert_no_leftovers,
+    leftovers,
+    qemu_procs,
+    wait_until,
+)
+
+pytestmark = pytest.mark.parametrize("vm_backend", sorted(VM_BACKENDS))
+
+
+def test_info_reports_the_accelerator(client: dsec.Client, busybox_image: str, vm_backend: str) -> None:
+    with client.create(backend=vm_backend, image=busybox_image) as sb:
+        info = sb.info()
+        assert info.backend == vm_backend
+        assert info.accelerator in ("kvm", "tcg")
+        # The guest runs a kernel of its own (Debian's cloud kernel), not the host's.
+        assert sb.run("uname -r").stdout.strip() != os.uname().release
+
+
+def test_restored_guests_get_fresh_identities(
+    client: dsec.Client, busybox_image: str, vm_backend: str
+) -> None:
+    a = client.create(backend=vm_backend, image=busybox_image)
+    b = client.create(backend=vm_backend, image=busybox_image)
+    try:
+        seen = []
+        for sb in (a, b):
+            r = sb.run("hostname; head -c 16 /dev/urandom | od -An -tx1; date +%s")
+            host, rand, now = r.stdout.strip().split("\n")
+            assert host == sb.id
+            assert abs(int(now) - time.time()) < 30, "the guest's clock was not set"
+            seen.append(rand)
+        assert seen[0] != seen[1], "two restored guests share a random stream"
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_writes_stay_in_their_own_guest(client: dsec.Client, busybox_image: str, vm_backend: str) -> None:
+    with client.create(backend=vm_backend, image=busybox_image) as a:
+        a.run("echo mine > /etc/owned")
+        with client.create(backend=vm_backend, image=busybox_image) as b:
+            assert b.run("cat /etc/owned").exit_code != 0
+        assert a.read_file("/etc/owned") == b"mine\n"
+
+
+def test_disk_limit_is_the_scratch_disk(client: dsec.Client, busybox_image: str, vm_backend: str) -> None:
+    with client.create(backend=vm_backend, image=busybox_image, disk_mb=32) as sb:
+        r = sb.run("dd if=/dev/zero of=/big bs=1M count=64; echo rc=$?", timeout=60)
+        assert "rc=1" in r.stdout, r
+        assert "No space left" in r.stderr
+        # Deleting frees the space again: the limit is the disk, not a count of writes.
+        assert sb.run("rm /big && dd if=/dev/zero of=/big bs=1M count=8").exit_code == 0
+
+
+@pytest.mark.timeout(120)
+def test_killed_qemu_fails_the_sandbox_promptly(
+    server: Server, client: dsec.Client, busybox_image: str, vm_backend: str
+) -> None:
+    sb = client.create(backend=vm_backend, image=busybox_image)
+    procs = qemu_procs(sb.id)
+    assert len(procs) == 1, procs
+    os.kill(procs[0][0], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(dsec.DsecError):
+        sb.run("echo still here", timeout=30)
+    assert time.monotonic() - t0 < 5, "a command on a dead VM hung"
+    assert wait_until(lambda: sb.info().state == "failed", 5), sb.info().state
+    assert_no_leftovers(server, sb.id)
+
+
+@pytest.mark.timeout(120)
+def test_ttl_expiry_leaves_nothing(server: Server, client: dsec.Client, busybox_image: str, vm_backend: str) -> None:
+    sb = client.create(backend=vm_backend, image=busybox_image, ttl_s=2)
+    assert sb.run("echo up").stdout == "up\n"
+    assert leftovers(server, sb.id), "sanity: a live VM shows on the host"
+    assert wait_until(lambda: sb.id not in {x.id for x in client.list()}, 15)
+    assert_no_leftovers(server, sb.id)
+
+
+@pytest.mark.timeout(240)
+def test_server_kill9_then_restart_leaves_no_vm(
+    make_server: Callable[..., Server], vm_backend: str
+) -> None:
+    s = make_server()
+    with s.client() as c:
+        sbs = [c.create(backend=vm_backend, image="busybox") for _ in range(2)]
+        for sb in sbs:
+            assert sb.run("echo x > /root/x").exit_code == 0
+            assert qemu_procs(sb.id), "sanity: its QEMU is running"
+        s.kill9()
+    # QEMU dies with the server (PR_SET_PDEATHSIG); the restart removes the rest.
+    for sb in sbs:
+        assert wait_until(lambda sb=sb: not qemu_procs(sb.id), 10), qemu_procs(sb.id)
+    s.restart()
+    for sb in sbs:
+        assert_no_leftovers(s, sb.id, timeout=20)
+    with s.client() as c2, c2.create(backend=vm_backend, image="busybox") as fresh:
+        assert fresh.run("echo new").stdout == "new\n"
+
+
+def test_small_memory_is_refused_clearly(client: dsec.Client, busybox_image: str, vm_backend: str) -> None:
+    with pytest.raises(dsec.InvalidArgument, match="at least 128"):
+        client.create(backend=vm_backend, image=busybox_image, memory_mb=64)
+
+
+def test_network_is_refused_clearly(client: dsec.Client, busybox_image: str, vm_backend: str) -> None:
+    with pytest.raises(dsec.Unavailable, match="network"):
+        client.create(backend=vm_backend, image=busybox_image, network=True)
