@@ -17,21 +17,28 @@ One run measures, on the same busybox root filesystem:
           the cheapest container this kernel can make
   exec    round trip of `/bin/true` in one running dsec sandbox over HTTP (sync Client)
   idle    host memory per idle dsec sandbox: MemAvailable before and after creating 500
+  vm      the microvm and vm backends (QEMU guests) beside the container backend, in the
+          same run: create (boot-template restore) -> first exec, sequential; the same on
+          a second server with `--vm-boot cold`; the template's build (cold boot + savevm);
+          exec round trips of `true`; host memory per idle VM (MemAvailable drop, and the
+          QEMUs' RSS); the accelerator (kvm or tcg)
 
 Usage (as root, from the repository root):
 
   python3 bench/bench.py                       # everything
   python3 bench/bench.py --only floor,runc     # some parts
   python3 bench/bench.py --n 100 --idle-n 200  # smaller
+  python3 bench/bench.py --only vm             # VM backends (after scripts/build-agent.sh)
 
 dsec: uses $DSEC_URL if set (that server must see the same filesystem); otherwise starts
 `target/release/dsec serve` (or --dsec-bin) on a temporary state directory and stops it at
-the end. The results are printed as markdown on stdout (progress goes to stderr); nothing
+the end. The vm part also starts a second server, with `--vm-boot cold`, and stops it when
+it is done. The results are printed as markdown on stdout (progress goes to stderr); nothing
 is written anywhere else. Copy the table into bench/RESULTS.md by hand.
 
 Everything the run creates (sandboxes, the imported image, runc containers under a private
-runc --root, docker containers and image, temporary directories, the server it started) is
-removed at the end, also on Ctrl-C.
+runc --root, docker containers and image, temporary directories, the servers it started and
+their QEMUs) is removed at the end, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ PARTS = [
     "exec",
     "trajectory",
     "idle",
+    "vm",
 ]
 TAG = f"dsec-bench-{os.getpid()}"
 
@@ -87,6 +95,8 @@ TARGET_LOG_OVERHEAD_PCT = 5.0
 TARGET_REPLAY_1000_S = 0.2
 TARGET_FNCALL_P50_MS = 3.0
 TARGET_FNCALLS_PER_S = 500.0
+TARGET_VM_RESTORE_MS = 1000.0  # microvm/vm: create (snapshot restore) -> first exec, TCG
+TARGET_VM_EXEC_MS = 5.0  # microvm/vm: exec round trip
 
 
 def log(msg: str) -> None:
@@ -172,6 +182,34 @@ def mounts_under(path: Path) -> list[str]:
     return sorted(found, key=len, reverse=True)
 
 
+def pids_with_cmdline(needle: str) -> list[int]:
+    """Processes whose command line contains needle (this process excepted)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if needle in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def proc_status_kib(pid: int, field: str) -> int | None:
+    """A `kB` field of /proc/<pid>/status (VmRSS, RssAnon, ...)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def remove_tree(path: Path) -> None:
     if not path.exists():
         return
@@ -183,9 +221,9 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def make_tempdir(what: str) -> Path:
+def make_tempdir(what: str, registry: Cleanup | None = None) -> Path:
     d = Path(tempfile.mkdtemp(prefix=f"{TAG}-{what}-"))
-    CLEANUP.push(f"temp dir {d}", lambda: remove_tree(d))
+    (registry or CLEANUP).push(f"temp dir {d}", lambda: remove_tree(d))
     return d
 
 
@@ -517,24 +555,43 @@ def bench_docker(rootfs: Path, n: int, concurrencies: list[int]) -> dict[str, An
 
 
 class Dsec:
-    """The server under test (started here unless $DSEC_URL is set) and the test image."""
+    """The server under test (started here unless $DSEC_URL is set) and the test image.
 
-    def __init__(self, args: argparse.Namespace, rootfs: Path) -> None:
+    With server_args (extra `dsec serve` options) a server is always started here, even if
+    $DSEC_URL is set. close() stops its sandboxes and the server it started and removes its
+    state directory before the end of the run (else that happens at the end)."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        rootfs: Path,
+        server_args: list[str] | None = None,
+        name: str = "state",
+    ) -> None:
         if importlib.util.find_spec("dsec") is None:
             sys.exit("the dsec Python SDK is not installed: python3 -m pip install -e python/")
         self.args = args
         self.rootfs = rootfs
+        self.name = name
+        self.server_args = list(server_args or [])
         self.proc: subprocess.Popen | None = None
-        self.url = os.environ.get("DSEC_URL") or self._start_server()
+        self.state: Path | None = None  # the state directory of a server started here
+        self.cleanup = Cleanup()  # this server's own clean-up: by close(), else at the end
+        CLEANUP.push(f"dsec ({name})", self.cleanup.run)
+        env_url = None if self.server_args else os.environ.get("DSEC_URL")
+        self.url = env_url or self._start_server()
         self.image = f"{TAG}-busybox"
         self.labels = {"dsec-bench": TAG}  # finds sandboxes whose create was interrupted
         self.live: set[str] = set()  # sandboxes created and not yet stopped
         self.live_lock = threading.Lock()
         self.client = self._client()
-        CLEANUP.push("dsec sandboxes", self._stop_leftovers)
+        self.cleanup.push("dsec sandboxes", self._stop_leftovers)
         log(f"dsec: importing {rootfs} as image {self.image}")
         self.client.import_image(str(rootfs), name=self.image)
-        CLEANUP.push("dsec image", self._delete_image)
+        self.cleanup.push("dsec image", self._delete_image)
+
+    def close(self) -> None:
+        self.cleanup.run()
 
     def _client(self) -> Any:
         import dsec
@@ -557,15 +614,17 @@ class Dsec:
             log("WARNING: no target/release/dsec, using the DEBUG build: not representative")
             exe = debug
         self.server_exe = exe
-        state = make_tempdir("state")
+        state = make_tempdir(self.name, self.cleanup)
+        self.state = state
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         url = f"http://127.0.0.1:{port}"
         logf = open(state.parent / f"{state.name}.log", "wb")  # closed at cleanup
         self.server_log = Path(logf.name)
-        CLEANUP.push("server log", lambda: self.server_log.unlink(missing_ok=True))
-        log(f"starting {exe} serve on {url}, state {state}")
+        self.cleanup.push("server log", lambda: self.server_log.unlink(missing_ok=True))
+        opts = "".join(f" {a}" for a in self.server_args)
+        log(f"starting {exe} serve{opts} on {url}, state {state}")
         self.proc = subprocess.Popen(
             [
                 str(exe),
@@ -576,13 +635,14 @@ class Dsec:
                 str(state),
                 "--trajectory-sync",
                 self.args.trajectory_sync,
+                *self.server_args,
             ],
             stdout=logf,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # our Ctrl-C must not kill it before it cleans up
         )
-        CLEANUP.push("dsec server", lambda: self._stop_server(logf))
+        self.cleanup.push("dsec server", lambda: self._stop_server(logf))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -611,6 +671,13 @@ class Dsec:
                 self.proc.kill()
                 self.proc.wait()
         logf.close()
+        # The QEMUs of VM sandboxes are the server's children; should any outlive it, they
+        # are ours to end: their command lines name this server's state directory.
+        if self.state is not None:
+            for pid in pids_with_cmdline(f"{self.state}/vm/"):
+                log(f"dsec ({self.name}): killing leftover process {pid}")
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
 
     def server_rss_kib(self) -> int | None:
         if not self.proc:
@@ -1227,6 +1294,212 @@ def bench_dsec_idle(d: Dsec, count: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------
+# VM backends
+# --------------------------------------------------------------------------------------
+
+VM_BACKENDS = ("microvm", "vm")
+
+
+def _stop_sandbox(d: Dsec, sb: Any) -> None:
+    try:
+        sb.stop()
+        d.untrack(sb.id)
+    except Exception as e:  # still tracked: stopped again at the end
+        log(f"stopping {sb.id} failed: {type(e).__name__}: {e}")
+
+
+def _create_first_exec(d: Dsec, backend: str, **kw: Any) -> float:
+    """ms from create(backend=...) until the first run("true") returns; the sandbox is
+    stopped afterwards, untimed."""
+    t0 = time.perf_counter()
+    sb = d.client.create(backend=backend, image=d.image, labels=d.labels, **kw)
+    d.track(sb.id)
+    try:
+        r = sb.run("true")
+        dt = (time.perf_counter() - t0) * 1e3
+        if r.exit_code != 0:
+            raise RuntimeError(f"`true` exited {r.exit_code}: {r.stderr[:200]}")
+        return dt
+    finally:
+        _stop_sandbox(d, sb)
+
+
+def _first_exec_series(d: Dsec, backend: str, n: int, label: str) -> dict[str, Any]:
+    lat: list[float] = []
+    failed = 0
+    first_err = ""
+    log(f"{label}: {n} sequential create -> first exec")
+    for _ in range(n):
+        try:
+            lat.append(_create_first_exec(d, backend))
+        except Exception as e:  # counted and reported
+            failed += 1
+            first_err = first_err or f"{type(e).__name__}: {e}"
+    res = latency_stats(lat, failed)
+    if failed:
+        log(f"{label}: {failed}/{n} failed; first: {first_err}")
+        res["first_error"] = first_err
+    return res
+
+
+def _exec_series(d: Dsec, backend: str, n: int) -> dict[str, Any]:
+    """Round trips of run("true") in one running sandbox, and its accelerator."""
+    sb = d.client.create(backend=backend, image=d.image, labels=d.labels)
+    d.track(sb.id)
+    try:
+        accel = sb.info().accelerator
+        for _ in range(10):
+            sb.run("true")
+        log(f"{backend}: {n} exec round trips")
+        rtt: list[float] = []
+        server: list[float] = []
+        failed = 0
+        for _ in range(n):
+            t0 = time.perf_counter()
+            r = sb.run("true")
+            dt = (time.perf_counter() - t0) * 1e3
+            if r.exit_code == 0:
+                rtt.append(dt)
+                server.append(float(r.duration_ms))
+            else:
+                failed += 1
+        res = latency_stats(rtt, failed)
+        res["server_p50_ms"] = percentile(server, 0.5)
+        res["accelerator"] = accel
+        return res
+    finally:
+        _stop_sandbox(d, sb)
+
+
+def _idle_memory(d: Dsec, backend: str, count: int) -> dict[str, Any]:
+    """Host memory per idle sandbox: the MemAvailable drop after creating `count` (one
+    after another), divided by count; for VMs also the QEMUs' VmRSS and RssAnon."""
+    before = settled_mem_available_kib()
+    log(f"{backend}: creating {count} idle sandboxes")
+    made: list[Any] = []
+    errors: list[str] = []
+    t0 = time.perf_counter()
+    try:
+        for _ in range(count):
+            try:
+                sb = d.client.create(backend=backend, image=d.image, labels=d.labels)
+                d.track(sb.id)
+                made.append(sb)
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+        create_s = time.perf_counter() - t0
+        if errors:
+            log(f"{backend} idle: {len(errors)}/{count} creations failed; first: {errors[0]}")
+        if not made:
+            raise RuntimeError(f"no idle {backend} sandbox could be created: {errors[:1]}")
+        after = settled_mem_available_kib()
+        k = len(made)
+        res: dict[str, Any] = {
+            "n": k,
+            "failed": len(errors),
+            "create_s": create_s,
+            "mib_per_sandbox": (before - after) / k / 1024,
+        }
+        if backend in VM_BACKENDS:
+            pids = []
+            for sb in made:
+                for pid in pids_with_cmdline(f"/vm/sandboxes/{sb.id}/"):
+                    with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as f:
+                        if f.read().startswith("qemu"):
+                            pids.append(pid)
+            rss = [proc_status_kib(pid, "VmRSS") or 0 for pid in pids]
+            anon = [proc_status_kib(pid, "RssAnon") or 0 for pid in pids]
+            res["qemu_processes"] = len(pids)
+            res["qemu_rss_mib_per_vm"] = sum(rss) / k / 1024
+            res["qemu_anon_mib_per_vm"] = sum(anon) / k / 1024
+        else:
+            usage = 0
+            with contextlib.suppress(Exception):
+                for sb in made:
+                    usage += int(sb.info().usage.memory_bytes or 0)
+            res["cgroup_usage_mib_per_sandbox"] = usage / k / 2**20 if usage else None
+        return res
+    finally:
+        log(f"{backend}: stopping {len(made)} idle sandboxes")
+        for sb in made:
+            _stop_sandbox(d, sb)
+
+
+def _template_snapshots(d: Dsec) -> dict[str, int]:
+    """Sizes of the boot templates' scratch qcow2 files (with the saved VM state) of a server
+    started here: each restore copies one."""
+    if d.state is None:
+        return {}
+    found = {}
+    for f in (d.state / "vm" / "templates").glob("*/scratch.qcow2"):
+        with contextlib.suppress(OSError):
+            found[str(f)] = f.stat().st_size
+    return found
+
+
+def bench_vm(d: Dsec, args: argparse.Namespace, res_so_far: dict[str, Any]) -> dict[str, Any]:
+    """microvm and vm beside the container backend: restore -> first exec, cold boot ->
+    first exec (a second server with --vm-boot cold), exec round trips, idle memory."""
+    res: dict[str, Any] = {"n": args.vm_n, "cold_n": args.vm_cold_n}
+
+    # The first VM create on a server builds the image's disk (both backends share it) and
+    # waits for the accelerator probe the server started at launch, if still running; a
+    # sandbox of another shape (memory) takes those costs here, so that each backend's
+    # first create below costs its template and no more.
+    log("vm: first VM create on this server (image disk, a template)")
+    res["first_vm_create_ms"] = _create_first_exec(d, "microvm", memory_mb=256)
+
+    _first_exec_series(d, "container", 3, "container warm-up")
+    res["container_first_exec"] = _first_exec_series(
+        d, "container", max(args.vm_n, 50), "container"
+    )
+    res["container_exec"] = _exec_series(d, "container", args.vm_exec_n)
+    for b in VM_BACKENDS:
+        log(f"{b}: first create (builds the boot template)")
+        known = _template_snapshots(d)
+        res[f"{b}_first_create_ms"] = _create_first_exec(d, b)
+        new = [size for f, size in _template_snapshots(d).items() if f not in known]
+        res[f"{b}_template_qcow2_mib"] = new[0] / 2**20 if len(new) == 1 else None
+        restore = _first_exec_series(d, b, args.vm_n, f"{b} restore")
+        res[f"{b}_restore"] = restore
+        # The first create = template (cold boot + savevm) + one restore -> first exec.
+        res[f"{b}_template_ms"] = (
+            res[f"{b}_first_create_ms"] - restore["p50_ms"] if restore["n"] else None
+        )
+        res[f"{b}_exec"] = _exec_series(d, b, args.vm_exec_n)
+    res["accelerator"] = {b: res[f"{b}_exec"]["accelerator"] for b in VM_BACKENDS}
+
+    idle = res_so_far.get("idle")
+    if idle:
+        res["container_idle"] = {
+            "n": idle["n"],
+            "mib_per_sandbox": idle["mib_per_sandbox"],
+            "cgroup_usage_mib_per_sandbox": idle.get("cgroup_usage_mib_per_sandbox"),
+            "from_idle_part": True,
+        }
+    else:
+        res["container_idle"] = _idle_memory(d, "container", args.vm_idle_n)
+    for b in VM_BACKENDS:
+        res[f"{b}_idle"] = _idle_memory(d, b, args.vm_idle_n)
+
+    log("vm: a second server with --vm-boot cold")
+    try:
+        cold = Dsec(args, d.rootfs, server_args=["--vm-boot", "cold"], name="cold")
+    except SystemExit as e:
+        raise RuntimeError(f"starting the --vm-boot cold server: {e}") from None
+    try:
+        # Its first create also probes the accelerator and builds the image disk.
+        res["cold_first_vm_create_ms"] = _create_first_exec(cold, "microvm")
+        for b in VM_BACKENDS:
+            if b != "microvm":
+                _create_first_exec(cold, b)  # warm-up
+            res[f"{b}_cold"] = _first_exec_series(cold, b, args.vm_cold_n, f"{b} cold boot")
+    finally:
+        cold.close()
+    return res
+
+
+# --------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------
 
@@ -1290,20 +1563,9 @@ def rounded(x: Any) -> Any:
     return x
 
 
-def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: list[str]) -> str:
-    out = []
-    git = (
-        run_cmd(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]).stdout.strip()
-        or "uncommitted"
-    )
-    out.append(f"### dsec bench — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} ({git})")
-    out.append("")
-    out.append(
-        f"Host: {host_description()}. Rootfs: busybox. n={args.n} sequential; "
-        f"concurrent runs of max(n, 8*c). Command: `python3 bench/bench.py "
-        f"{' '.join(sys.argv[1:])}`".rstrip()
-    )
-    out.append("")
+def main_table(res: dict[str, Any], args: argparse.Namespace, cs: list[int]) -> list[str]:
+    """The table of the container parts, with runc, docker and the floor beside."""
+    out: list[str] = []
     out.append(
         "| metric | dsec | runc | docker | floor | dsec/floor | dsec/runc | dsec/docker | target |"
     )
@@ -1535,6 +1797,155 @@ def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: 
             "of the Docker daemon (the rootfs `docker import`ed), each command a docker exec; "
             "sequential, one client. The native value of the same row is in the last column."
         )
+    return out
+
+
+def vm_table(res: dict[str, Any]) -> list[str]:
+    """The VM backends beside the container backend, all from the "vm" part."""
+    out = [
+        "#### VM backends",
+        "",
+        "| metric | container | microvm | vm | microvm/container | vm/container | target |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def g(*keys: str) -> Any:
+        return get(res, "vm", *keys)
+
+    def row(name: str, key: tuple[str, str], target: float | None = None, c: Any = None) -> None:
+        """One row of g(f"{backend}_{key[0]}", key[1]) per backend, with the ratios."""
+        c = g(f"container_{key[0]}", key[1]) if c is None else c
+        m = g(f"microvm_{key[0]}", key[1])
+        w = g(f"vm_{key[0]}", key[1])
+        goal = ""
+        if target is not None:
+            goal = f"≤ {target:g} ms: microvm {met(m, target, False)}, vm {met(w, target, False)}"
+        # A container figure of 0 or less (noise in a MemAvailable difference) has no ratio.
+        cr = c if isinstance(c, (int, float)) and c > 0 else None
+        out.append(
+            f"| {name} | {fmt(c)} | {fmt(m)} | {fmt(w)} | {ratio(m, cr)} | {ratio(w, cr)} "
+            f"| {goal} |"
+        )
+
+    def single(name: str, c: Any = None, m: Any = None, w: Any = None) -> None:
+        """A row without ratios."""
+        out.append(f"| {name} | {fmt(c)} | {fmt(m)} | {fmt(w)} | | | |")
+
+    acc = g("accelerator") or {}
+    out.append(f"| accelerator | - | {acc.get('microvm') or '-'} | {acc.get('vm') or '-'} | | | |")
+    cfe50 = g("container_first_exec", "p50_ms")
+    cfe99 = g("container_first_exec", "p99_ms")
+    row(
+        "create → first exec, restore, p50 ms ᵃ",
+        ("restore", "p50_ms"),
+        TARGET_VM_RESTORE_MS,
+        c=cfe50,
+    )
+    row("create → first exec, restore, p99 ms ᵃ", ("restore", "p99_ms"), c=cfe99)
+    row("create → first exec, cold boot, p50 ms ᵇ", ("cold", "p50_ms"), c=cfe50)
+    row("create → first exec, cold boot, p99 ms ᵇ", ("cold", "p99_ms"), c=cfe99)
+    single(
+        "boot template (cold boot + savevm), ms ᶜ",
+        m=g("microvm_template_ms"),
+        w=g("vm_template_ms"),
+    )
+    single(
+        "first create of a backend (template + restore → first exec), ms ᶜ",
+        m=g("microvm_first_create_ms"),
+        w=g("vm_first_create_ms"),
+    )
+    single(
+        "first VM create on a fresh server (image disk, template), ms ᶜ",
+        m=g("first_vm_create_ms"),
+    )
+    single(
+        "boot snapshot (template qcow2, copied per restore), MiB ᶜ",
+        m=g("microvm_template_qcow2_mib"),
+        w=g("vm_template_qcow2_mib"),
+    )
+    row("exec round trip `true`, p50 ms ᵈ", ("exec", "p50_ms"), TARGET_VM_EXEC_MS)
+    row("exec round trip `true`, p99 ms ᵈ", ("exec", "p99_ms"))
+    row("exec, server-side duration p50 ms ᵈ", ("exec", "server_p50_ms"))
+    n_idle = g("microvm_idle", "n")
+    row(f"idle sandbox, host MiB (MemAvailable Δ / {n_idle}) ᵉ", ("idle", "mib_per_sandbox"))
+    single(
+        "idle VM, QEMU VmRSS MiB per VM ᵉ",
+        m=g("microvm_idle", "qemu_rss_mib_per_vm"),
+        w=g("vm_idle", "qemu_rss_mib_per_vm"),
+    )
+    single(
+        "idle VM, QEMU RssAnon MiB per VM ᵉ",
+        m=g("microvm_idle", "qemu_anon_mib_per_vm"),
+        w=g("vm_idle", "qemu_anon_mib_per_vm"),
+    )
+    single(
+        "idle container, cgroup memory usage MiB ᵉ",
+        c=g("container_idle", "cgroup_usage_mib_per_sandbox"),
+    )
+    out.append("")
+    out.append(
+        f'ᵃ `create(backend=...)` → the first `run("true")` returns, sync SDK, sequential '
+        f"(stop after each, untimed; n={g('n')} per VM backend after its first create, "
+        f"{g('container_first_exec', 'n')} containers). A VM restores its backend's boot "
+        "template: a copy of the template's scratch qcow2 (the boot snapshot row), "
+        "`qemu -loadvm`, a fresh identity for the guest.  "
+    )
+    out.append(
+        f"ᵇ the same against a second server started with `--vm-boot cold` (n={g('cold_n')} "
+        "per backend, after one warm-up each): every VM boots its kernel. The container "
+        "column repeats the container create → first exec.  "
+    )
+    out.append(
+        "ᶜ template: a backend's first create of a shape (boots the template guest, savevm, "
+        "then restores it as every later create does) minus the restore p50. The first VM "
+        "create on a fresh server, made before those with another shape (256 MiB), also "
+        "builds the image's disk and waits for the accelerator probe (KVM if a guest boots "
+        "under it, else TCG) that the server starts at launch, if that is still running. "
+        "Boot snapshot: the template's scratch qcow2 with the saved VM state in it.  "
+    )
+    out.append(
+        'ᵈ `run("true")` (`/bin/sh -c true`) in one running sandbox, sync Client, after 10 '
+        "warm-ups; server-side: the result's `duration_ms`.  "
+    )
+    cidle = g("container_idle") or {}
+    src = (
+        f"the container figure is the idle part's ({cidle.get('n')} sandboxes)"
+        if cidle.get("from_idle_part")
+        else f"the container figures are from {cidle.get('n')} containers made the same way"
+    )
+    out.append(
+        "ᵉ MemAvailable (averaged over 1 s after 2 s of settling) before minus after creating "
+        "the idle sandboxes one after another, over their number; other sessions on the host "
+        "move MemAvailable by tens of MiB, so small figures are noise. VmRSS and RssAnon: "
+        "summed over the sandboxes' QEMU processes (VmRSS also counts QEMU's shared "
+        f"libraries in each), over the number of VMs; {src}."
+    )
+    return out
+
+
+def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: list[str]) -> str:
+    out = []
+    git = (
+        run_cmd(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]).stdout.strip()
+        or "uncommitted"
+    )
+    out.append(f"### dsec bench — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} ({git})")
+    out.append("")
+    sizes = []
+    if any(part != "vm" for part in res):
+        sizes.append(f"n={args.n} sequential; concurrent runs of max(n, 8*c)")
+    if "vm" in res:
+        sizes.append(
+            f"VM backends: {args.vm_n} restores, {args.vm_cold_n} cold boots, "
+            f"{args.vm_exec_n} exec round trips, {args.vm_idle_n} idle sandboxes per backend"
+        )
+    cmd = " ".join(["python3", "bench/bench.py", *sys.argv[1:]])
+    out.append(f"Host: {host_description()}. Rootfs: busybox. {'; '.join(sizes)}. Command: `{cmd}`")
+    out.append("")
+    if any(part != "vm" for part in res):
+        out += main_table(res, args, cs)
+    if "vm" in res:
+        out += vm_table(res)
     failures = []
     for part, r in res.items():
         if isinstance(r, dict):
@@ -1575,6 +1986,12 @@ def main() -> int:
     ap.add_argument("--concurrency", default="16,32", help="concurrency levels (default 16,32)")
     ap.add_argument("--exec-n", type=int, default=500, help="exec round trips (default 500)")
     ap.add_argument("--idle-n", type=int, default=500, help="idle sandboxes (default 500)")
+    ap.add_argument("--vm-n", type=int, default=10, help="vm: restores per backend (10)")
+    ap.add_argument("--vm-cold-n", type=int, default=4, help="vm: cold boots per backend (4)")
+    ap.add_argument(
+        "--vm-exec-n", type=int, default=100, help="vm: exec round trips per backend (100)"
+    )
+    ap.add_argument("--vm-idle-n", type=int, default=8, help="vm: idle VMs per backend (8)")
     ap.add_argument("--rootfs", help="use this busybox rootfs instead of building one")
     ap.add_argument(
         "--trajectory-sync",
@@ -1618,6 +2035,7 @@ def main() -> int:
                 "exec",
                 "trajectory",
                 "idle",
+                "vm",
             )
         ]
         d = Dsec(args, rootfs) if dsec_parts else None
@@ -1638,6 +2056,7 @@ def main() -> int:
             ("exec", lambda: bench_dsec_exec(d, args.exec_n)),
             ("trajectory", lambda: bench_dsec_trajectory(d, args.exec_n)),
             ("idle", lambda: bench_dsec_idle(d, args.idle_n)),
+            ("vm", lambda: bench_vm(d, args, res)),
         ]
         for name, fn in steps:
             if name not in parts:

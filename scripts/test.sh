@@ -8,7 +8,8 @@
 # Stages, stopping at the first failure: fmt, clippy, the static VM guest agent, cargo test,
 # debug build, pytest.
 # Before pytest it starts dockerd if no Docker daemon answers (stopping it again at the end)
-# and adds "docker" to $DSEC_TEST_BACKENDS, so the conformance suite runs on both backends.
+# and adds "docker" to $DSEC_TEST_BACKENDS, and "microvm" and "vm" when QEMU, the guest
+# kernel and the static agent are there, so the conformance suite runs on every backend.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -87,6 +88,17 @@ start_dockerd
 # With a daemon, the conformance suite runs on the docker backend too.
 if docker info >/dev/null 2>&1 && [[ ",${DSEC_TEST_BACKENDS:-container}," != *",docker,"* ]]; then
     export DSEC_TEST_BACKENDS="${DSEC_TEST_BACKENDS:-container},docker"
+fi
+# With QEMU, a guest kernel and the static agent, it runs on the VM backends as well.
+if command -v qemu-system-x86_64 >/dev/null && ls /boot/vmlinuz-*-cloud-amd64 >/dev/null 2>&1 \
+    && [[ -x target/x86_64-unknown-linux-gnu/release/dsec-agent ]]; then
+    for b in microvm vm; do
+        if [[ ",${DSEC_TEST_BACKENDS:-container}," != *",$b,"* ]]; then
+            export DSEC_TEST_BACKENDS="${DSEC_TEST_BACKENDS:-container},$b"
+        fi
+    done
+else
+    echo "[test] VM backends: QEMU, the cloud kernel or the agent missing (scripts/setup.sh); their tests skip"
 fi
 echo "[test] backends under test: ${DSEC_TEST_BACKENDS:-container}"
 

@@ -464,7 +464,12 @@ def qemu_procs(sandbox_id: str) -> list[tuple[int, str]]:
         if not e.name.isdigit():
             continue
         try:
-            cmd = Path(e.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = (
+                Path(e.path, "cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
         except OSError:
             continue
         if cmd.startswith("qemu-system") and needle in cmd:
@@ -529,7 +534,9 @@ def docker_import_rootfs(rootfs: Path, ref: str) -> None:
     """`docker import` a rootfs directory as image ``ref`` (no registry needed), replacing
     the image an earlier run imported under that name."""
     subprocess.run(["docker", "rmi", "-f", ref], capture_output=True)
-    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+    tar = subprocess.Popen(
+        ["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE
+    )
     r = subprocess.run(
         ["docker", "import", "-", ref], stdin=tar.stdout, capture_output=True, text=True
     )

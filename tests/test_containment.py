@@ -194,7 +194,9 @@ def test_timeout_kills_setsid_escapees(sb: dsec.Sandbox) -> None:
     )
 
 
-def test_output_flood_default_bound(sb: dsec.Sandbox, server: Server, backend: str) -> None:
+def test_output_flood_default_bound(
+    sb: dsec.Sandbox, server: Server, backend: str
+) -> None:
     # A TCG guest's virtio-serial channel carries a few MB/s: give it time to fill the bound.
     seconds = 15 if backend in VM_BACKENDS else 3
     before = server.rss_kib()

@@ -345,6 +345,9 @@ impl Vm {
             .stderr(log)
             .kill_on_drop(true);
         let inherited = [agent_qemu.as_raw_fd(), qmp_qemu.as_raw_fd()];
+        // PR_SET_PDEATHSIG fires when the *thread* that forked exits: this runs on the
+        // runtime's worker threads, which live as long as the server (never from
+        // spawn_blocking, whose threads come and go).
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
         // syscalls (fcntl, prctl) on descriptors and state of the child.
         unsafe {
@@ -487,6 +490,13 @@ impl Vm {
     }
 }
 
+impl Drop for Vm {
+    /// A VM nobody holds any more must not keep running until the server exits.
+    fn drop(&mut self) {
+        let _ = rustix::process::pidfd_send_signal(&self.pidfd, rustix::process::Signal::KILL);
+    }
+}
+
 /// Whether KVM runs this guest: boots the kernel and agent with nothing else attached
 /// and waits up to `deadline` for the agent. A nested `/dev/kvm` that opens but stalls
 /// Linux early in boot (as on some CI hosts) fails here and dsec falls back to TCG.
@@ -516,7 +526,8 @@ pub async fn probe_kvm(assets: &GuestAssets, dir: &Path, deadline: Duration) -> 
         Err(e) => Err(format!(
             "a KVM guest did not reach its agent within {:.1} s: {}",
             started.elapsed().as_secs_f64(),
-            e.to_string().lines().next().unwrap_or_default()
+            // The last line is QEMU's own complaint when it has one.
+            e.to_string().lines().last().unwrap_or_default()
         )),
     };
     let _ = std::fs::remove_dir_all(dir);

@@ -134,6 +134,15 @@ fn blocking_error(e: tokio::task::JoinError) -> ApiError {
     ApiError::internal(e.to_string())
 }
 
+/// A scratch qcow2 over `base` at `target` (`qemu-img`, off the async threads).
+async fn create_scratch(base: &Path, target: &Path) -> Result<(), ApiError> {
+    let (base, target) = (base.to_owned(), target.to_owned());
+    tokio::task::spawn_blocking(move || disk::create_scratch(&base, &target))
+        .await
+        .map_err(blocking_error)?
+        .map_err(vm_error)
+}
+
 /// The value of `map[key]`, built once by `init` even when many sandboxes ask at once;
 /// a failed build is retried by the next caller.
 async fn once<K, T, F, Fut>(
@@ -287,7 +296,7 @@ impl VmHost {
             std::fs::create_dir_all(&dir)
                 .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
             let built = async {
-                disk::create_scratch(&disks.scratch, &snapshot).map_err(vm_error)?;
+                create_scratch(&disks.scratch, &snapshot).await?;
                 let disks = Disks {
                     scratch: snapshot.clone(),
                     ..disks
@@ -425,7 +434,7 @@ impl Backend for VmBackend {
                     Start::Restore { hostname: &req.id }
                 }
                 BootMode::Cold => {
-                    disk::create_scratch(&scratch_base, &scratch).map_err(vm_error)?;
+                    create_scratch(&scratch_base, &scratch).await?;
                     Start::Cold { hostname: &req.id }
                 }
             };
