@@ -25,6 +25,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use dsec_runtime::guest::{self, BootArgs};
+use dsec_runtime::init::GuestCgroup;
 use dsec_runtime::proto::{self, FrameKind, InitError};
 use dsec_runtime::seccomp::SeccompProfile;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
@@ -67,17 +68,19 @@ fn run() -> Result<(), String> {
             .write_all(&ready)
             .map_err(|e| format!("answering the probe: {e}"));
     }
-    let prepared = build_root(&args).and_then(|()| {
-        SeccompProfile::docker_default().map_err(|e| format!("seccomp profile: {e}"))
+    let prepared = build_root(&args).and_then(|cgroup| {
+        let seccomp =
+            SeccompProfile::docker_default().map_err(|e| format!("seccomp profile: {e}"))?;
+        Ok((seccomp, cgroup))
     });
-    let seccomp = match prepared {
-        Ok(seccomp) => seccomp,
+    let (seccomp, cgroup) = match prepared {
+        Ok(prepared) => prepared,
         Err(message) => {
             report_setup_error(control, &message);
             return Err(message);
         }
     };
-    dsec_runtime::init::serve_guest(control, seccomp).map_err(|e| e.message)
+    dsec_runtime::init::serve_guest(control, seccomp, cgroup).map_err(|e| e.message)
 }
 
 fn mount_early() -> Result<(), String> {
@@ -237,7 +240,55 @@ fn disk_with_serial(serial: &str) -> Option<PathBuf> {
         .filter(|node| node.exists())
 }
 
-fn build_root(args: &BootArgs) -> Result<(), String> {
+/// Memory the kernel and the agent keep out of the commands' cgroup: at least this, or an
+/// eighth of what is available at boot.
+const MEMORY_RESERVE: u64 = 16 << 20;
+
+/// Makes the cgroup every command joins (see [`GuestCgroup`]), on a cgroup2 mount that
+/// stays in the initramfs, out of the commands' reach.
+fn guest_cgroup() -> Result<GuestCgroup, String> {
+    let root = Path::new("/mnt/cgroup");
+    fs::create_dir_all(root).map_err(|e| format!("mkdir {}: {e}", root.display()))?;
+    // favordynmods: each command joins the cgroup as it starts; without it every
+    // migration waits for an RCU grace period (milliseconds under binary translation).
+    mount(
+        Some("cgroup2"),
+        root,
+        Some("cgroup2"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("favordynmods"),
+    )
+    .map_err(|e| format!("mount cgroup2: {e}"))?;
+    let write = |path: PathBuf, value: &str| {
+        fs::write(&path, value).map_err(|e| format!("{}: {e}", path.display()))
+    };
+    write(root.join("cgroup.subtree_control"), "+memory +pids")?;
+    let commands = root.join("commands");
+    fs::create_dir_all(&commands).map_err(|e| format!("mkdir {}: {e}", commands.display()))?;
+    let meminfo = fs::read_to_string("/proc/meminfo").map_err(|e| format!("/proc/meminfo: {e}"))?;
+    let available_kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .ok_or("no MemAvailable in /proc/meminfo")?;
+    let available = available_kib * 1024;
+    let limit = available.saturating_sub(MEMORY_RESERVE.max(available / 8));
+    write(commands.join("memory.max"), &limit.to_string())?;
+    let open = |name: &str| {
+        let path = commands.join(name);
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map(OwnedFd::from)
+            .map_err(|e| format!("{}: {e}", path.display()))
+    };
+    Ok(GuestCgroup {
+        procs: open("cgroup.procs")?,
+        pids_max: open("pids.max")?,
+    })
+}
+
+fn build_root(args: &BootArgs) -> Result<GuestCgroup, String> {
     let base = wait_for("the image disk", || {
         disk_with_serial(guest::BASE_DISK_SERIAL)
     })?;
@@ -265,6 +316,7 @@ fn build_root(args: &BootArgs) -> Result<(), String> {
             )
         })?;
     }
+    let cgroup = guest_cgroup()?;
     // Nothing of the initramfs' own view may remain reachable from the guest's root.
     for target in ["/dev", "/proc", "/sys"] {
         umount2(target, MntFlags::MNT_DETACH).map_err(|e| format!("unmount {target}: {e}"))?;
@@ -272,7 +324,8 @@ fn build_root(args: &BootArgs) -> Result<(), String> {
     dsec_runtime::rootfs::setup_guest(lower, upper, Path::new("/mnt/root"))
         .map_err(|e| e.to_string())?;
     dsec_runtime::rootfs::set_hostname(&args.hostname).map_err(|e| format!("sethostname: {e}"))?;
-    dsec_runtime::rootfs::loopback_up().map_err(|e| format!("loopback: {e}"))
+    dsec_runtime::rootfs::loopback_up().map_err(|e| format!("loopback: {e}"))?;
+    Ok(cgroup)
 }
 
 /// Tells the host why the guest cannot serve, before rebooting it.

@@ -70,6 +70,28 @@ pub fn run(spec: &SandboxSpec, control: OwnedFd, seccomp: &SeccompProfile) -> ! 
     unsafe { libc::_exit(code) }
 }
 
+/// The cgroup (v2) a VM guest's commands run in, made by the agent before it confines
+/// itself. Its memory limit leaves the kernel and the agent a reserve, so a memory hog
+/// meets the cgroup's OOM killer quickly instead of thrashing the whole guest (under
+/// binary translation the global OOM killer can take tens of seconds to act), and its
+/// `pids.max` is the sandbox's process limit.
+pub struct GuestCgroup {
+    /// `cgroup.procs`, opened for writing: each command joins by writing `0`.
+    pub procs: OwnedFd,
+    /// `pids.max`, opened for writing.
+    pub pids_max: OwnedFd,
+}
+
+impl GuestCgroup {
+    fn set_pids_max(&self, limit: Option<u64>) -> std::io::Result<()> {
+        let Some(limit) = limit else {
+            return Ok(());
+        };
+        let text = limit.to_string();
+        write_all_blocking(self.pids_max.as_raw_fd(), text.as_bytes())
+    }
+}
+
 fn encode_ready(out: &mut Vec<u8>, upper_fd: Option<RawFd>) {
     proto::encode_json(
         out,
@@ -91,7 +113,11 @@ fn encode_ready(out: &mut Vec<u8>, upper_fd: Option<RawFd>) {
 /// does (capabilities, no_new_privs, `seccomp`): commands inherit all of it for free,
 /// and installing a filter per command would cost a BPF JIT compile each time, which is
 /// slow under binary translation.
-pub fn serve_guest(control: OwnedFd, seccomp: SeccompProfile) -> Result<(), InitError> {
+pub fn serve_guest(
+    control: OwnedFd,
+    seccomp: SeccompProfile,
+    cgroup: GuestCgroup,
+) -> Result<(), InitError> {
     // SAFETY: restoring default dispositions; no handler code is involved.
     unsafe {
         libc::signal(libc::SIGCHLD, libc::SIG_DFL);
@@ -144,7 +170,12 @@ pub fn serve_guest(control: OwnedFd, seccomp: SeccompProfile) -> Result<(), Init
     let taken = identity
         .json::<proto::Identity>()
         .map_err(|e| setup_error("identity", e, None))
-        .and_then(|id| take_identity(&id).map_err(|e| io_setup_error("identity", e)));
+        .and_then(|id| {
+            take_identity(&id).map_err(|e| io_setup_error("identity", e))?;
+            cgroup
+                .set_pids_max(id.pids_max)
+                .map_err(|e| io_setup_error("pids limit", e))
+        });
     match &taken {
         Ok(()) => proto::encode(&mut answer, FrameKind::Done, identity.exec_id, &[]),
         Err(err) => proto::encode_json(&mut answer, FrameKind::Error, identity.exec_id, err),
@@ -161,6 +192,7 @@ pub fn serve_guest(control: OwnedFd, seccomp: SeccompProfile) -> Result<(), Init
         signals,
         devnull: devnull.into(),
         guest: true,
+        cgroup_procs: Some(cgroup.procs),
     };
     Init::new(control, prepared, Vec::new(), inbuf).serve();
     Ok(())
@@ -176,6 +208,8 @@ struct Prepared {
     /// A VM guest: the whole machine is the sandbox (OOM kills are read from
     /// `/proc/vmstat`; no cgroup tells the edge).
     guest: bool,
+    /// A VM guest's commands cgroup (`cgroup.procs`, write-only), see [`GuestCgroup`].
+    cgroup_procs: Option<OwnedFd>,
 }
 
 /// Where commands get their capabilities, no_new_privs and seccomp filter from.
@@ -271,6 +305,7 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
         signals,
         devnull: devnull.into(),
         guest: false,
+        cgroup_procs: None,
     })
 }
 
@@ -587,6 +622,7 @@ impl Init {
             stdout: out_w.as_raw_fd(),
             stderr: err_w.as_raw_fd(),
             report: report_w.as_raw_fd(),
+            cgroup_procs: self.prepared.cgroup_procs.as_ref().map(AsRawFd::as_raw_fd),
         };
         let pid = match self.prepared.confine {
             // A fncall worker's command gets mount, pid and IPC namespaces of its own, so
@@ -1105,6 +1141,8 @@ struct ChildFds {
     stdout: RawFd,
     stderr: RawFd,
     report: RawFd,
+    /// A VM guest's commands cgroup: its `cgroup.procs`, which the child joins.
+    cgroup_procs: Option<RawFd>,
 }
 
 /// Everything the child needs, converted before `fork` so that the child only makes
@@ -1200,6 +1238,12 @@ impl Launch {
         }
         // init is exempt from the OOM killer; its commands must not be.
         let _ = std::fs::write("/proc/self/oom_score_adj", "0");
+        if let Some(procs) = fds.cgroup_procs {
+            // SAFETY: writing a constant to a descriptor this process owns.
+            if unsafe { libc::write(procs, c"0".as_ptr().cast(), 1) } < 0 {
+                fail(ChildStage::Confine, last_errno());
+            }
+        }
         for (path, mode, data) in &self.files {
             if let Err(e) = write_file(path, *mode, data) {
                 fail(ChildStage::Files, e.raw_os_error().unwrap_or(libc::EIO));

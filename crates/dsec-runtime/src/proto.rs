@@ -241,6 +241,9 @@ pub struct Identity {
     pub entropy: Vec<u8>,
     /// Wall-clock time, nanoseconds since the epoch.
     pub unix_time_ns: u128,
+    /// The sandbox's process limit for its commands.
+    #[serde(default)]
+    pub pids_max: Option<u64>,
 }
 
 /// Header of a [`FrameKind::WriteFile`] request.

@@ -192,3 +192,46 @@ pub fn create_scratch(base: &Path, target: &Path) -> Result<(), VmError> {
             .arg(target),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Names in the root directory of an ext4 image, read with `debugfs`.
+    fn root_names(image: &Path) -> Vec<String> {
+        let out = Command::new("debugfs")
+            .args(["-R", "ls -p /"])
+            .arg(image)
+            .output()
+            .expect("debugfs runs");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split('/').nth(5).map(str::to_owned))
+            .filter(|n| !n.is_empty() && n != "." && n != ".." && n != "lost+found")
+            .collect()
+    }
+
+    #[test]
+    fn an_image_disk_holds_the_merged_layers() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (lower, upper) = (tmp.path().join("lower"), tmp.path().join("upper"));
+        std::fs::create_dir_all(&lower).unwrap();
+        std::fs::create_dir_all(&upper).unwrap();
+        std::fs::write(lower.join("kept"), b"1").unwrap();
+        std::fs::write(lower.join("deleted"), b"2").unwrap();
+        std::fs::write(upper.join("added"), b"3").unwrap();
+        // An overlayfs whiteout: the upper layer deletes `deleted`.
+        nix::sys::stat::mknod(
+            &upper.join("deleted"),
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::from_bits_truncate(0o644),
+            0,
+        )
+        .unwrap();
+        let image = tmp.path().join("image.ext4");
+        build_image_disk(&[upper, lower], BaseFs::Ext4, &image).unwrap();
+        let mut names = root_names(&image);
+        names.sort();
+        assert_eq!(names, ["added", "kept"]);
+    }
+}

@@ -263,27 +263,30 @@ fn qemu_args(
 
 /// How a new VM starts.
 pub enum Start<'a> {
-    /// Boot the kernel; once the agent reports ready the guest takes `hostname`.
-    Cold {
-        /// The sandbox's hostname.
-        hostname: &'a str,
-    },
+    /// Boot the kernel; once the agent reports ready the guest takes its identity.
+    Cold(GuestIdentity<'a>),
     /// Boot the kernel and stop when the agent reports ready, before it takes an
     /// identity: the state a boot template is saved in.
     Template,
-    /// Resume the boot snapshot in the scratch disk; the guest takes `hostname`.
-    Restore {
-        /// The sandbox's hostname.
-        hostname: &'a str,
-    },
+    /// Resume the boot snapshot in the scratch disk; the guest takes its identity.
+    Restore(GuestIdentity<'a>),
     /// Boot only far enough for the agent to answer (accelerator probe; no disks).
     Probe,
 }
 
-impl Start<'_> {
-    fn hostname(&self) -> Option<&str> {
+/// What a sandbox's guest is told once it runs.
+#[derive(Clone, Copy, Debug)]
+pub struct GuestIdentity<'a> {
+    /// Its hostname (the sandbox id).
+    pub hostname: &'a str,
+    /// The process limit of its commands.
+    pub pids_max: u64,
+}
+
+impl<'a> Start<'a> {
+    fn identity(&self) -> Option<GuestIdentity<'a>> {
         match self {
-            Start::Cold { hostname } | Start::Restore { hostname } => Some(hostname),
+            Start::Cold(identity) | Start::Restore(identity) => Some(*identity),
             Start::Template | Start::Probe => None,
         }
     }
@@ -291,9 +294,10 @@ impl Start<'_> {
 
 /// Gives the guest its name, fresh randomness and the time; the agent confines itself
 /// right after.
-async fn send_identity(channel: &Channel, hostname: &str) -> Result<(), String> {
+async fn send_identity(channel: &Channel, guest: GuestIdentity<'_>) -> Result<(), String> {
     let identity = proto::Identity {
-        hostname: hostname.to_owned(),
+        hostname: guest.hostname.to_owned(),
+        pids_max: Some(guest.pids_max),
         entropy: (0..64).map(|_| rand::random::<u8>()).collect(),
         unix_time_ns: SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -321,7 +325,7 @@ impl Vm {
         let (qmp_host, qmp_qemu) = socketpair()?;
         let console = dir.join("console.log");
         let boot = BootArgs {
-            hostname: start.hostname().unwrap_or("dsec").to_owned(),
+            hostname: start.identity().map_or("dsec", |i| i.hostname).to_owned(),
             base_fs: disks.map_or(BaseFs::Ext4, |d| d.base_fs).name().into(),
             probe: matches!(start, Start::Probe),
         };
@@ -333,7 +337,7 @@ impl Vm {
             (agent_qemu.as_raw_fd(), qmp_qemu.as_raw_fd()),
             &console,
         );
-        if matches!(start, Start::Restore { .. }) {
+        if matches!(start, Start::Restore(_)) {
             args.extend(["-loadvm".into(), BOOT_SNAPSHOT.into()]);
         }
         let log_path = dir.join("qemu.log");
@@ -401,15 +405,15 @@ impl Vm {
         };
         let channel = async {
             let channel = match start {
-                Start::Restore { .. } => Channel::attach(agent_host),
+                Start::Restore(_) => Channel::attach(agent_host),
                 _ => Channel::open(agent_host, timeout.unwrap_or(BOOT_TIMEOUT))
                     .await
                     .map(|(channel, _)| channel)
                     .map_err(|e| e.to_string())?,
             };
-            if let Some(hostname) = start.hostname() {
+            if let Some(identity) = start.identity() {
                 let wait = timeout.unwrap_or(RESTORE_TIMEOUT);
-                tokio::time::timeout(wait, send_identity(&channel, hostname))
+                tokio::time::timeout(wait, send_identity(&channel, identity))
                     .await
                     .map_err(|_| {
                         format!("the guest did not answer within {} s", wait.as_secs())

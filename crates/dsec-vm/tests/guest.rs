@@ -9,7 +9,7 @@ use dsec_runtime::channel::ExecEvent;
 use dsec_runtime::proto::{ExecSpec, FrameKind};
 use dsec_vm::assets::{GuestAssets, KernelSource};
 use dsec_vm::disk::{self, BaseFs};
-use dsec_vm::qemu::{Accel, Disks, Hardware, Machine, Start, Vm, BOOT_SNAPSHOT};
+use dsec_vm::qemu::{Accel, Disks, GuestIdentity, Hardware, Machine, Start, Vm, BOOT_SNAPSHOT};
 
 fn agent() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -35,7 +35,8 @@ struct Fixture {
     disks: Disks,
 }
 
-fn fixture() -> Option<Fixture> {
+/// Image disks of both filesystems get booted: microvm's tests use EROFS, q35's ext4.
+fn fixture(base_fs: BaseFs) -> Option<Fixture> {
     if !agent().exists()
         || std::process::Command::new("qemu-system-x86_64")
             .arg("--version")
@@ -58,14 +59,14 @@ fn fixture() -> Option<Fixture> {
         }
     };
     busybox_root(&dir.join("rootfs"));
-    let base = dir.join("image.ext4");
-    disk::build_image_disk(&[dir.join("rootfs")], BaseFs::Ext4, &base).unwrap();
+    let base = dir.join(format!("image.{}", base_fs.name()));
+    disk::build_image_disk(&[dir.join("rootfs")], base_fs, &base).unwrap();
     let scratch_base = dir.join("scratch-64.ext4");
     disk::build_scratch_base(64, &scratch_base).unwrap();
     Some(Fixture {
         disks: Disks {
             base,
-            base_fs: BaseFs::Ext4,
+            base_fs,
             scratch: scratch_base,
         },
         _tmp: tmp,
@@ -96,7 +97,11 @@ async fn run(vm: &Vm, script: &str) -> (String, i32) {
 }
 
 async fn cold_then_restore(machine: Machine) {
-    let Some(f) = fixture() else { return };
+    let base_fs = match machine {
+        Machine::Microvm => BaseFs::Erofs,
+        Machine::Q35 => BaseFs::Ext4,
+    };
+    let Some(f) = fixture(base_fs) else { return };
     let hw = Hardware {
         machine,
         accel: Accel::Tcg,
@@ -124,7 +129,10 @@ async fn cold_then_restore(machine: Machine) {
         &hw,
         &f.assets,
         Some(&cold_disks),
-        Start::Cold { hostname: "cold" },
+        Start::Cold(GuestIdentity {
+            hostname: "cold",
+            pids_max: 64,
+        }),
         &cold_dir,
         None,
     )
@@ -162,7 +170,10 @@ async fn cold_then_restore(machine: Machine) {
             &hw,
             &f.assets,
             Some(&disks),
-            Start::Restore { hostname: name },
+            Start::Restore(GuestIdentity {
+                hostname: name,
+                pids_max: 64,
+            }),
             &dir,
             None,
         )

@@ -28,7 +28,9 @@ use dsec_runtime::files::{relative, Entry, FileError};
 use dsec_runtime::proto::{self, ExecSpec, FrameKind};
 use dsec_vm::assets::{GuestAssets, KernelSource};
 use dsec_vm::disk::{self, BaseFs};
-use dsec_vm::qemu::{self, Accel, Disks, Hardware, Machine, Start, Vm, BOOT_SNAPSHOT};
+use dsec_vm::qemu::{
+    self, Accel, Disks, GuestIdentity, Hardware, Machine, Start, Vm, BOOT_SNAPSHOT,
+};
 use dsec_vm::VmError;
 use serde::{Deserialize, Serialize};
 use tokio::sync::OnceCell;
@@ -415,6 +417,10 @@ impl Backend for VmBackend {
         std::fs::create_dir_all(&dir)
             .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
         let scratch = dir.join("scratch.qcow2");
+        let identity = GuestIdentity {
+            hostname: &req.id,
+            pids_max: req.pids,
+        };
         let started = async {
             let start = match host.config.boot {
                 BootMode::Snapshot => {
@@ -431,11 +437,11 @@ impl Backend for VmBackend {
                         .map_err(|e| {
                             ApiError::internal(format!("copying the boot snapshot: {e}"))
                         })?;
-                    Start::Restore { hostname: &req.id }
+                    Start::Restore(identity)
                 }
                 BootMode::Cold => {
                     create_scratch(&scratch_base, &scratch).await?;
-                    Start::Cold { hostname: &req.id }
+                    Start::Cold(identity)
                 }
             };
             let disks = Disks {
