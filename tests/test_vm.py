@@ -153,3 +153,26 @@ def test_network_is_refused_clearly(
 ) -> None:
     with pytest.raises(dsec.Unavailable, match="network"):
         client.create(backend=vm_backend, image=busybox_image, network=True)
+
+
+def test_guest_cannot_reach_the_agent_channel(
+    client: dsec.Client, busybox_image: str, vm_backend: str
+) -> None:
+    with client.create(backend=vm_backend, image=busybox_image) as sb:
+        # The port exists (sysfs says so) but has no node in the guest's /dev ...
+        names = sb.run("cat /sys/class/virtio-ports/*/name").stdout.split()
+        assert "dsec.agent" in names
+        assert "vport" not in sb.run("ls /dev").stdout
+        # ... and commands can neither make one, nor mount a devtmpfs, nor read the
+        # agent's descriptors.
+        port = sb.run("cat /sys/class/virtio-ports/*/dev | head -1").stdout.strip()
+        major, minor = port.split(":")
+        r = sb.run(f"mknod /tmp/port c {major} {minor}")
+        assert r.exit_code != 0 and "Operation not permitted" in r.stderr, r
+        r = sb.run("mkdir -p /tmp/d && mount -t devtmpfs none /tmp/d")
+        assert r.exit_code != 0, r
+        fds = sb.run("ls /proc/1/fd").stdout.split()
+        assert fds, "sanity: the agent holds descriptors"
+        for fd in fds:
+            r = sb.run(f"readlink /proc/1/fd/{fd} || echo x >> /proc/1/fd/{fd}")
+            assert r.exit_code != 0 and "Permission denied" in r.stderr, (fd, r)

@@ -15,8 +15,10 @@
 //! `mount`, no `ptrace` of the non-dumpable agent) under the same seccomp filter as a
 //! container.
 //!
-//! When the host closes the channel the guest has no further purpose: the agent reboots
-//! it, which ends QEMU (started with `-no-reboot`).
+//! When the host closes the channel the guest has no further purpose: the agent exits.
+//! Having confined itself it may not call `reboot(2)` any more, so its exit panics the
+//! kernel, which `panic=-1` turns into an immediate reboot, which ends QEMU (started with
+//! `-no-reboot`). A setup failure reboots directly, still privileged.
 
 use std::fs;
 use std::io::Write;

@@ -128,6 +128,9 @@ pub fn serve_guest(
         .write(true)
         .open("/dev/null")
         .map_err(|e| io_setup_error("open /dev/null", e))?;
+    // As a container's init: /proc/1/fd (the channel) stays closed to commands.
+    // SAFETY: prctl(PR_SET_DUMPABLE) takes integer arguments only.
+    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
     let signals = signal_fd()?;
     let mut out = Vec::new();
     encode_ready(&mut out, None);

@@ -4,8 +4,8 @@
 //! - [`zygote`]: a single-threaded helper process that `clone(2)`s each sandbox into new
 //!   mount, pid, uts, ipc and network namespaces — no `execve` on the create path;
 //! - [`init`]: the sandbox's PID 1 (a fork of the zygote): joins its [`cgroup`]s, builds
-//!   the [`rootfs`], then runs commands for the edge over the [`proto`] channel, with
-//!   [`caps`] dropped and the [`seccomp`] filter installed in each command;
+//!   the [`rootfs`], drops [`caps`] and installs the [`seccomp`] filter on itself, then
+//!   runs commands (which inherit both) for the edge over the [`proto`] channel;
 //! - [`container`]: the edge's async handle on a sandbox, talking to init through a
 //!   [`channel`]; [`files`]: confined file access from the host side.
 //!
