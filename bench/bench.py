@@ -962,28 +962,34 @@ def bench_dsec_fork(d: Dsec, trials: int = 3) -> dict[str, Any]:
     }
 
 
+def exec_round_trips(sb: Any, cmd: Any, n: int, warmup: int, label: str) -> dict[str, Any]:
+    """Latency of `n` sequential `sb.run(cmd)` after `warmup` untimed ones, and the
+    server-side `duration_ms` p50."""
+    for _ in range(warmup):
+        sb.run(cmd)
+    log(f"{label}: {n} exec round trips")
+    rtt: list[float] = []
+    server: list[float] = []
+    failed = 0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r = sb.run(cmd)
+        dt = (time.perf_counter() - t0) * 1e3
+        if r.exit_code == 0:
+            rtt.append(dt)
+            server.append(float(r.duration_ms))
+        else:
+            failed += 1
+    res = latency_stats(rtt, failed)
+    res["server_p50_ms"] = percentile(server, 0.5)
+    return res
+
+
 def bench_dsec_exec(d: Dsec, n: int) -> dict[str, Any]:
     sb = d.client.create(image=d.image, labels=d.labels)
     d.track(sb.id)
     try:
-        for _ in range(20):
-            sb.run(["/bin/true"])
-        log(f"dsec: {n} exec round trips")
-        rtt: list[float] = []
-        server: list[float] = []
-        failed = 0
-        for _ in range(n):
-            t0 = time.perf_counter()
-            r = sb.run(["/bin/true"])
-            dt = (time.perf_counter() - t0) * 1e3
-            if r.exit_code == 0:
-                rtt.append(dt)
-                server.append(float(r.duration_ms))
-            else:
-                failed += 1
-        res = latency_stats(rtt, failed)
-        res["server_p50_ms"] = percentile(server, 0.5)
-        return res
+        return exec_round_trips(sb, ["/bin/true"], n, 20, "dsec")
     finally:
         sb.stop()
         d.untrack(sb.id)
@@ -1026,22 +1032,7 @@ def bench_dsec_docker(d: Dsec, rootfs: Path, n: int, exec_n: int) -> dict[str, A
     sb = client.create(backend="docker", image=image, labels=d.labels)
     d.track(sb.id)
     try:
-        for _ in range(10):
-            sb.run(["/bin/true"])
-        log(f"dsec-docker: {exec_n} exec round trips")
-        rtt: list[float] = []
-        server: list[float] = []
-        failed = 0
-        for _ in range(exec_n):
-            t0 = time.perf_counter()
-            r = sb.run(["/bin/true"])
-            if r.exit_code == 0:
-                rtt.append((time.perf_counter() - t0) * 1e3)
-                server.append(float(r.duration_ms))
-            else:
-                failed += 1
-        res["exec"] = latency_stats(rtt, failed)
-        res["exec"]["server_p50_ms"] = percentile(server, 0.5)
+        res["exec"] = exec_round_trips(sb, ["/bin/true"], exec_n, 10, "dsec-docker")
     finally:
         sb.stop()
         d.untrack(sb.id)
@@ -1347,25 +1338,8 @@ def _exec_series(d: Dsec, backend: str, n: int) -> dict[str, Any]:
     sb = d.client.create(backend=backend, image=d.image, labels=d.labels)
     d.track(sb.id)
     try:
-        accel = sb.info().accelerator
-        for _ in range(10):
-            sb.run("true")
-        log(f"{backend}: {n} exec round trips")
-        rtt: list[float] = []
-        server: list[float] = []
-        failed = 0
-        for _ in range(n):
-            t0 = time.perf_counter()
-            r = sb.run("true")
-            dt = (time.perf_counter() - t0) * 1e3
-            if r.exit_code == 0:
-                rtt.append(dt)
-                server.append(float(r.duration_ms))
-            else:
-                failed += 1
-        res = latency_stats(rtt, failed)
-        res["server_p50_ms"] = percentile(server, 0.5)
-        res["accelerator"] = accel
+        res = exec_round_trips(sb, "true", n, 10, backend)
+        res["accelerator"] = sb.info().accelerator
         return res
     finally:
         _stop_sandbox(d, sb)

@@ -382,17 +382,17 @@ def procs_in(sandbox_id: str) -> list[tuple[int, str]]:
         except OSError:
             continue
         if sandbox_id in cg:
-            try:
-                cmd = (
-                    Path(e.path, "cmdline")
-                    .read_bytes()
-                    .replace(b"\0", b" ")
-                    .decode(errors="replace")
-                )
-            except OSError:
-                cmd = "?"
-            out.append((int(e.name), cmd.strip()))
+            out.append((int(e.name), _cmdline(e.path) or "?"))
     return out
+
+
+def _cmdline(proc_dir: str) -> str | None:
+    """A process's command line, arguments joined by spaces; None once it is gone."""
+    try:
+        raw = Path(proc_dir, "cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -463,17 +463,9 @@ def qemu_procs(sandbox_id: str) -> list[tuple[int, str]]:
     for e in os.scandir("/proc"):
         if not e.name.isdigit():
             continue
-        try:
-            cmd = (
-                Path(e.path, "cmdline")
-                .read_bytes()
-                .replace(b"\0", b" ")
-                .decode(errors="replace")
-            )
-        except OSError:
-            continue
-        if cmd.startswith("qemu-system") and needle in cmd:
-            out.append((int(e.name), cmd.strip()))
+        cmd = _cmdline(e.path)
+        if cmd is not None and cmd.startswith("qemu-system") and needle in cmd:
+            out.append((int(e.name), cmd))
     return out
 
 

@@ -194,7 +194,6 @@ pub fn serve_guest(
         confine: Confine::Inherited,
         signals,
         devnull: devnull.into(),
-        guest: true,
         cgroup_procs: Some(cgroup.procs),
     };
     Init::new(control, prepared, Vec::new(), inbuf).serve();
@@ -208,10 +207,9 @@ struct Prepared {
     confine: Confine,
     signals: SignalFd,
     devnull: OwnedFd,
-    /// A VM guest: the whole machine is the sandbox (OOM kills are read from
-    /// `/proc/vmstat`; no cgroup tells the edge).
-    guest: bool,
     /// A VM guest's commands cgroup (`cgroup.procs`, write-only), see [`GuestCgroup`].
+    /// Only a guest has one; there the whole machine is the sandbox, so its OOM kills
+    /// are read from `/proc/vmstat` (a container's edge asks the container's cgroup).
     cgroup_procs: Option<OwnedFd>,
 }
 
@@ -307,7 +305,6 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
         confine,
         signals,
         devnull: devnull.into(),
-        guest: false,
         cgroup_procs: None,
     })
 }
@@ -410,7 +407,7 @@ impl Init {
     /// `outbuf` holds frames to send first, `inbuf` bytes already received.
     fn new(control: OwnedFd, prepared: Prepared, outbuf: Vec<u8>, inbuf: Vec<u8>) -> Self {
         set_nonblocking(control.as_raw_fd());
-        let oom_seen = if prepared.guest { oom_kills() } else { None };
+        let oom_seen = prepared.cgroup_procs.as_ref().and_then(|_| oom_kills());
         Init {
             control,
             inbuf,

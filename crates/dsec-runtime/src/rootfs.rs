@@ -143,20 +143,7 @@ pub fn setup_guest(lower: &Path, scratch: &Path, rootfs: &Path) -> Result<(), Ro
     for dir in [&upper, &work, &rootfs.to_path_buf()] {
         fs::create_dir_all(dir).step("mkdir", dir)?;
     }
-    let opts = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        lower.display(),
-        upper.display(),
-        work.display()
-    );
-    mount(
-        Some("overlay"),
-        rootfs,
-        Some("overlay"),
-        MsFlags::empty(),
-        Some(opts.as_str()),
-    )
-    .step("mount overlay on", rootfs)?;
+    mount_overlay(&lower.to_string_lossy(), &upper, &work, rootfs)?;
     build_view(rootfs)?;
     nix::unistd::chdir(rootfs).step("chdir", rootfs)?;
     mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
@@ -221,9 +208,20 @@ fn build_overlay(
             None => l.to_string_lossy().into_owned(),
         })
         .collect();
+    mount_overlay(&lower.join(":"), &upper, &work, rootfs)?;
+    Ok(upper_fd)
+}
+
+/// Mounts an overlay of `upper` over `lowerdir` (overlayfs' colon-separated list) on
+/// `rootfs`.
+fn mount_overlay(
+    lowerdir: &str,
+    upper: &Path,
+    work: &Path,
+    rootfs: &Path,
+) -> Result<(), RootfsError> {
     let opts = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        lower.join(":"),
+        "lowerdir={lowerdir},upperdir={},workdir={}",
         upper.display(),
         work.display()
     );
@@ -234,8 +232,7 @@ fn build_overlay(
         MsFlags::empty(),
         Some(opts.as_str()),
     )
-    .step("mount overlay on", rootfs)?;
-    Ok(upper_fd)
+    .step("mount overlay on", rootfs)
 }
 
 /// `/proc`, `/dev`, `/sys`, the masked and the read-only paths.

@@ -13,8 +13,8 @@ use dsec_runtime::container::{Container, ContainerRuntime, CreateOptions, ExecEv
 use dsec_runtime::proto::{ExecFile, ExecSpec};
 
 use super::{
-    Backend, CommandSpec, Created, ExitStatus, FileWrite, ImageDefaults, Output, OutputStream,
-    Sandbox, SandboxRequest,
+    file_info, Backend, CommandSpec, Created, ExitStatus, FileWrite, ImageDefaults, Output,
+    OutputStream, Sandbox, SandboxRequest,
 };
 use crate::error::ApiError;
 
@@ -292,19 +292,8 @@ impl Sandbox for ContainerSandbox {
 
     async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError> {
         let path = path.to_owned();
-        self.blocking(move |c| {
-            Ok(c.root()
-                .list(&path)?
-                .into_iter()
-                .map(|e| FileInfo {
-                    name: e.name,
-                    size: e.size,
-                    is_dir: e.is_dir,
-                    mode: e.mode,
-                })
-                .collect())
-        })
-        .await
+        self.blocking(move |c| Ok(c.root().list(&path)?.into_iter().map(file_info).collect()))
+            .await
     }
 
     async fn pause(&self) -> Result<(), ApiError> {

@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use dsec_api::{FileInfo, ImageInfo, Usage};
+use dsec_runtime::files::Entry;
 
 use crate::error::ApiError;
 
@@ -174,6 +175,16 @@ pub trait Sandbox: Send + Sync {
     fn is_alive(&self) -> bool;
     /// Kills it and removes everything it made; idempotent.
     async fn stop(&self);
+}
+
+/// A directory entry as the API reports it; containers and VM guests list alike.
+pub(crate) fn file_info(e: Entry) -> FileInfo {
+    FileInfo {
+        name: e.name,
+        size: e.size,
+        is_dir: e.is_dir,
+        mode: e.mode,
+    }
 }
 
 /// A way of making sandboxes.

@@ -36,8 +36,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::OnceCell;
 
 use super::{
-    Backend, CommandSpec, Created, ExitStatus, ImageDefaults, Output, OutputStream, Sandbox,
-    SandboxRequest,
+    file_info, Backend, CommandSpec, Created, ExitStatus, ImageDefaults, Output, OutputStream,
+    Sandbox, SandboxRequest,
 };
 use crate::error::ApiError;
 
@@ -595,15 +595,7 @@ impl Sandbox for VmSandbox {
             .await?;
         let entries: Vec<Entry> = serde_json::from_slice(&answer)
             .map_err(|e| ApiError::internal(format!("the guest's listing: {e}")))?;
-        Ok(entries
-            .into_iter()
-            .map(|e| FileInfo {
-                name: e.name,
-                size: e.size,
-                is_dir: e.is_dir,
-                mode: e.mode,
-            })
-            .collect())
+        Ok(entries.into_iter().map(file_info).collect())
     }
 
     async fn pause(&self) -> Result<(), ApiError> {
