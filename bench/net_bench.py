@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
 import dsec  # noqa: E402
 
-SETTINGS = {
+SETTINGS: dict[str, bool | dict[str, list[str]]] = {
     "network=False": False,
     "network=True": True,
     "allow-list (IP, CIDR:port, 2 names)": {
@@ -68,16 +68,27 @@ def main() -> None:
     exe = os.environ.get("DSEC_BIN", str(REPO / "target/release/dsec"))
     tmp = Path(tempfile.mkdtemp(prefix="dsec-netbench-"))
     rootfs = tmp / "rootfs"
-    subprocess.run([str(REPO / "scripts/make-busybox-rootfs.sh"), str(rootfs)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [str(REPO / "scripts/make-busybox-rootfs.sh"), str(rootfs)], check=True, capture_output=True
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp / "server.log", "wb")
     server = subprocess.Popen(
-        [exe, "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp / "state"),
-         "--net-pool", free_pool()],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            exe,
+            "serve",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--state-dir",
+            str(tmp / "state"),
+            "--net-pool",
+            free_pool(),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         client = dsec.Client(f"http://127.0.0.1:{port}")
@@ -85,7 +96,7 @@ def main() -> None:
             try:
                 client.images()
                 break
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:
                 time.sleep(0.1)
         client.import_image(str(rootfs), name="busybox")
         times: dict[str, list[float]] = {k: [] for k in SETTINGS}
@@ -117,8 +128,10 @@ def main() -> None:
         print("| setting | p50 ms | p99 ms | p50 vs network=False | stop p50 ms |")
         print("|---|---|---|---|---|")
         for name, ms in times.items():
-            print(f"| {name} | {statistics.median(ms):.2f} | {pct(ms, 0.99):.2f} | "
-                  f"{statistics.median(ms) / base:.2f}x | {statistics.median(stops[name]):.2f} |")
+            print(
+                f"| {name} | {statistics.median(ms):.2f} | {pct(ms, 0.99):.2f} | "
+                f"{statistics.median(ms) / base:.2f}x | {statistics.median(stops[name]):.2f} |"
+            )
     finally:
         os.kill(server.pid, signal.SIGTERM)
         server.wait(30)

@@ -18,26 +18,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# This checkout's SDK and host helpers, ahead of any installed copy.
+sys.path[:0] = [str(REPO / "python"), str(REPO / "tools")]
 
-try:
-    import dsec
-except ImportError:  # running from a checkout without `pip install -e python/`
-    sys.path.insert(0, str(REPO / "python"))
-    import dsec
-
-import httpx
+import dsec  # noqa: E402
+import dsec_local  # noqa: E402
 
 try:
     from rich.console import Console
@@ -132,79 +124,35 @@ def expected_output(n: int, seed: int, fz: int) -> str:
 # ------------------------------------------------------------------ the server
 
 
-def reachable(url: str) -> bool:
-    try:
-        return (
-            httpx.get(url + "/healthz", timeout=2.0, trust_env=False).status_code == 200
-        )
-    except httpx.HTTPError:
-        return False
-
-
 def find_binary() -> Path:
     if os.environ.get("DSEC_BIN"):
         return Path(os.environ["DSEC_BIN"])
-    release, debug = REPO / "target/release/dsec", REPO / "target/debug/dsec"
-    if release.exists():
-        return release
+    debug = REPO / "target/debug/dsec"
+    if dsec_local.RELEASE_BIN.exists():
+        return dsec_local.RELEASE_BIN
     if debug.exists():
-        say(f"note: {release} not built; using the debug build {debug}")
+        say(f"note: {dsec_local.RELEASE_BIN} not built; using the debug build {debug}")
         return debug
     sys.exit(
         "no dsec server running and no binary: build it (cargo build --release) or set DSEC_BIN"
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def start_local_server(binary: Path) -> dsec_local.Server:
+    """A `dsec serve` of this demo's own, on a temporary state directory."""
+    tmp = dsec_local.make_tempdir("dsec-demo-")
+    server = dsec_local.Server(tmp / "state", log_path=tmp / "server.log", binary=binary)
+    say(f"starting {' '.join(server.argv())}")
+    try:
+        return server.start(timeout=60)
+    except dsec_local.ServerError as e:
+        stop_local_server(server)
+        sys.exit(f"dsec serve did not start: {e}")
 
 
-def mounts_under(path: Path) -> list[str]:
-    p = os.path.realpath(path)
-    out = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        mp = line.split()[4]
-        if mp == p or mp.startswith(p + "/"):
-            out.append(mp)
-    return out
-
-
-class LocalServer:
-    """A `dsec serve` this demo started; stopped (by its pid) at the end."""
-
-    def __init__(self, binary: Path) -> None:
-        self.tmp = Path(tempfile.mkdtemp(prefix="dsec-demo-"))
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log = open(self.tmp / "server.log", "wb")  # noqa: SIM115
-        argv = [str(binary), "serve", "--listen", self.url[len("http://") :]]
-        argv += ["--state-dir", str(self.tmp / "state")]
-        say(f"starting {' '.join(argv)}")
-        self.proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + 60
-        while not reachable(self.url):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                log = (self.tmp / "server.log").read_text(errors="replace")[-3000:]
-                sys.exit(f"dsec serve did not start:\n{log}")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        if mounts_under(self.tmp):
-            say(f"note: leaving {self.tmp}: the server left mounts in it")
-        else:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+def stop_local_server(server: dsec_local.Server) -> None:
+    server.cleanup()
+    dsec_local.safe_rmtree(server.state_dir.parent)
 
 
 def ensure_image(client: dsec.Client, name: str) -> None:
@@ -214,12 +162,12 @@ def ensure_image(client: dsec.Client, name: str) -> None:
         return
     except dsec.NotFound:
         pass
-    with tempfile.TemporaryDirectory(prefix="dsec-demo-rootfs-") as d:
-        rootfs = Path(d) / "rootfs"
-        subprocess.run(
-            [str(REPO / "scripts/make-busybox-rootfs.sh"), str(rootfs)], check=True
-        )
+    tmp = dsec_local.make_tempdir("dsec-demo-rootfs-")
+    try:
+        rootfs = dsec_local.make_busybox_rootfs(tmp / "rootfs")
         img = client.import_image(str(rootfs), name=name)
+    finally:
+        dsec_local.safe_rmtree(tmp)
     say(f"imported busybox rootfs as image {img.name} ({img.size / 1e6:.1f} MB)")
 
 
@@ -233,13 +181,6 @@ class Stats:
     exec_ms: list[float] = field(default_factory=list)
     stop_ms: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
 
 
 async def run_one(
@@ -256,14 +197,10 @@ async def run_one(
         sb = None
         try:
             t0 = time.perf_counter()
-            sb = await client.create(
-                backend=args.backend, image=args.image, labels={"demo": tag}
-            )
+            sb = await client.create(backend=args.backend, image=args.image, labels={"demo": tag})
             t1 = time.perf_counter()
             stats.create_ms.append((t1 - t0) * 1e3)
-            prog, interp = (
-                ("/work/prog.py", "python3") if use_python else ("/work/prog.sh", "sh")
-            )
+            prog, interp = ("/work/prog.py", "python3") if use_python else ("/work/prog.sh", "sh")
             await sb.write_file(prog, PYTHON_PROGRAM if use_python else SHELL_PROGRAM)
             t2 = time.perf_counter()
             stats.write_ms.append((t2 - t1) * 1e3)
@@ -271,9 +208,7 @@ async def run_one(
             stats.exec_ms.append((time.perf_counter() - t2) * 1e3)
             want = expected_output(n, seed, fz)
             if r.exit_code != 0:
-                stats.failures.append(
-                    f"#{i} {sb.id}: exit {r.exit_code}: {r.stderr[-200:]!r}"
-                )
+                stats.failures.append(f"#{i} {sb.id}: exit {r.exit_code}: {r.stderr[-200:]!r}")
             elif r.stdout != want:
                 stats.failures.append(f"#{i} {sb.id}: wrong output {r.stdout[-200:]!r}")
         except dsec.DsecError as e:
@@ -294,9 +229,7 @@ async def run_all(url: str, args: argparse.Namespace) -> tuple[Stats, float, boo
     async with dsec.AsyncClient(url) as client:
         async with client.create(backend=args.backend, image=args.image) as probe:
             use_python = (await probe.run("command -v python3")).exit_code == 0
-        say(
-            f"image {args.image}: {'python3' if use_python else 'no python3: shell'} programs"
-        )
+        say(f"image {args.image}: {'python3' if use_python else 'no python3: shell'} programs")
         sem = asyncio.Semaphore(args.concurrency)
         tasks = [
             asyncio.ensure_future(run_one(client, i, args, use_python, tag, stats, sem))
@@ -324,9 +257,7 @@ async def run_all(url: str, args: argparse.Namespace) -> tuple[Stats, float, boo
         wall = time.perf_counter() - t0
         leftover = await client.list(labels={"demo": tag})
         if leftover:
-            stats.failures.append(
-                f"{len(leftover)} sandboxes still listed after the run"
-            )
+            stats.failures.append(f"{len(leftover)} sandboxes still listed after the run")
     return stats, wall, use_python
 
 
@@ -344,16 +275,15 @@ def report(args: argparse.Namespace, stats: Stats, wall: float) -> None:
         ("exec", stats.exec_ms),
         ("stop", stats.stop_ms),
     ):
-        rows.append((f"{label} p50 / p99", f"{pct(xs, 50):.1f} / {pct(xs, 99):.1f} ms"))
+        p50, p99 = dsec_local.percentile(xs, 0.5), dsec_local.percentile(xs, 0.99)
+        rows.append((f"{label} p50 / p99", f"{p50:.1f} / {p99:.1f} ms"))
     rows.append(("failures", str(len(stats.failures))))
     if HAVE_RICH:
         table = Table(title="dsec demo")
         table.add_column("metric")
         table.add_column("value", justify="right")
         for k, v in rows:
-            table.add_row(
-                k, v, style="red" if k == "failures" and stats.failures else None
-            )
+            table.add_row(k, v, style="red" if k == "failures" and stats.failures else None)
         Console().print(table)
     else:
         for k, v in rows:
@@ -365,36 +295,20 @@ def report(args: argparse.Namespace, stats: Stats, wall: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=300, help="number of sandboxes (300)")
-    ap.add_argument(
-        "--concurrency", type=int, default=64, help="sandboxes at once (64)"
-    )
-    ap.add_argument(
-        "--image", default="busybox", help="image name (busybox; built if missing)"
-    )
+    ap.add_argument("--concurrency", type=int, default=64, help="sandboxes at once (64)")
+    ap.add_argument("--image", default="busybox", help="image name (busybox; built if missing)")
     ap.add_argument("--backend", default="container")
-    ap.add_argument(
-        "--url", default=None, help="server URL (default $DSEC_URL or :7700)"
-    )
+    ap.add_argument("--url", default=None, help="server URL (default $DSEC_URL or :7700)")
     args = ap.parse_args(argv)
 
-    try:  # one connection per concurrent request: make room for them
-        import resource
+    dsec_local.raise_open_file_limit()  # one connection per concurrent request
 
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = hard if hard != resource.RLIM_INFINITY else 65536
-        if soft != resource.RLIM_INFINITY and soft < want:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ImportError, ValueError, OSError):
-        pass
-
-    url = (args.url or os.environ.get("DSEC_URL") or "http://127.0.0.1:7700").rstrip(
-        "/"
-    )
-    server: LocalServer | None = None
-    if not reachable(url):
+    url = (args.url or os.environ.get("DSEC_URL") or "http://127.0.0.1:7700").rstrip("/")
+    server: dsec_local.Server | None = None
+    if not dsec_local.answers(url, timeout=2.0):
         if args.url or os.environ.get("DSEC_URL"):
             say(f"{url} does not answer; starting a local server instead")
-        server = LocalServer(find_binary())
+        server = start_local_server(find_binary())
         url = server.url
     else:
         say(f"using the dsec server at {url}")
@@ -405,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         stats, wall, _ = asyncio.run(run_all(url, args))
     finally:
         if server is not None:
-            server.stop()
+            stop_local_server(server)
     report(args, stats, wall)
     return 1 if stats.failures else 0
 

@@ -2,12 +2,14 @@
 # Set the machine up (scripts/setup.sh), then run the demo: 300 agent sandboxes.
 # demo/demo.py starts target/release/dsec itself. Extra arguments go to demo.py.
 #
-#   ./scripts/demo.sh
+#   ./scripts/demo.sh          # as root; as another user it re-runs itself through sudo
 #   ./scripts/demo.sh --n 50
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# shellcheck source=scripts/as-root.sh
+. "$ROOT/scripts/as-root.sh"
 
 echo "[demo] setting up (scripts/setup.sh)"
 bash "$ROOT/scripts/setup.sh"

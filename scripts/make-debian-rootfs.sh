@@ -5,8 +5,10 @@
 #   ./scripts/make-debian-rootfs.sh DIR
 #
 # Idempotent: does nothing if DIR/usr/bin/python3 already exists.
-# Environment: DEBIAN_MIRROR (default http://deb.debian.org/debian).
+# Environment: DEBIAN_MIRROR (default http://deb.debian.org/debian); DEBIAN_EXTRA_PACKAGES,
+# comma-separated packages to include besides python3 and ca-certificates.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/lib/rootfs-build.sh"
 
 usage() {
     echo "usage: $0 DIR" >&2
@@ -31,23 +33,13 @@ command -v debootstrap >/dev/null || {
     exit 1
 }
 
-# Build into a sibling temporary directory and rename at the end, so that an interrupted
-# run never leaves a half-made DIR that later runs would take for a finished one.
-mkdir -p "$(dirname "$DIR")"
-TMP="$(mktemp -d "${DIR%/}.tmp.XXXXXX")"
-cleanup() {
-    # debootstrap may leave /proc or /sys mounted inside the target on failure.
-    local m
-    for m in proc sys dev/pts dev; do
-        if mountpoint -q "$TMP/$m" 2>/dev/null; then umount -l "$TMP/$m" || true; fi
-    done
-    rm -rf --one-file-system "$TMP"
-}
-trap cleanup EXIT
+rootfs_build_start "$DIR"
+TMP=$ROOTFS_TMP
 
-echo "[debian-rootfs] debootstrap --variant=minbase --include=python3 bookworm -> $DIR (mirror $MIRROR)"
+INCLUDE="python3,ca-certificates${DEBIAN_EXTRA_PACKAGES:+,$DEBIAN_EXTRA_PACKAGES}"
+echo "[debian-rootfs] debootstrap --variant=minbase --include=$INCLUDE bookworm -> $DIR (mirror $MIRROR)"
 t0=$SECONDS
-debootstrap --variant=minbase --include=python3,ca-certificates bookworm "$TMP" "$MIRROR"
+debootstrap --variant=minbase --include="$INCLUDE" bookworm "$TMP" "$MIRROR"
 
 if [[ -f /etc/ssl/certs/ca-certificates.crt ]]; then
     mkdir -p "$TMP/etc/ssl/certs"
@@ -55,16 +47,7 @@ if [[ -f /etc/ssl/certs/ca-certificates.crt ]]; then
 fi
 
 # Shrink: no package caches, lists or logs in the image.
-rm -rf "${TMP:?}"/var/cache/apt/archives/*.deb \
-    "${TMP:?}"/var/cache/apt/*.bin \
-    "${TMP:?}"/var/lib/apt/lists/* \
-    "${TMP:?}"/var/log/*.log \
-    "${TMP:?}"/var/log/apt/* \
-    "${TMP:?}"/var/cache/debconf/*-old \
-    "${TMP:?}"/debootstrap
-mkdir -p "$TMP/var/lib/apt/lists/partial"
+rootfs_shrink "$TMP"
 
-if [[ -d "$DIR" ]]; then rmdir "$DIR"; fi
-mv "$TMP" "$DIR"
-trap - EXIT
+rootfs_build_finish "$DIR"
 echo "[debian-rootfs] done in $((SECONDS - t0))s: $(du -sh "$DIR" | cut -f1) in $DIR"

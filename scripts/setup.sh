@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
-# Set up a fresh Debian 12 (bookworm) machine, as root, to build, test and run dsec.
+# Set up a fresh Debian 12 (bookworm) machine to build, test and run dsec.
 #
-#   ./scripts/setup.sh
+#   ./scripts/setup.sh      # as root; as another user it re-runs itself through sudo
 #
 # Idempotent: re-running it only installs what is missing and rebuilds incrementally.
 # Steps: Debian packages (QEMU and the guest kernel included) -> Rust toolchain check ->
-# Python SDK + test deps -> release build and the static guest agent.
+# Python SDK + test deps -> release build and the static guest agent -> the grader image's
+# root filesystem -> the set-up stamp.
+#
+# The stamp, `.dsec-setup` at the top of the checkout, lists the features this run set up
+# and verified (network, docker, vm, registry, debian-rootfs, http-peers, etcd, postgres,
+# grader-image). scripts/test.sh exports it as $DSEC_SETUP_FEATURES: a test whose feature is
+# listed fails when the feature is missing, where on a machine that was not set up for it the
+# test skips.
 #
 # Environment:
 #   DSEC_SETUP_SKIP_APT=1     do not touch Debian packages
 #   DSEC_SETUP_SKIP_BUILD=1   do not run `cargo build --release --workspace`
+#   DSEC_SETUP_SKIP_GRADER=1  do not build the grader image's root filesystem (2.5 GB of
+#                             Debian packages: ~5 min on an idle host, 25 on a busy one)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# shellcheck source=scripts/as-root.sh
+. "$ROOT/scripts/as-root.sh"
 
 if [[ -t 1 ]]; then C_B=$'\033[1;34m' C_R=$'\033[1;31m' C_0=$'\033[0m'; else C_B="" C_R="" C_0=""; fi
 log() { printf '%s[setup]%s %s\n' "$C_B" "$C_0" "$*"; }
@@ -47,6 +58,9 @@ PACKAGES=(
     debootstrap     # scripts/make-debian-rootfs.sh
     docker-registry # a local OCI registry for image-import tests
     skopeo          # pushes test images to that registry
+    postgresql      # the trajectory log on --trajectory-db postgres:// (tests start their own cluster)
+    etcd-server     # fleet membership (dsec edge/apiserver --etcd; tests start their own etcd)
+    protobuf-compiler # protoc: the etcd-client crate compiles etcd's gRPC protocol
     python3
     python3-pip
     python3-venv
@@ -55,6 +69,9 @@ PACKAGES=(
     kmod            # modprobe overlay
     linux-image-cloud-amd64 # the microvm/vm backends' guest kernel (booted by QEMU, not here)
     e2fsprogs       # mkfs.ext4: VM image and scratch disks
+    socat           # tests/test_sdk_transport.py: TLS in front of the server
+    tinyproxy-bin   # tests/test_sdk_transport.py: the SDK through an HTTP proxy (no service)
+    openssl         # tests/test_sdk_transport.py: a throwaway certificate
 )
 # QEMU for the microvm/vm backends. Installed apart, with qemu-utils pinned to the same
 # version: a newer qemu-utils (from backports) conflicts with bookworm's qemu-system.
@@ -63,7 +80,6 @@ QEMU_PACKAGES=(qemu-system-x86 qemu-utils)
 if [[ "${DSEC_SETUP_SKIP_APT:-0}" == 1 ]]; then
     log "DSEC_SETUP_SKIP_APT=1: skipping Debian packages"
 else
-    [[ "$(id -u)" -eq 0 ]] || die "run as root (apt-get and the container runtime need it)"
     command -v apt-get >/dev/null || die "apt-get not found: this script targets Debian 12"
     if [[ -r /etc/os-release ]]; then
         # shellcheck disable=SC1091
@@ -164,13 +180,16 @@ PIP_ARGS=(--quiet --disable-pip-version-check --no-input --root-user-action=igno
 if python3 -c 'import sys, sysconfig, os; sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")) else 1)'; then
     PIP_ARGS+=(--break-system-packages)
 fi
-if [[ -f python/pyproject.toml || -f python/setup.py ]]; then
-    log "pip install -e python/ and test dependencies"
-    python3 -m pip install "${PIP_ARGS[@]}" -e python/ pytest pytest-asyncio pytest-timeout httpx rich
-else
-    log "warning: python/ has no pyproject.toml yet; installing only the test dependencies"
-    python3 -m pip install "${PIP_ARGS[@]}" pytest pytest-asyncio pytest-timeout httpx rich
-fi
+log "pip install -e python/ with its test, demo and lint dependencies"
+python3 -m pip install "${PIP_ARGS[@]}" -e "python/[test,demo,dev]"
+# veRL's SandboxFusion scorer, run against dsec by tests/test_sandboxfusion_verl.py: that
+# module needs only requests, so none of veRL's (heavy) dependencies are installed.
+python3 -m pip install "${PIP_ARGS[@]}" requests
+python3 -m pip install "${PIP_ARGS[@]}" --no-deps verl==0.9.1
+# The real e2b SDK, pinned to the version docs/protocols' E2B.md describes: tests/test_e2b.py
+# drives dsec's E2B API with it.
+log "pip install e2b==2.63.0 (the e2b SDK, for tests/test_e2b.py)"
+python3 -m pip install "${PIP_ARGS[@]}" "e2b==2.63.0"
 
 # ---------------------------------------------------------------------------------------
 # 4. Build
@@ -186,4 +205,49 @@ else
     ./scripts/build-agent.sh
 fi
 
+# ---------------------------------------------------------------------------------------
+# 5. The grader image's root filesystem (tests/test_sandboxfusion.py imports it): built
+#    here rather than in the test suite's time. Idempotent: a no-op once built.
+# ---------------------------------------------------------------------------------------
+GRADER_ROOTFS="${DSEC_TEST_GRADER_ROOTFS:-/var/tmp/dsec-test-grader-rootfs}"
+if [[ "${DSEC_SETUP_SKIP_GRADER:-0}" == 1 ]]; then
+    log "DSEC_SETUP_SKIP_GRADER=1: skipping the grader image"
+else
+    log "the grader image's root filesystem in $GRADER_ROOTFS (scripts/make-grader-image.sh)"
+    ./scripts/make-grader-image.sh "$GRADER_ROOTFS" || log "the grader image could not be built"
+fi
+
+# ---------------------------------------------------------------------------------------
+# 6. The set-up stamp: what this machine is now set up for, each feature checked
+# ---------------------------------------------------------------------------------------
+features=()
+not_set_up=()
+feature() { # feature NAME WHY-NOT CHECK...: NAME is set up when CHECK succeeds
+    local name=$1 why=$2
+    shift 2
+    if "$@" >/dev/null 2>&1; then features+=("$name"); else not_set_up+=("$name ($why)"); fi
+}
+have() { for c in "$@"; do command -v "$c" || return 1; done; }
+vm_ready() {
+    have qemu-system-x86_64 qemu-img && compgen -G "/boot/vmlinuz-*-cloud-amd64" \
+        && [[ -x target/x86_64-unknown-linux-gnu/release/dsec-agent ]]
+}
+feature network "nft, ip or the kernel's nf_tables missing" eval 'have nft ip && nft list tables'
+feature docker "dockerd or docker missing" have dockerd docker
+feature vm "QEMU, the cloud kernel or the static agent missing" vm_ready
+feature registry "docker-registry or skopeo missing" have docker-registry skopeo
+feature debian-rootfs "debootstrap missing" have debootstrap
+feature http-peers "socat, tinyproxy or openssl missing" have socat tinyproxy openssl
+feature etcd "etcd (etcd-server) missing" have etcd
+feature postgres "PostgreSQL's initdb missing" eval 'compgen -G "/usr/lib/postgresql/*/bin/initdb"'
+feature grader-image "scripts/make-grader-image.sh failed or was skipped" \
+    test -f "$GRADER_ROOTFS/etc/dsec-grader"
+{
+    echo "# Written by scripts/setup.sh on $(date -u +%FT%TZ): the features it set up and checked."
+    echo "# scripts/test.sh exports them as DSEC_SETUP_FEATURES; a test of a listed feature"
+    echo "# fails when the feature is missing (see tests/dsec_testlib.py, require)."
+    printf '%s\n' "${features[@]}"
+} >.dsec-setup
+log "set up: ${features[*]:-nothing} (recorded in .dsec-setup)"
+((${#not_set_up[@]} == 0)) || log "not set up: ${not_set_up[*]}"
 log "done"

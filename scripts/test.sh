@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# The whole dsec test suite. Run as root (the container runtime needs it), after
-# scripts/setup.sh:
+# The whole dsec test suite, after scripts/setup.sh:
 #
-#   ./scripts/test.sh            # every stage
+#   ./scripts/test.sh            # every stage; as root, or it re-runs itself through sudo
 #   ./scripts/test.sh -k create  # extra arguments go to pytest
 #
-# Stages, stopping at the first failure: fmt, clippy, the static VM guest agent, cargo test,
-# debug build, pytest.
+# Stages, stopping at the first failure: fmt, clippy, ruff, mypy, the static VM guest agent,
+# cargo test, debug build, pytest.
+#
+# On a machine scripts/setup.sh set up (its stamp, .dsec-setup, is there) the features it
+# lists are exported as $DSEC_SETUP_FEATURES: a test that finds one of them missing fails
+# instead of skipping, and `cargo test` runs the ignored tests too (those needing the
+# set-up's services). Without the stamp, tests of missing features skip.
 # Before pytest it starts dockerd if no Docker daemon answers (stopping it again at the end)
-# and adds "docker" to $DSEC_TEST_BACKENDS, and "microvm" and "vm" when QEMU, the guest
-# kernel and the static agent are there, so the conformance suite runs on every backend.
+# and adds "docker" to $DSEC_TEST_BACKENDS, and "microvm" and "vm" when the set-up has VMs
+# (or QEMU, the guest kernel and the static agent are there), so the conformance suite runs
+# on every backend.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# shellcheck source=scripts/as-root.sh
+. "$ROOT/scripts/as-root.sh"
 
 for d in "${CARGO_HOME:-$HOME/.cargo}/bin" /root/.cargo/bin; do
     if [[ -x "$d/cargo" ]] && [[ ":$PATH:" != *":$d:"* ]]; then
@@ -42,24 +49,56 @@ stage() {
     printf '%s[test] --- %s passed (%ds)%s\n' "$C_G" "$CURRENT_STAGE" $((SECONDS - t0)) "$C_0"
 }
 
-if [[ "$(id -u)" -ne 0 ]]; then
-    echo "[test] warning: not root; the runtime tests need root and will fail or skip" >&2
-fi
 command -v cargo >/dev/null || { echo "[test] cargo not found: run scripts/setup.sh" >&2; exit 1; }
+for m in ruff mypy; do
+    python3 -m "$m" --version >/dev/null 2>&1 \
+        || { echo "[test] python3 -m $m not found: run scripts/setup.sh" >&2; exit 1; }
+done
+
+# What scripts/setup.sh set up on this machine (an explicit $DSEC_SETUP_FEATURES wins).
+SETUP_STAMP="$ROOT/.dsec-setup"
+CARGO_TEST_ARGS=()
+if [[ -f "$SETUP_STAMP" ]]; then
+    export DSEC_SETUP_FEATURES="${DSEC_SETUP_FEATURES-$(grep -v '^#' "$SETUP_STAMP" | xargs)}"
+    CARGO_TEST_ARGS=(-- --include-ignored)
+    echo "[test] set up by scripts/setup.sh for: ${DSEC_SETUP_FEATURES:-nothing}; their tests fail, not skip, if missing"
+else
+    export DSEC_SETUP_FEATURES="${DSEC_SETUP_FEATURES-}"
+    echo "[test] no $SETUP_STAMP (scripts/setup.sh not run here): tests of missing features skip"
+fi
+has_feature() { [[ " ${DSEC_SETUP_FEATURES//,/ } " == *" $1 "* ]]; }
+
+# The Python files ruff formats: the SDK, the tools, bench, demo and the test helpers.
+# (Test files are linted, not reformatted: their owners format them when they edit them.)
+RUFF_FORMATTED=(python tools bench/bench.py bench/dsec_bench demo tests/conftest.py
+    tests/dsec_testlib.py tests/test_sdk_parity.py tests/test_sdk_docs.py tests/test_calls.py
+    tests/test_sdk_transport.py)
+ruff_stage() {
+    python3 -m ruff check .
+    python3 -m ruff format --check "${RUFF_FORMATTED[@]}"
+}
+mypy_stage() {
+    python3 -m mypy # strict, on the files mypy.ini names
+    python3 -m mypy --allow-untyped-defs --allow-incomplete-defs --allow-untyped-calls \
+        --no-warn-unused-ignores tests
+}
 
 stage "fmt" cargo fmt --all --check
 stage "clippy" cargo clippy --workspace --all-targets -- -D warnings
+stage "ruff" ruff_stage
+stage "mypy" mypy_stage
 stage "guest agent" ./scripts/build-agent.sh
-stage "cargo test" cargo test --workspace
+stage "cargo test" cargo test --workspace "${CARGO_TEST_ARGS[@]}"
 stage "debug build" cargo build --workspace
 
 # The docker backend's tests need a Docker daemon: start one for this run when none answers,
-# and stop it at the end only if this script started it. Without one they skip.
+# and stop it at the end only if this script started it. Without one they fail where the
+# set-up installed Docker, and skip where it did not.
 DOCKERD_PID=""
 DOCKERD_LOG="${TMPDIR:-/tmp}/dsec-test-dockerd.log"
 start_dockerd() {
     if ! command -v docker >/dev/null || ! command -v dockerd >/dev/null; then
-        echo "[test] docker: not installed (scripts/setup.sh installs docker.io); docker tests will skip"
+        echo "[test] docker: not installed (scripts/setup.sh installs docker.io)"
         return 0
     fi
     docker info >/dev/null 2>&1 && return 0
@@ -73,7 +112,7 @@ start_dockerd() {
         kill -0 "$DOCKERD_PID" 2>/dev/null || break
         sleep 0.5
     done
-    echo "[test] warning: dockerd did not come up; docker tests will skip. Log tail:" >&2
+    echo "[test] warning: dockerd did not come up. Log tail:" >&2
     tail -n 20 "$DOCKERD_LOG" >&2 || true
 }
 stop_dockerd() {
@@ -85,18 +124,21 @@ stop_dockerd() {
     fi
 }
 start_dockerd
-# With a daemon, the conformance suite runs on the docker backend too.
-if docker info >/dev/null 2>&1 && [[ ",${DSEC_TEST_BACKENDS:-container}," != *",docker,"* ]]; then
-    export DSEC_TEST_BACKENDS="${DSEC_TEST_BACKENDS:-container},docker"
+add_backend() {
+    if [[ ",${DSEC_TEST_BACKENDS:-container}," != *",$1,"* ]]; then
+        export DSEC_TEST_BACKENDS="${DSEC_TEST_BACKENDS:-container},$1"
+    fi
+}
+# With a daemon (or one the set-up installed), the conformance suite runs on docker too.
+if has_feature docker || docker info >/dev/null 2>&1; then
+    add_backend docker
 fi
-# With QEMU, a guest kernel and the static agent, it runs on the VM backends as well.
-if command -v qemu-system-x86_64 >/dev/null && ls /boot/vmlinuz-*-cloud-amd64 >/dev/null 2>&1 \
-    && [[ -x target/x86_64-unknown-linux-gnu/release/dsec-agent ]]; then
-    for b in microvm vm; do
-        if [[ ",${DSEC_TEST_BACKENDS:-container}," != *",$b,"* ]]; then
-            export DSEC_TEST_BACKENDS="${DSEC_TEST_BACKENDS:-container},$b"
-        fi
-    done
+# With VMs set up (or QEMU, a guest kernel and the static agent there), on the VM backends.
+if has_feature vm || { command -v qemu-system-x86_64 >/dev/null \
+    && ls /boot/vmlinuz-*-cloud-amd64 >/dev/null 2>&1 \
+    && [[ -x target/x86_64-unknown-linux-gnu/release/dsec-agent ]]; }; then
+    add_backend microvm
+    add_backend vm
 else
     echo "[test] VM backends: QEMU, the cloud kernel or the agent missing (scripts/setup.sh); their tests skip"
 fi

@@ -7,23 +7,23 @@ Run as root: `pytest tests/`. Nothing is mocked.
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import dsec
 import pytest
+from dsec_local import make_busybox_rootfs
 from dsec_testlib import (
     BACKENDS,
     DOCKER_TEST_IMAGE,
-    MAKE_ROOTFS,
     STATEFUL,
     Server,
     docker_import_rootfs,
     docker_unavailable_reason,
     image_for,
     make_tempdir,
+    require,
     safe_rmtree,
 )
 
@@ -61,13 +61,7 @@ def client(server: Server) -> Iterator[dsec.Client]:
 @pytest.fixture(scope="session")
 def busybox_rootfs(tmp_base: Path) -> Path:
     """A busybox root filesystem directory, made by scripts/make-busybox-rootfs.sh."""
-    dest = tmp_base / "rootfs-busybox"
-    r = subprocess.run(
-        [str(MAKE_ROOTFS), str(dest)], check=False, capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.fail(f"make-busybox-rootfs.sh failed: {r.stderr}")
-    return dest
+    return make_busybox_rootfs(tmp_base / "rootfs-busybox")
 
 
 @pytest.fixture(scope="session")
@@ -79,11 +73,15 @@ def busybox_image(client: dsec.Client, busybox_rootfs: Path) -> str:
 
 
 @pytest.fixture(scope="session")
-def docker_image(busybox_rootfs: Path) -> str:
-    """The busybox rootfs as a Docker image (skips when no daemon answers)."""
-    reason = docker_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"backend docker: {reason}")
+def docker_daemon() -> None:
+    """A Docker daemon answers: else the test fails where scripts/setup.sh installed Docker,
+    and skips where it did not."""
+    require("docker", docker_unavailable_reason())
+
+
+@pytest.fixture(scope="session")
+def docker_image(docker_daemon: None, busybox_rootfs: Path) -> str:
+    """The busybox rootfs as a Docker image (see `docker_daemon` for a missing daemon)."""
     docker_import_rootfs(busybox_rootfs, DOCKER_TEST_IMAGE)
     return DOCKER_TEST_IMAGE
 
@@ -134,9 +132,7 @@ def sb(make_sandbox: Callable[..., dsec.Sandbox]) -> dsec.Sandbox:
 
 
 @pytest.fixture
-def make_server(
-    tmp_base: Path, busybox_rootfs: Path
-) -> Iterator[Callable[..., Server]]:
+def make_server(tmp_base: Path, busybox_rootfs: Path) -> Iterator[Callable[..., Server]]:
     """Start extra servers (own state dir); each is stopped (or was killed) by the end."""
     started: list[Server] = []
 
@@ -165,9 +161,7 @@ def _token_of(s: Server) -> str | None:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[Any]
-) -> Iterator[Any]:
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Iterator[Any]:
     """On failure, attach the tail of the shared server's log."""
     outcome: Any = yield
     rep = outcome.get_result()

@@ -101,7 +101,9 @@ def test_client_call_one_shot(client: dsec.Client, busybox_image: str) -> None:
     assert r.stdout == "got 42\nhello"
 
 
-def test_concurrent_calls_are_isolated(client: dsec.Client, busybox_image: str, server: Server) -> None:
+def test_concurrent_calls_are_isolated(
+    client: dsec.Client, busybox_image: str, server: Server
+) -> None:
     async def main() -> list[dsec.CommandResult]:
         async with server.async_client() as ac:
             sb = await ac.create(backend="fncall", image=busybox_image)
@@ -155,7 +157,9 @@ def test_bad_input(client: dsec.Client, busybox_image: str) -> None:
         client.call("true", image=busybox_image, timeout=-1)
 
 
-def test_pool_refills_after_a_burst(server: Server, client: dsec.Client, busybox_image: str) -> None:
+def test_pool_refills_after_a_burst(
+    server: Server, client: dsec.Client, busybox_image: str
+) -> None:
     sb = client.create(backend="fncall", image=busybox_image)
     try:
         misses_before = metric(server, "dsec_fncall_pool_misses_total")

@@ -6,6 +6,7 @@ import time
 
 import dsec
 import pytest
+from dsec_testlib import Server, assert_no_leftovers
 
 SPIN = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/count; done"
 
@@ -29,16 +30,18 @@ def test_paused_sandbox_uses_no_cpu_and_resumes_where_it_was(spinning: dsec.Sand
     info = sb.info()
     assert info.state == "paused"
     cpu0 = info.usage.cpu_ms
+    assert cpu0 is not None
     time.sleep(1.0)
     info = sb.info()
     assert info.state == "paused"
-    assert info.usage.cpu_ms - cpu0 < 5, f"a paused sandbox used {info.usage.cpu_ms - cpu0} ms CPU"
+    used = (info.usage.cpu_ms or 0.0) - cpu0
+    assert used < 5, f"a paused sandbox used {used} ms CPU"
     sb.resume()
     before = count(sb)
     time.sleep(0.5)
     after = count(sb)
     assert after > before, "the background loop did not continue after resume"
-    assert sb.info().usage.cpu_ms > cpu0
+    assert (sb.info().usage.cpu_ms or 0.0) > cpu0
 
 
 def test_a_request_resumes_a_paused_sandbox(spinning: dsec.Sandbox) -> None:
@@ -59,3 +62,14 @@ def test_pause_is_idempotent_and_unknown_ids_are_not_found(
     assert spinning.info().state == "running"
     with pytest.raises(dsec.NotFound):
         client.get("e0-000000000000").pause()
+
+
+def test_a_paused_sandbox_stops_and_leaves_nothing(
+    server: Server, client: dsec.Client, busybox_image: str
+) -> None:
+    # v1's freezer holds even SIGKILLed tasks: stopping a paused sandbox must thaw it.
+    sb = client.create(image=busybox_image)
+    sb.run("sleep 1000 >/dev/null 2>&1 &")
+    sb.pause()
+    sb.stop()
+    assert_no_leftovers(server, sb.id)

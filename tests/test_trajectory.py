@@ -1,8 +1,12 @@
 """The trajectory log: every command recorded durably, fast-forward replay of re-issued
-steps, divergence and gaps refused, `dsec log` and `dsec replay`."""
+steps, divergence and gaps refused, `dsec log` and `dsec replay`, and the log's bounds.
+
+Every test runs twice: on the embedded SQLite log, and on a PostgreSQL database of a
+cluster this module starts (`--trajectory-db postgres://…`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -11,12 +15,25 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import dsec
+import httpx
 import pytest
-from dsec_testlib import DSEC_BIN, REPO, Server, wait_until
+from dsec_testlib import (
+    DSEC_BIN,
+    REPO,
+    Server,
+    ServerError,
+    free_port,
+    make_tempdir,
+    require,
+    safe_rmtree,
+    wait_until,
+)
+from postgres_cluster import PASSWORD, PostgresCluster, pg_bin_dir
 
 PYTHON_SDK = str(REPO / "python")
 
@@ -51,6 +68,63 @@ def tid() -> str:
     return "traj-" + uuid.uuid4().hex[:12]
 
 
+class Store:
+    """The trajectory database of this module's servers: SQLite in each server's state
+    directory, or a new database of the module's PostgreSQL cluster for each server."""
+
+    def __init__(self, cluster: PostgresCluster | None) -> None:
+        self.cluster = cluster
+
+    def server_args(self) -> list[str]:
+        if self.cluster is None:
+            return []
+        return ["--trajectory-db", self.cluster.database()]
+
+
+@pytest.fixture(scope="module")
+def pg_cluster() -> Iterator[PostgresCluster]:
+    """This module's PostgreSQL cluster (skipped, saying why, where none is installed)."""
+    missing = "no initdb in $DSEC_PG_BIN or /usr/lib/postgresql/*/bin"
+    require("postgres", None if pg_bin_dir() else missing)
+    # In the system's temporary directory: the `postgres` user must reach it.
+    cluster = PostgresCluster().start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest) -> Store:
+    if request.param == "sqlite":
+        return Store(None)
+    return Store(request.getfixturevalue("pg_cluster"))
+
+
+@pytest.fixture(scope="module")
+def server(store: Store) -> Iterator[Server]:
+    """This module's server, on the store under test."""
+    d = make_tempdir("dsec-test-traj-")
+    s = Server(d / "state", log_path=d / "server.log", extra_args=store.server_args())
+    try:
+        s.start()
+        yield s
+    finally:
+        s.cleanup()
+        safe_rmtree(d)
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[dsec.Client]:
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def busybox_image(client: dsec.Client, busybox_rootfs: Path) -> str:
+    return client.import_image(str(busybox_rootfs), name="busybox").name
+
+
 def test_killed_client_reissues_and_each_step_ran_once(
     server: Server, client: dsec.Client, busybox_image: str
 ) -> None:
@@ -75,7 +149,7 @@ def test_killed_client_reissues_and_each_step_ran_once(
         assert [r["step"] for r in results] == list(range(10))
         # 0-4 were received, 5 finished after its client died: all six replay.
         assert [r["replayed"] for r in results] == [True] * 6 + [False] * 4
-        for r, s in zip(results, seen):
+        for r, s in zip(results, seen, strict=False):  # seen: the first five
             assert r["stdout"] == s["stdout"]
         assert [r["stdout"] for r in results] == [f"{i + 1}\n" for i in range(10)]
         # Each append ran exactly once.
@@ -156,9 +230,11 @@ def test_concurrent_requests_for_one_step_run_it_once(
 
 def test_a_trajectory_id_names_one_sandbox(client: dsec.Client, busybox_image: str) -> None:
     t = tid()
-    with client.create(image=busybox_image, trajectory_id=t) as sb:
-        with pytest.raises(dsec.Conflict, match=sb.id):
-            client.create(image=busybox_image, trajectory_id=t)
+    with (
+        client.create(image=busybox_image, trajectory_id=t) as sb,
+        pytest.raises(dsec.Conflict, match=sb.id),
+    ):
+        client.create(image=busybox_image, trajectory_id=t)
     with pytest.raises(dsec.InvalidArgument):
         client.create(image=busybox_image, trajectory_id="")
 
@@ -189,9 +265,9 @@ def test_every_command_is_logged_without_a_trajectory_id(
 
 @pytest.mark.timeout(180)
 def test_server_kill9_keeps_every_result_a_client_received(
-    make_server: Callable[..., Server],
+    make_server: Callable[..., Server], store: Store
 ) -> None:
-    s = make_server()
+    s = make_server(extra_args=store.server_args())
     received: list[dict[str, Any]] = []
     with s.client() as c:
         sb = c.create(image="busybox", trajectory_id=tid())
@@ -232,6 +308,7 @@ def test_server_kill9_keeps_every_result_a_client_received(
 def run_cli(server: Server, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(DSEC_BIN), *args],
+        check=False,
         capture_output=True,
         text=True,
         timeout=120,
@@ -268,8 +345,187 @@ def test_cli_log_and_replay(server: Server, client: dsec.Client, busybox_image: 
     assert r.returncode != 0 and "not found" in r.stderr
 
 
-def test_log_route_is_in_openapi(server: Server) -> None:
-    import httpx
+def refused_at_start(make_server: Callable[..., Server], *args: str) -> str:
+    """What `dsec serve ARGS` said when it would not start (what it printed, not the
+    argv the test harness logged)."""
+    s = make_server(start=False, extra_args=list(args))
+    with pytest.raises(ServerError):
+        s.start()
+    assert s.proc is not None and s.proc.returncode != 0
+    return s.log_path.read_text().split("\n", 2)[-1]
 
+
+def test_postgres_bad_databases_are_refused_at_start(
+    make_server: Callable[..., Server], pg_cluster: PostgresCluster
+) -> None:
+    url = pg_cluster.database()
+    name = url.rsplit("/", 1)[1]
+    closed = free_port()
+    cases = [
+        (url.replace(f":{pg_cluster.port}/", f":{closed}/"), "cannot reach PostgreSQL"),
+        (url.replace(PASSWORD, "wrong"), 'refused the password of user "dsec"'),
+        (url.replace(f"/{name}", "/missing"), 'database "missing" does not exist'),
+    ]
+    for bad, want in cases:
+        said = refused_at_start(make_server, "--trajectory-db", bad)
+        assert want in said, said
+        assert PASSWORD not in said and ":wrong@" not in said, said
+    # A second server under an edge name in use is refused, not let in to mark the first
+    # one's live sandboxes stopped.
+    first = make_server(extra_args=["--trajectory-db", url, "--edge-name", "ea"])
+    said = refused_at_start(make_server, "--trajectory-db", url, "--edge-name", "ea")
+    assert 'edge name "ea" is in use by another server' in said, said
+    assert first.alive()
+
+
+def test_postgres_log_outlives_its_edge_and_replays_from_another(
+    make_server: Callable[..., Server], pg_cluster: PostgresCluster
+) -> None:
+    """Two servers on one database: a sandbox's log is read, and replayed, from the other
+    server after the sandbox's own server was SIGKILLed."""
+    url = pg_cluster.database()
+    a = make_server(extra_args=["--trajectory-db", url, "--edge-name", "ea"])
+    b = make_server(extra_args=["--trajectory-db", url, "--edge-name", "eb"])
+    with a.client() as ca:
+        sb = ca.create(image="busybox", trajectory_id=tid())
+        assert sb.id.startswith("ea-")
+        outs = [sb.run(cmd).stdout for cmd in ("echo one > /f; cat /f", "printf 'a\\0b'", "cat /f")]
+    assert outs == ["one\n", "a\0b", "one\n"]
+    a.kill9()
+    with b.client() as cb:
+        steps = cb.log(sb.id)["steps"]
+        assert [st["result"]["stdout"] for st in steps] == outs
+    r = run_cli(b, "replay", sb.id)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all 3 steps match" in r.stdout
+    # The edge's restart marks its earlier run's sandbox stopped.
+    a.restart()
+    with b.client() as cb:
+        assert cb.log(sb.id)["stopped_at"] is not None
+
+
+def test_log_route_is_in_openapi(server: Server) -> None:
     doc = httpx.get(server.url + "/openapi.json", trust_env=False).json()
     assert "/v1/sandboxes/{id}/log" in doc["paths"]
+
+
+FLOOD = 16 << 20  # the server's default --max-output-bytes per stream
+CHATTY = f"yes | head -c {FLOOD}"
+SMALLER = f"yes | head -c {2 << 20}"  # still 32 times what the log keeps of an output
+LOG_BUDGET_MB = 4
+KEPT = 64 << 10  # the default --trajectory-output-bytes
+
+
+def log_bytes(s: Server, store: Store) -> int:
+    """What the trajectory log takes: on SQLite, its files (database and WAL); on
+    PostgreSQL, whose files are its own business, what the log stores."""
+    if store.cluster is not None:
+        return int(metric(s, "dsec_trajectory_bytes"))
+    return sum(
+        (s.state_dir / name).stat().st_size
+        for name in ("trajectory.db", "trajectory.db-wal")
+        if (s.state_dir / name).exists()
+    )
+
+
+def metric(s: Server, name: str) -> float:
+    text = httpx.get(s.url + "/metrics", trust_env=False).text
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name)]
+    return sum(values)
+
+
+@pytest.mark.timeout(600)
+def test_chatty_commands_cannot_fill_the_disk_through_the_log(
+    make_server: Callable[..., Server], store: Store
+) -> None:
+    """The attack: commands that print 16 MiB each, over and over, in many sandboxes, against
+    a 4 MiB log. The log's files stay under it, the server stays healthy, an early step of a
+    live sandbox still replays (head and tail, flagged truncated), and `dsec log` says what
+    was not kept."""
+    s = make_server(
+        extra_args=[
+            "--trajectory-max-mb",
+            str(LOG_BUDGET_MB),
+            "--trajectory-sandbox-mb",
+            "1",
+            *store.server_args(),
+        ]
+    )
+    budget = LOG_BUDGET_MB << 20
+    with s.client() as c:
+        keeper = c.create(image="busybox", trajectory_id=tid())
+        first = keeper.run(CHATTY)
+        assert len(first.stdout) == FLOOD and not first.truncated and not first.replayed
+
+        # A live sandbox past its own budget (1 MiB): every step is still recorded.
+        hog = c.create(image="busybox", trajectory_id=tid())
+        for _ in range(24):
+            assert len(hog.run(SMALLER + " >&2").stderr) == 2 << 20
+
+        stopped: list[str] = []
+        peak = 0
+
+        def flood(worker: int) -> None:
+            nonlocal peak
+            for _ in range(4):
+                with c.create(image="busybox") as sb:
+                    for cmd, size in [(CHATTY, FLOOD), (SMALLER, 2 << 20), (SMALLER, 2 << 20)]:
+                        r = sb.run(cmd)
+                        assert len(r.stdout) == size and r.exit_code == 0
+                        peak = max(peak, log_bytes(s, store))
+                stopped.append(sb.id)
+
+        threads = [threading.Thread(target=flood, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert len(stopped) == 12, "a flood worker failed"
+        # 290 MiB of output went through; the log's files never passed the budget.
+        assert peak <= budget, f"trajectory log reached {peak} bytes on disk"
+        assert log_bytes(s, store) <= budget
+        assert metric(s, "dsec_trajectory_bytes") <= budget
+        assert metric(s, "dsec_trajectory_pruned_sandboxes_total") > 0
+        assert metric(s, "dsec_trajectory_elided_bytes_total") > 12 * FLOOD
+
+        # Healthy: a quiet sandbox answers, and the oldest stopped sandboxes' logs were pruned.
+        assert httpx.get(s.url + "/healthz", trust_env=False).status_code == 200
+        with c.create(image="busybox") as quiet:
+            assert quiet.run("echo ok").stdout == "ok\n"
+        with pytest.raises(dsec.NotFound, match="pruned"):
+            c.log(stopped[0])
+        assert c.log(stopped[-1])["steps"], "the newest stopped sandbox was pruned first"
+
+        # The early step of the live sandbox replays: head and tail of its output, flagged.
+        again = c.get(keeper.id).run(CHATTY)
+        assert again.replayed and again.truncated and again.exit_code == 0
+        head, marker, tail = again.stdout.partition(
+            f"\n[... {FLOOD - KEPT} bytes not kept by the dsec trajectory log ...]\n"
+        )
+        assert marker, again.stdout[KEPT // 2 - 100 : KEPT // 2 + 100]
+        assert head == tail == "y\n" * (KEPT // 4)
+        step0 = c.log(keeper.id)["steps"][0]["result"]
+        assert step0["stdout_bytes"] == FLOOD and step0["stdout_elided"] == FLOOD - KEPT
+        assert (
+            step0["stdout_sha256"] == "sha256:" + hashlib.sha256(b"y\n" * (FLOOD // 2)).hexdigest()
+        )
+        assert step0["truncated"] is False  # what the client was told when it ran
+
+        # The hog's last steps were recorded without output: a replay returns only the marker.
+        hog_log = c.log(hog.id)
+        assert len(hog_log["steps"]) == 24 and hog_log["bytes"] < 2 << 20
+        last = hog_log["steps"][-1]["result"]
+        assert last["stderr_elided"] == last["stderr_bytes"] == 2 << 20
+        r = c.get(hog.id).run(SMALLER + " >&2", step=23)
+        assert r.replayed and r.truncated
+        assert r.stderr == f"\n[... {2 << 20} bytes not kept by the dsec trajectory log ...]\n"
+
+        out = run_cli(s, "log", keeper.id)
+        assert out.returncode == 0, out.stderr
+        assert f"stdout: {FLOOD} bytes, {FLOOD - KEPT} not kept by the log" in out.stdout, (
+            out.stdout
+        )
+        assert "16.0 MiB" in out.stdout.splitlines()[2]
+        keeper.stop()
+        hog.stop()
+    assert "pruned the logs of the oldest stopped sandboxes" in s.log_tail(400)

@@ -9,6 +9,7 @@ from ._protocol import __version__
 from .aio import AsyncClient, AsyncSandbox, PendingSandbox
 from .client import Client, Sandbox
 from .errors import (
+    CapacityExceeded,
     Conflict,
     ConnectionFailed,
     DsecError,
@@ -16,20 +17,32 @@ from .errors import (
     NotFound,
     PayloadTooLarge,
     RequestTimeout,
+    SandboxFailed,
     TrajectoryDiverged,
     Unauthorized,
     Unavailable,
 )
-from .types import CommandResult, FileInfo, Image, Limits, SandboxInfo, StreamEvent, Usage
+from .types import (
+    CommandResult,
+    Event,
+    FileInfo,
+    Image,
+    Limits,
+    SandboxInfo,
+    StreamEvent,
+    Usage,
+)
 
 __all__ = [
     "AsyncClient",
     "AsyncSandbox",
+    "CapacityExceeded",
     "Client",
     "CommandResult",
     "Conflict",
     "ConnectionFailed",
     "DsecError",
+    "Event",
     "FileInfo",
     "Image",
     "InvalidArgument",
@@ -39,6 +52,7 @@ __all__ = [
     "PendingSandbox",
     "RequestTimeout",
     "Sandbox",
+    "SandboxFailed",
     "SandboxInfo",
     "StreamEvent",
     "TrajectoryDiverged",

@@ -1,22 +1,32 @@
 """Request building and response parsing, shared by the sync and async clients.
 
 Every operation is a :class:`Call`: the HTTP request to send plus the function that turns
-a successful response into a value. The clients only differ in how they send it.
+a successful response into a value. The clients only differ in how they send it (the
+thread and asyncio pools of :mod:`dsec._http`).
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+import re
+import urllib.parse
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar, Union
 
-import httpx
+import orjson
 
-from .errors import ConnectionFailed, DsecError, NotFound, RequestTimeout, error_from_response
-from .types import CommandResult, FileInfo, Image, SandboxInfo, StreamEvent
+from . import _http
+from .errors import (
+    ConnectionFailed,
+    DsecError,
+    InvalidArgument,
+    NotFound,
+    RequestTimeout,
+    error_from_response,
+)
+from .types import CommandResult, Event, FileInfo, Image, SandboxInfo, StreamEvent
 
 T = TypeVar("T")
 
@@ -49,16 +59,22 @@ def resolve_token(token: str | None) -> str | None:
     return t.strip() or None if t else None
 
 
-def default_headers(token: str | None) -> dict[str, str]:
-    h = {"User-Agent": f"dsec-python/{__version__}", "Accept": "application/json"}
+def origin(url: str, token: str | None) -> _http.Origin:
+    """Where a client's requests go, with the headers every one of them carries."""
+    headers = {"User-Agent": f"dsec-python/{__version__}"}
     if token:
-        h["Authorization"] = f"Bearer {token}"
-    return h
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        return _http.Origin(url, headers)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
 
 
-def timeout(read: float) -> httpx.Timeout:
-    """Timeouts for one request; waiting for a pooled connection is not bounded."""
-    return httpx.Timeout(read, connect=CONNECT_TIMEOUT_S, pool=None)
+def dumps(doc: Any) -> bytes:
+    try:
+        return orjson.dumps(doc)
+    except TypeError as e:  # orjson.JSONEncodeError: e.g. an integer beyond 64 bits
+        raise InvalidArgument(f"cannot encode the request as JSON: {e}") from None
 
 
 def to_bytes(data: Data) -> bytes:
@@ -73,107 +89,136 @@ def b64(data: Data) -> str:
     return base64.b64encode(to_bytes(data)).decode("ascii")
 
 
-def http_options(
-    url: str, token: str | None, max_connections: int | None, *, asynchronous: bool
-) -> dict[str, Any]:
-    """httpx client options shared by :class:`~dsec.Client` and :class:`~dsec.AsyncClient`."""
-    host = httpx.URL(url).host
-    limits = httpx.Limits(
-        max_connections=max_connections,
-        max_keepalive_connections=max_connections,
-        keepalive_expiry=30.0,
-    )
-    # Connecting is retried (nothing was sent yet): a burst of thousands of new connections
-    # can overflow a listen backlog for a moment.
-    transport: httpx.BaseTransport | httpx.AsyncBaseTransport = (
-        httpx.AsyncHTTPTransport(limits=limits, retries=3)
-        if asynchronous
-        else httpx.HTTPTransport(limits=limits, retries=3)
-    )
-    return {
-        "base_url": url,
-        "headers": default_headers(token),
-        "timeout": timeout(DEFAULT_REQUEST_TIMEOUT_S),
-        "transport": transport,
-        # A server on this host must never be reached through an HTTP proxy.
-        "trust_env": host not in ("127.0.0.1", "localhost", "::1", "[::1]"),
-    }
-
-
-_NO_BODY: Any = object()
-
-
 def _raise(err: DsecError) -> Any:
     raise err
 
 
-@dataclass(frozen=True)
 class Call(Generic[T]):
     """One HTTP request and how to read its answer."""
 
-    method: str
-    path: str
-    parse: Callable[[httpx.Response], T]
-    params: list[tuple[str, str]] | None = None
-    json: Any = _NO_BODY
-    content: bytes | None = None
-    read_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
-    headers: dict[str, str] = field(default_factory=dict)
-    #: Called with the error of a failed request; may return a value instead of raising.
-    on_error: Callable[[DsecError], T] = _raise
+    __slots__ = (
+        "accept",
+        "body",
+        "content_type",
+        "idempotency_key",
+        "method",
+        "on_error",
+        "parse",
+        "target",
+        "timeout",
+    )
 
-    def build(self, http: httpx.Client | httpx.AsyncClient) -> httpx.Request:
-        kw: dict[str, Any] = {}
-        if self.params:
-            kw["params"] = self.params
-        if self.json is not _NO_BODY:
-            kw["json"] = self.json
-        if self.content is not None:
-            kw["content"] = self.content
-        if self.headers:
-            kw["headers"] = self.headers
-        return http.build_request(self.method, self.path, timeout=timeout(self.read_timeout), **kw)
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        parse: Callable[[_http.Response], T],
+        *,
+        params: Sequence[tuple[str, str]] | None = None,
+        json: Any = None,
+        content: bytes | None = None,
+        read_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        accept: str = "application/json",
+        on_error: Callable[[DsecError], T] = _raise,
+        idempotency_key: str | None = None,
+    ) -> None:
+        self.method = method
+        #: Sent as ``Idempotency-Key``: the server makes one thing per key, so the request
+        #: may be sent again after a lost answer.
+        self.idempotency_key = idempotency_key
+        self.target = f"{path}?{urllib.parse.urlencode(params)}" if params else path
+        self.parse = parse
+        if json is not None:
+            self.body: bytes | None = dumps(json)
+            self.content_type: str | None = "application/json"
+        else:
+            self.body = content
+            self.content_type = "application/octet-stream" if content is not None else None
+        self.timeout = read_timeout
+        self.accept = accept
+        #: Called with the error of a failed request; may return a value instead of raising.
+        self.on_error = on_error
 
-    def finish(self, resp: httpx.Response) -> T:
+    def request(self, origin: _http.Origin) -> _http.Request:
+        headers = f"Accept: {self.accept}\r\n"
+        if self.content_type is not None:
+            headers += f"Content-Type: {self.content_type}\r\n"
+        if self.idempotency_key is not None:
+            headers += f"Idempotency-Key: {self.idempotency_key}\r\n"
+        return _http.Request(
+            origin,
+            self.method,
+            self.target,
+            headers=headers,
+            body=self.body,
+            timeout=self.timeout,
+            idempotent=self.idempotency_key is not None,
+        )
+
+    def finish(self, resp: _http.Response) -> T:
         """Turn a (fully read) response into the call's value or exception."""
         if resp.is_success:
             return self.parse(resp)
-        return self.on_error(error_from_response(resp.status_code, resp.content))
+        return self.on_error(error_from_response(resp.status, resp.body))
 
 
-def transport_error(url: str, exc: httpx.TransportError) -> DsecError:
+def transport_error(url: str, exc: _http.TransportError) -> DsecError:
     """The exception for a request that got no HTTP answer."""
     detail = str(exc) or type(exc).__name__
-    if isinstance(exc, httpx.TimeoutException):
-        if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
-            return ConnectionFailed(f"cannot reach dsec server at {url}: {detail}")
-        return RequestTimeout(f"dsec server at {url} did not answer in time: {detail}")
-    if isinstance(exc, httpx.ConnectError):
+    if isinstance(exc, _http.ConnectError):
         return ConnectionFailed(f"cannot reach dsec server at {url}: {detail}")
+    if isinstance(exc, _http.ReadTimeout):
+        return RequestTimeout(f"dsec server at {url} did not answer in time: {detail}")
     return ConnectionFailed(f"lost connection to dsec server at {url}: {detail}")
+
+
+def lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """The lines of a streamed body (without their ``\\n``), as the chunks come."""
+    rest = b""
+    for chunk in chunks:
+        parts = (rest + chunk).split(b"\n")
+        rest = parts.pop()
+        yield from parts
+    if rest:
+        yield rest
+
+
+class LineSplitter:
+    """:func:`lines` for a body that arrives asynchronously: feed chunks, get lines."""
+
+    __slots__ = ("_rest",)
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        parts = (self._rest + chunk).split(b"\n")
+        self._rest = parts.pop()
+        return parts
+
+    def end(self) -> list[bytes]:
+        rest, self._rest = self._rest, b""
+        return [rest] if rest else []
 
 
 # ---------------------------------------------------------------- parsing
 
 
-def _json(resp: httpx.Response) -> Any:
+def _json(resp: _http.Response) -> Any:
     try:
-        return resp.json()
-    except ValueError as e:
-        raise DsecError(
-            f"server sent invalid JSON for {resp.request.method} {resp.request.url.path}: {e}",
-            status=resp.status_code,
-        ) from e
+        return orjson.loads(resp.body)
+    except orjson.JSONDecodeError as e:
+        raise DsecError(f"server sent invalid JSON: {e}", status=resp.status) from e
 
 
-def _obj(resp: httpx.Response) -> dict[str, Any]:
+def _obj(resp: _http.Response) -> dict[str, Any]:
     doc = _json(resp)
     if not isinstance(doc, dict):
         raise DsecError(f"expected a JSON object, got {type(doc).__name__}")
     return doc
 
 
-def _list(resp: httpx.Response) -> list[dict[str, Any]]:
+def _list(resp: _http.Response) -> list[dict[str, Any]]:
     doc = _json(resp)
     if isinstance(doc, dict):  # tolerate {"items": [...]} / {"sandboxes": [...]} envelopes
         for v in doc.values():
@@ -185,59 +230,108 @@ def _list(resp: httpx.Response) -> list[dict[str, Any]]:
     return [x for x in doc if isinstance(x, dict)]
 
 
-def parse_info(resp: httpx.Response) -> SandboxInfo:
+def parse_info(resp: _http.Response) -> SandboxInfo:
     return SandboxInfo.from_json(_obj(resp))
 
 
-def parse_infos(resp: httpx.Response) -> list[SandboxInfo]:
+def parse_infos(resp: _http.Response) -> list[SandboxInfo]:
     return [SandboxInfo.from_json(d) for d in _list(resp)]
 
 
-def parse_result(resp: httpx.Response) -> CommandResult:
+def parse_result(resp: _http.Response) -> CommandResult:
     return CommandResult.from_json(_obj(resp))
 
 
-def parse_image(resp: httpx.Response) -> Image:
+def parse_image(resp: _http.Response) -> Image:
     return Image.from_json(_obj(resp))
 
 
-def parse_images(resp: httpx.Response) -> list[Image]:
+def parse_images(resp: _http.Response) -> list[Image]:
     return [Image.from_json(d) for d in _list(resp)]
 
 
-def parse_files(resp: httpx.Response) -> list[FileInfo]:
+def parse_files(resp: _http.Response) -> list[FileInfo]:
     return [FileInfo.from_json(d) for d in _list(resp)]
 
 
-def parse_bytes(resp: httpx.Response) -> bytes:
-    return resp.content
+def parse_bytes(resp: _http.Response) -> bytes:
+    return resp.body
 
 
-def parse_none(resp: httpx.Response) -> None:
+def parse_none(resp: _http.Response) -> None:
     return None
 
 
-def parse_any(resp: httpx.Response) -> Any:
-    return _json(resp) if resp.content else None
+def parse_any(resp: _http.Response) -> Any:
+    return _json(resp) if resp.body else None
 
 
-def parse_event(line: str) -> StreamEvent | None:
+def parse_event(line: bytes) -> StreamEvent | None:
     """Parse one NDJSON line of a streamed command (``None`` for blank lines)."""
     line = line.strip()
-    if line.startswith("data:"):  # tolerate SSE framing
+    if line.startswith(b"data:"):  # tolerate SSE framing
         line = line[5:].strip()
     if not line:
         return None
     try:
-        doc = json.loads(line)
-    except ValueError as e:
+        doc = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
         raise DsecError(f"bad event in command stream: {line[:200]!r}") from e
     if not isinstance(doc, dict):
         raise DsecError(f"bad event in command stream: {line[:200]!r}")
     err = doc.get("error")
     if doc.get("kind") == "error" or isinstance(err, dict):
-        raise error_from_response(500, json.dumps({"error": err if err else doc}).encode())
+        raise error_from_response(500, orjson.dumps({"error": err if err else doc}))
     return StreamEvent.from_json(doc)
+
+
+def parse_server_event(line: bytes) -> Event | None:
+    """Parse one NDJSON line of ``GET /v1/events`` (``None`` for heartbeats)."""
+    line = line.strip()
+    if line.startswith(b"data:"):  # tolerate SSE framing
+        line = line[5:].strip()
+    if not line or line.startswith(b":") or line.startswith(b"id:"):
+        return None
+    try:
+        doc = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise DsecError(f"bad line in the event stream: {line[:200]!r}") from e
+    if not isinstance(doc, dict):
+        raise DsecError(f"bad line in the event stream: {line[:200]!r}")
+    return Event.from_json(doc)
+
+
+#: A follower's read timeout: the server sends a heartbeat every 15 s.
+FOLLOW_READ_TIMEOUT_S = 60.0
+
+
+def events_call(
+    sandbox: str | None,
+    kinds: Iterable[str] | None,
+    since: float | None,
+    follow: bool,
+    labels: Labels | None,
+) -> Call[None]:
+    """``GET /v1/events``; its response is read line by line with :func:`parse_server_event`."""
+    if isinstance(kinds, str):
+        kinds = [kinds]
+    params: list[tuple[str, str]] = []
+    if sandbox is not None:
+        params.append(("sandbox", sandbox))
+    params.extend(("kind", k) for k in kinds or ())
+    params.extend(("label", f"{k}={v}") for k, v in (labels or {}).items())
+    if since is not None:
+        params.append(("since", repr(float(since))))
+    if follow:
+        params.append(("follow", "true"))
+    return Call(
+        "GET",
+        "/v1/events",
+        parse_none,
+        params=params or None,
+        read_timeout=FOLLOW_READ_TIMEOUT_S if follow else DEFAULT_REQUEST_TIMEOUT_S,
+        accept="application/x-ndjson",
+    )
 
 
 def _swallow_not_found(err: DsecError) -> None:
@@ -249,8 +343,18 @@ def _swallow_not_found(err: DsecError) -> None:
 # ---------------------------------------------------------------- calls
 
 
+#: Sandbox ids as the server makes them need no quoting (the common case, and the fast one).
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_.~-]+")
+
+
 def _sb(id: str, rest: str = "") -> str:
-    return f"/v1/sandboxes/{id}{rest}"
+    quoted = id if _PLAIN_ID.fullmatch(id) else urllib.parse.quote(id, safe="")
+    return f"/v1/sandboxes/{quoted}{rest}"
+
+
+def _image(name: str) -> str:
+    """An image's path: names may hold ``/`` and ``:`` (registry references)."""
+    return f"/v1/images/{urllib.parse.quote(name, safe='/:@')}"
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
@@ -298,7 +402,14 @@ def create_call(
             "trajectory_id": trajectory_id,
         }
     )
-    return Call("POST", "/v1/sandboxes", parse_info, json=body, read_timeout=CREATE_TIMEOUT_S)
+    return Call(
+        "POST",
+        "/v1/sandboxes",
+        parse_info,
+        json=body,
+        read_timeout=CREATE_TIMEOUT_S,
+        idempotency_key=uuid.uuid4().hex,
+    )
 
 
 def get_call(id: str) -> Call[SandboxInfo]:
@@ -332,18 +443,23 @@ def exec_body(
 ) -> dict[str, Any]:
     if isinstance(cmd, (bytes, bytearray)):
         raise TypeError("cmd must be a str or a sequence of str, not bytes")
-    return _drop_none(
-        {
-            "cmd": cmd if isinstance(cmd, str) else [str(a) for a in cmd],
-            "env": dict(env) if env is not None else None,
-            "cwd": cwd,
-            "stdin_b64": b64(stdin) if stdin is not None else None,
-            "files": [{"path": p, "data_b64": b64(d)} for p, d in files.items()] if files else None,
-            "timeout_s": timeout,
-            "max_output_bytes": max_output_bytes,
-            "step": step,
-        }
-    )
+    # Only the fields given: most commands are a bare cmd, built here in one step.
+    body: dict[str, Any] = {"cmd": cmd if isinstance(cmd, str) else [str(a) for a in cmd]}
+    if env is not None:
+        body["env"] = dict(env)
+    if cwd is not None:
+        body["cwd"] = cwd
+    if stdin is not None:
+        body["stdin_b64"] = b64(stdin)
+    if files:
+        body["files"] = [{"path": p, "data_b64": b64(d)} for p, d in files.items()]
+    if timeout is not None:
+        body["timeout_s"] = timeout
+    if max_output_bytes is not None:
+        body["max_output_bytes"] = max_output_bytes
+    if step is not None:
+        body["step"] = step
+    return body
 
 
 def _run_read_timeout(timeout: float | None) -> float:
@@ -361,6 +477,50 @@ def exec_call(id: str, body: dict[str, Any]) -> Call[CommandResult]:
     )
 
 
+def fncall_body(
+    cmd: Command,
+    *,
+    image: str | None,
+    cpus: float | None,
+    memory_mb: int | None,
+    pids: int | None,
+    disk_mb: int | None,
+    **command: Any,
+) -> dict[str, Any]:
+    """The body of ``POST /v1/calls``: the command (as :func:`exec_body`), its image and the
+    worker's limits."""
+    body = exec_body(cmd, step=None, **command)
+    body.update(
+        _drop_none(
+            {"image": image, "cpus": cpus, "memory_mb": memory_mb, "pids": pids, "disk_mb": disk_mb}
+        )
+    )
+    return body
+
+
+def fncall_call(body: dict[str, Any]) -> Call[CommandResult]:
+    """One fncall in one request (create, run and stop happen in the server)."""
+    return Call(
+        "POST",
+        "/v1/calls",
+        parse_result,
+        json=body,
+        read_timeout=_run_read_timeout(body.get("timeout_s")),
+    )
+
+
+def fncall_stream_call(body: dict[str, Any]) -> Call[None]:
+    """The streamed fncall; read like :func:`stream_call`."""
+    return Call(
+        "POST",
+        "/v1/calls/stream",
+        parse_none,
+        json=body,
+        read_timeout=_run_read_timeout(body.get("timeout_s")),
+        accept="application/x-ndjson",
+    )
+
+
 def stream_call(id: str, body: dict[str, Any]) -> Call[None]:
     """The streamed exec; its response is read line by line with :func:`parse_event`."""
     return Call(
@@ -369,7 +529,7 @@ def stream_call(id: str, body: dict[str, Any]) -> Call[None]:
         parse_none,
         json=body,
         read_timeout=_run_read_timeout(body.get("timeout_s")),
-        headers={"Accept": "application/x-ndjson"},
+        accept="application/x-ndjson",
     )
 
 
@@ -377,14 +537,7 @@ def write_file_call(id: str, path: str, data: Data, mode: int | None) -> Call[No
     params = [("path", path)]
     if mode is not None:
         params.append(("mode", str(int(mode))))
-    return Call(
-        "PUT",
-        _sb(id, "/files"),
-        parse_none,
-        params=params,
-        content=to_bytes(data),
-        headers={"Content-Type": "application/octet-stream"},
-    )
+    return Call("PUT", _sb(id, "/files"), parse_none, params=params, content=to_bytes(data))
 
 
 def read_file_call(id: str, path: str) -> Call[bytes]:
@@ -393,7 +546,7 @@ def read_file_call(id: str, path: str) -> Call[bytes]:
         _sb(id, "/files"),
         parse_bytes,
         params=[("path", path)],
-        headers={"Accept": "application/octet-stream"},
+        accept="application/octet-stream",
     )
 
 
@@ -405,7 +558,7 @@ def set_network_call(id: str, network: Network) -> Call[None]:
     return Call("PUT", _sb(id, "/network"), parse_none, json={"network": _network(network)})
 
 
-def _refused(resp: httpx.Response) -> list[dict[str, Any]]:
+def _refused(resp: _http.Response) -> list[dict[str, Any]]:
     return list(_obj(resp)["refused"])
 
 
@@ -455,11 +608,11 @@ def images_call() -> Call[list[Image]]:
 
 
 def get_image_call(name: str) -> Call[Image]:
-    return Call("GET", f"/v1/images/{name}", parse_image)
+    return Call("GET", _image(name), parse_image)
 
 
 def delete_image_call(name: str) -> Call[None]:
-    return Call("DELETE", f"/v1/images/{name}", parse_none)
+    return Call("DELETE", _image(name), parse_none)
 
 
 def health_call() -> Call[Any]:

@@ -7,17 +7,17 @@ share one connection pool (see ``max_connections``).
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Coroutine, Generator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
-import httpx
-
+from . import _http
 from . import _protocol as p
 from ._protocol import Command, Data, Files, Labels, Network, PathLike
-from .types import CommandResult, FileInfo, Image, SandboxInfo, StreamEvent
+from .types import CommandResult, Event, FileInfo, Image, SandboxInfo, StreamEvent
 
 T = TypeVar("T")
+E = TypeVar("E")
 
 __all__ = ["AsyncClient", "AsyncSandbox"]
 
@@ -51,39 +51,47 @@ class AsyncClient:
     ) -> None:
         self.url = p.resolve_url(url)
         n = max_connections if max_connections is not None else _default_max_connections()
-        self._http = httpx.AsyncClient(
-            **p.http_options(self.url, p.resolve_token(token), n, asynchronous=True)
-        )
+        self._origin = p.origin(self.url, p.resolve_token(token))
+        self._pool = _http.AsyncPool(self._origin, n, p.CONNECT_TIMEOUT_S)
 
     # -- transport
 
     async def _do(self, call: p.Call[T]) -> T:
-        req = call.build(self._http)
         try:
-            resp = await self._http.send(req)
-        except httpx.TransportError as e:
+            resp = await self._pool.request(call.request(self._origin))
+        except _http.TransportError as e:
             raise p.transport_error(self.url, e) from e
         return call.finish(resp)
 
-    async def _stream(self, call: p.Call[None]) -> AsyncIterator[StreamEvent]:
-        req = call.build(self._http)
+    def _stream(self, call: p.Call[None]) -> AsyncIterator[StreamEvent]:
+        return self._lines(call, p.parse_event)
+
+    async def _lines(
+        self, call: p.Call[None], parse: Callable[[bytes], E | None]
+    ) -> AsyncIterator[E]:
         try:
-            resp = await self._http.send(req, stream=True)
-        except httpx.TransportError as e:
+            head, body = await self._pool.stream(call.request(self._origin))
+        except _http.TransportError as e:
             raise p.transport_error(self.url, e) from e
         try:
-            if not resp.is_success:
-                await resp.aread()
-                call.finish(resp)
+            if not (200 <= head.status < 300):
+                data = b"".join([chunk async for chunk in body])
+                call.finish(_http.Response(head.status, head.head, data))
                 return
-            async for line in resp.aiter_lines():
-                ev = p.parse_event(line)
+            split = p.LineSplitter()
+            async for chunk in body:
+                for line in split.feed(chunk):
+                    ev = parse(line)
+                    if ev is not None:
+                        yield ev
+            for line in split.end():
+                ev = parse(line)
                 if ev is not None:
                     yield ev
-        except httpx.TransportError as e:
+        except _http.TransportError as e:
             raise p.transport_error(self.url, e) from e
         finally:
-            await resp.aclose()
+            await body.aclose()
 
     # -- sandboxes
 
@@ -146,10 +154,82 @@ class AsyncClient:
         files: Files | None = None,
         stdin: Data | None = None,
         env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        cpus: float | None = None,
+        memory_mb: int | None = None,
+        pids: int | None = None,
+        disk_mb: int | None = None,
+        max_output_bytes: int | None = None,
     ) -> CommandResult:
-        """Run one command in a fresh ``fncall`` sandbox and return its result."""
-        async with self.create(backend="fncall", image=image) as sb:
-            return await sb.run(cmd, timeout=timeout, files=files, stdin=stdin, env=env)
+        """Run one command in a fresh worker of the image's ``fncall`` pool (one request)."""
+        return await self._do(
+            p.fncall_call(
+                p.fncall_body(
+                    cmd,
+                    image=image,
+                    cpus=cpus,
+                    memory_mb=memory_mb,
+                    pids=pids,
+                    disk_mb=disk_mb,
+                    timeout=timeout,
+                    env=env,
+                    cwd=cwd,
+                    stdin=stdin,
+                    files=files,
+                    max_output_bytes=max_output_bytes,
+                )
+            )
+        )
+
+    async def call_stream(
+        self,
+        cmd: Command,
+        image: str | None = None,
+        timeout: float | None = None,
+        files: Files | None = None,
+        stdin: Data | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        cpus: float | None = None,
+        memory_mb: int | None = None,
+        pids: int | None = None,
+        disk_mb: int | None = None,
+        max_output_bytes: int | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        """``async for ev in client.call_stream(cmd, image=...):`` as :meth:`call`, streamed."""
+        async for ev in self._stream(
+            p.fncall_stream_call(
+                p.fncall_body(
+                    cmd,
+                    image=image,
+                    cpus=cpus,
+                    memory_mb=memory_mb,
+                    pids=pids,
+                    disk_mb=disk_mb,
+                    timeout=timeout,
+                    env=env,
+                    cwd=cwd,
+                    stdin=stdin,
+                    files=files,
+                    max_output_bytes=max_output_bytes,
+                )
+            )
+        ):
+            yield ev
+
+    async def events(
+        self,
+        sandbox: str | None = None,
+        kinds: Iterable[str] | None = None,
+        since: float | None = None,
+        follow: bool = False,
+        labels: Labels | None = None,
+    ) -> AsyncIterator[Event]:
+        """``async for ev in client.events(...):`` as :meth:`dsec.Client.events`."""
+        async for ev in self._lines(
+            p.events_call(sandbox, kinds, since, follow, labels), p.parse_server_event
+        ):
+            yield ev
 
     # -- images
 
@@ -171,7 +251,8 @@ class AsyncClient:
         return await self._do(p.health_call())
 
     async def close(self) -> None:
-        await self._http.aclose()
+        """Close the idle connections (a closed client can still be used: it reconnects)."""
+        self._pool.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

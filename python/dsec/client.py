@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
-import httpx
-
+from . import _http
 from . import _protocol as p
 from ._protocol import Command, Data, Files, Labels, Network, PathLike
-from .types import CommandResult, FileInfo, Image, SandboxInfo, StreamEvent
+from .types import CommandResult, Event, FileInfo, Image, SandboxInfo, StreamEvent
 
 T = TypeVar("T")
+E = TypeVar("E")
 
 __all__ = ["Client", "Sandbox"]
 
@@ -22,46 +22,46 @@ class Client:
     """A connection to a dsec server.
 
     ``url`` defaults to ``$DSEC_URL``, else ``http://127.0.0.1:7700``; ``token`` to
-    ``$DSEC_TOKEN`` (sent as ``Authorization: Bearer``).
+    ``$DSEC_TOKEN`` (sent as ``Authorization: Bearer``). A client is safe to share between
+    threads; ``max_connections`` bounds the requests in flight at once (more wait).
     """
 
     def __init__(
         self, url: str | None = None, token: str | None = None, *, max_connections: int = 100
     ) -> None:
         self.url = p.resolve_url(url)
-        self._http = httpx.Client(
-            **p.http_options(self.url, p.resolve_token(token), max_connections, asynchronous=False)
-        )
+        self._origin = p.origin(self.url, p.resolve_token(token))
+        self._pool = _http.SyncPool(self._origin, max_connections, p.CONNECT_TIMEOUT_S)
 
     # -- transport
 
     def _do(self, call: p.Call[T]) -> T:
-        req = call.build(self._http)
         try:
-            resp = self._http.send(req)
-        except httpx.TransportError as e:
+            resp = self._pool.request(call.request(self._origin))
+        except _http.TransportError as e:
             raise p.transport_error(self.url, e) from e
         return call.finish(resp)
 
     def _stream(self, call: p.Call[None]) -> Iterator[StreamEvent]:
-        req = call.build(self._http)
+        return self._lines(call, p.parse_event)
+
+    def _lines(self, call: p.Call[None], parse: Callable[[bytes], E | None]) -> Iterator[E]:
         try:
-            resp = self._http.send(req, stream=True)
-        except httpx.TransportError as e:
+            head, body = self._pool.stream(call.request(self._origin))
+        except _http.TransportError as e:
             raise p.transport_error(self.url, e) from e
         try:
-            if not resp.is_success:
-                resp.read()
-                call.finish(resp)
+            if not (200 <= head.status < 300):
+                call.finish(_http.Response(head.status, head.head, b"".join(body)))
                 return
-            for line in resp.iter_lines():
-                ev = p.parse_event(line)
+            for line in p.lines(body):
+                ev = parse(line)
                 if ev is not None:
                     yield ev
-        except httpx.TransportError as e:
+        except _http.TransportError as e:
             raise p.transport_error(self.url, e) from e
         finally:
-            resp.close()
+            body.close()
 
     # -- sandboxes
 
@@ -124,10 +124,90 @@ class Client:
         files: Files | None = None,
         stdin: Data | None = None,
         env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        cpus: float | None = None,
+        memory_mb: int | None = None,
+        pids: int | None = None,
+        disk_mb: int | None = None,
+        max_output_bytes: int | None = None,
     ) -> CommandResult:
-        """Run one command in a fresh ``fncall`` sandbox and return its result."""
-        with self.create(backend="fncall", image=image) as sb:
-            return sb.run(cmd, timeout=timeout, files=files, stdin=stdin, env=env)
+        """Run one command in a fresh worker of the image's ``fncall`` pool (one request).
+
+        ``cpus``, ``memory_mb``, ``pids`` and ``disk_mb`` are the worker's limits; the rest
+        is as for :meth:`Sandbox.run`.
+        """
+        return self._do(
+            p.fncall_call(
+                p.fncall_body(
+                    cmd,
+                    image=image,
+                    cpus=cpus,
+                    memory_mb=memory_mb,
+                    pids=pids,
+                    disk_mb=disk_mb,
+                    timeout=timeout,
+                    env=env,
+                    cwd=cwd,
+                    stdin=stdin,
+                    files=files,
+                    max_output_bytes=max_output_bytes,
+                )
+            )
+        )
+
+    def call_stream(
+        self,
+        cmd: Command,
+        image: str | None = None,
+        timeout: float | None = None,
+        files: Files | None = None,
+        stdin: Data | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        cpus: float | None = None,
+        memory_mb: int | None = None,
+        pids: int | None = None,
+        disk_mb: int | None = None,
+        max_output_bytes: int | None = None,
+    ) -> Iterator[StreamEvent]:
+        """:meth:`call`, yielding the output as it comes; the last event has kind ``exit``."""
+        yield from self._stream(
+            p.fncall_stream_call(
+                p.fncall_body(
+                    cmd,
+                    image=image,
+                    cpus=cpus,
+                    memory_mb=memory_mb,
+                    pids=pids,
+                    disk_mb=disk_mb,
+                    timeout=timeout,
+                    env=env,
+                    cwd=cwd,
+                    stdin=stdin,
+                    files=files,
+                    max_output_bytes=max_output_bytes,
+                )
+            )
+        )
+
+    def events(
+        self,
+        sandbox: str | None = None,
+        kinds: Iterable[str] | None = None,
+        since: float | None = None,
+        follow: bool = False,
+        labels: Labels | None = None,
+    ) -> Iterator[Event]:
+        """The server's events, oldest first: lifecycle changes, commands, file operations,
+        limit hits, network refusals, Watcher actions (docs/SDK.md lists the kinds).
+
+        Filters: one ``sandbox``; ``kinds`` (``"limit"`` stands for every ``limit.*``);
+        ``since`` (Unix time); ``labels`` (all must match). With ``follow`` the iterator
+        goes on with new events as they happen, until it is closed.
+        """
+        yield from self._lines(
+            p.events_call(sandbox, kinds, since, follow, labels), p.parse_server_event
+        )
 
     # -- images
 
@@ -151,7 +231,8 @@ class Client:
         return self._do(p.health_call())
 
     def close(self) -> None:
-        self._http.close()
+        """Close the idle connections (a closed client can still be used: it reconnects)."""
+        self._pool.close()
 
     def __enter__(self) -> Client:
         return self

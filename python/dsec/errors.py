@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 __all__ = [
+    "CapacityExceeded",
     "Conflict",
     "ConnectionFailed",
     "DsecError",
@@ -13,6 +14,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "RequestTimeout",
+    "SandboxFailed",
     "TrajectoryDiverged",
     "Unauthorized",
     "Unavailable",
@@ -63,8 +65,19 @@ class TrajectoryDiverged(Conflict):
     """A replayed trajectory step differs from the recorded one (HTTP 409)."""
 
 
+class SandboxFailed(Conflict):
+    """The sandbox's init died (killed from outside, by the OOM killer, or crashed), so the
+    sandbox can serve nothing more; the message says how when the server knows. Stop it and
+    create a new one (HTTP 409)."""
+
+
 class Unavailable(DsecError):
     """The server cannot do this on this host (backend missing, feature not there: HTTP 503)."""
+
+
+class CapacityExceeded(Unavailable):
+    """This server has promised all the memory or processes its budget allows; the same
+    request may succeed on another server, or here once sandboxes stop (HTTP 503)."""
 
 
 class ConnectionFailed(DsecError):
@@ -82,7 +95,9 @@ _BY_KIND: dict[str, type[DsecError]] = {
     "not_found": NotFound,
     "conflict": Conflict,
     "trajectory_diverged": TrajectoryDiverged,
+    "sandbox_failed": SandboxFailed,
     "unavailable": Unavailable,
+    "capacity": CapacityExceeded,
     "internal": DsecError,
 }
 

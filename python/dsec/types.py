@@ -1,12 +1,20 @@
-"""The values the SDK returns: plain dataclasses built from the server's JSON."""
+"""The values the SDK returns: plain frozen dataclasses built from the server's JSON.
+
+``from_json`` trusts the server's types (the API is typed at its source) and fills each
+instance's fields directly: a frozen dataclass's ``__init__`` sets every field through
+``object.__setattr__``, which cost more than the rest of parsing a response.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 __all__ = [
     "CommandResult",
+    "Event",
     "FileInfo",
     "Image",
     "Limits",
@@ -24,8 +32,11 @@ def _opt_float(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def _str_dict(v: Any) -> dict[str, str]:
-    return {str(k): str(x) for k, x in v.items()} if isinstance(v, dict) else {}
+def _make(cls: type[_T], fields: dict[str, Any]) -> _T:
+    """An instance of the dataclass ``cls`` with these fields (all of them), unvalidated."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
 
 
 @dataclass(frozen=True)
@@ -49,15 +60,48 @@ class CommandResult:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CommandResult:
-        return cls(
-            exit_code=_opt_int(d.get("exit_code")),
-            stdout=str(d.get("stdout") or ""),
-            stderr=str(d.get("stderr") or ""),
-            timed_out=bool(d.get("timed_out", False)),
-            truncated=bool(d.get("truncated", False)),
-            duration_ms=_opt_float(d.get("duration_ms")) or 0.0,
-            replayed=bool(d.get("replayed", False)),
-            oom_killed=bool(d.get("oom_killed", False)),
+        return _make(
+            cls,
+            {
+                "exit_code": d.get("exit_code"),
+                "stdout": d.get("stdout") or "",
+                "stderr": d.get("stderr") or "",
+                "timed_out": d.get("timed_out", False),
+                "truncated": d.get("truncated", False),
+                "duration_ms": d.get("duration_ms") or 0.0,
+                "replayed": d.get("replayed", False),
+                "oom_killed": d.get("oom_killed", False),
+            },
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event of the server's stream (:meth:`dsec.Client.events`).
+
+    ``kind`` is e.g. ``"command.end"`` or ``"limit.pids"`` (docs/SDK.md lists them);
+    ``data`` holds its details; ``sandbox`` and ``labels`` name the sandbox it is about.
+    """
+
+    id: int
+    time: float
+    kind: str
+    sandbox: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    data: Any = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Event:
+        return _make(
+            cls,
+            {
+                "id": d.get("id", 0),
+                "time": d.get("time", 0.0),
+                "kind": d.get("kind", ""),
+                "sandbox": d.get("sandbox"),
+                "labels": d.get("labels") or {},
+                "data": d.get("data"),
+            },
         )
 
 
@@ -79,15 +123,18 @@ class StreamEvent:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StreamEvent:
-        return cls(
-            kind=str(d.get("kind", "")),
-            data=str(d.get("data") or ""),
-            exit_code=_opt_int(d.get("exit_code")),
-            timed_out=bool(d.get("timed_out", False)),
-            truncated=bool(d.get("truncated", False)),
-            oom_killed=bool(d.get("oom_killed", False)),
-            duration_ms=_opt_float(d.get("duration_ms")),
-            replayed=bool(d.get("replayed", False)),
+        return _make(
+            cls,
+            {
+                "kind": d.get("kind", ""),
+                "data": d.get("data") or "",
+                "exit_code": d.get("exit_code"),
+                "timed_out": d.get("timed_out", False),
+                "truncated": d.get("truncated", False),
+                "oom_killed": d.get("oom_killed", False),
+                "duration_ms": d.get("duration_ms"),
+                "replayed": d.get("replayed", False),
+            },
         )
 
 
@@ -123,11 +170,14 @@ class Limits:
     def from_json(cls, d: Any) -> Limits:
         if not isinstance(d, dict):
             return cls()
-        return cls(
-            cpus=_opt_float(d.get("cpus")),
-            memory_mb=_opt_int(d.get("memory_mb")),
-            pids=_opt_int(d.get("pids")),
-            disk_mb=_opt_int(d.get("disk_mb")),
+        return _make(
+            cls,
+            {
+                "cpus": d.get("cpus"),
+                "memory_mb": d.get("memory_mb"),
+                "pids": d.get("pids"),
+                "disk_mb": d.get("disk_mb"),
+            },
         )
 
 
@@ -138,15 +188,30 @@ class Usage:
     memory_bytes: int | None = None
     pids: int | None = None
     cpu_ms: float | None = None
+    #: Most memory charged at once since creation (0 where the backend cannot tell).
+    memory_peak_bytes: int | None = None
+    #: Forks the pids limit refused since creation.
+    pids_limit_hits: int | None = None
+    #: Processes the memory limit killed since creation.
+    oom_kills: int | None = None
+    #: Bytes used in the writable layer (``None`` where the backend cannot tell).
+    disk_bytes: int | None = None
 
     @classmethod
     def from_json(cls, d: Any) -> Usage:
         if not isinstance(d, dict):
             return cls()
-        return cls(
-            memory_bytes=_opt_int(d.get("memory_bytes")),
-            pids=_opt_int(d.get("pids")),
-            cpu_ms=_opt_float(d.get("cpu_ms")),
+        return _make(
+            cls,
+            {
+                "memory_bytes": d.get("memory_bytes"),
+                "pids": d.get("pids"),
+                "cpu_ms": d.get("cpu_ms"),
+                "memory_peak_bytes": d.get("memory_peak_bytes"),
+                "pids_limit_hits": d.get("pids_limit_hits"),
+                "oom_kills": d.get("oom_kills"),
+                "disk_bytes": d.get("disk_bytes"),
+            },
         )
 
 
@@ -173,23 +238,24 @@ class SandboxInfo:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SandboxInfo:
-        tid = d.get("trajectory_id")
-        accel = d.get("accelerator")
-        return cls(
-            id=str(d.get("id", "")),
-            backend=str(d.get("backend", "")),
-            image=str(d.get("image", "")),
-            state=str(d.get("state", "")),
-            created_at=_opt_float(d.get("created_at")) or 0.0,
-            limits=Limits.from_json(d.get("limits")),
-            usage=Usage.from_json(d.get("usage")),
-            labels=_str_dict(d.get("labels")),
-            ttl_s=_opt_float(d.get("ttl_s")),
-            idle_ttl_s=_opt_float(d.get("idle_ttl_s")),
-            trajectory_id=str(tid) if tid is not None else None,
-            next_step=int(d["next_step"]) if d.get("next_step") is not None else None,
-            accelerator=str(accel) if accel is not None else None,
-            raw=d,
+        return _make(
+            cls,
+            {
+                "id": d.get("id", ""),
+                "backend": d.get("backend", ""),
+                "image": d.get("image", ""),
+                "state": d.get("state", ""),
+                "created_at": d.get("created_at") or 0.0,
+                "limits": Limits.from_json(d.get("limits")),
+                "usage": Usage.from_json(d.get("usage")),
+                "labels": d.get("labels") or {},
+                "ttl_s": d.get("ttl_s"),
+                "idle_ttl_s": d.get("idle_ttl_s"),
+                "trajectory_id": d.get("trajectory_id"),
+                "next_step": d.get("next_step"),
+                "accelerator": d.get("accelerator"),
+                "raw": d,
+            },
         )
 
 

@@ -31,6 +31,9 @@ struct Args {
     /// Instead of sandboxes, make `n` calls of `/bin/true` through one `fncall` handle.
     #[arg(long)]
     fncall: bool,
+    /// Instead of sandboxes, make `n` calls of `/bin/true`, each one `POST /v1/calls`.
+    #[arg(long, conflicts_with = "fncall")]
+    calls: bool,
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
@@ -75,19 +78,26 @@ async fn create_and_exec(http: &reqwest::Client, args: &Args) -> Result<(String,
     Ok((id, started.elapsed()))
 }
 
-/// `n` stateless calls through one fncall handle, `concurrency` at a time.
-async fn fncall(http: &reqwest::Client, args: &Args) -> Result<()> {
-    let info = send(
-        http.post(format!("{}/v1/sandboxes", args.url))
-            .json(&json!({"backend": "fncall", "image": args.image})),
-    )
-    .await?;
-    let id = info["id"].as_str().context("no id")?.to_owned();
-    let url = format!("{}/v1/sandboxes/{id}/exec", args.url);
+/// `n` stateless calls of `/bin/true`, `concurrency` at a time: through one fncall handle
+/// (`exec` on it), or with `one_request` each a `POST /v1/calls` of its own.
+async fn fncall(http: &reqwest::Client, args: &Args, one_request: bool) -> Result<()> {
+    let (url, body, handle) = if one_request {
+        let body = json!({"image": args.image, "cmd": ["/bin/true"]});
+        (format!("{}/v1/calls", args.url), body, None)
+    } else {
+        let info = send(
+            http.post(format!("{}/v1/sandboxes", args.url))
+                .json(&json!({"backend": "fncall", "image": args.image})),
+        )
+        .await?;
+        let id = info["id"].as_str().context("no id")?.to_owned();
+        let url = format!("{}/v1/sandboxes/{id}/exec", args.url);
+        (url, json!({"cmd": ["/bin/true"]}), Some(id))
+    };
     let started = Instant::now();
     let results: Vec<Result<Duration>> = stream::iter(0..args.n)
         .map(|_| {
-            let rb = http.post(&url).json(&json!({"cmd": ["/bin/true"]}));
+            let rb = http.post(&url).json(&body);
             async move {
                 let t = Instant::now();
                 let r = send(rb).await?;
@@ -101,7 +111,9 @@ async fn fncall(http: &reqwest::Client, args: &Args) -> Result<()> {
         .collect()
         .await;
     let elapsed = started.elapsed();
-    send(http.delete(format!("{}/v1/sandboxes/{id}", args.url))).await?;
+    if let Some(id) = handle {
+        send(http.delete(format!("{}/v1/sandboxes/{id}", args.url))).await?;
+    }
     let failures = results.iter().filter(|r| r.is_err()).count();
     if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
         eprintln!("loadgen: first failure: {e:#}");
@@ -131,8 +143,8 @@ async fn main() -> Result<()> {
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(args.concurrency)
         .build()?;
-    if args.fncall {
-        return fncall(&http, &args).await;
+    if args.fncall || args.calls {
+        return fncall(&http, &args, args.calls).await;
     }
     let started = Instant::now();
     let results: Vec<Result<(String, Duration)>> = stream::iter(0..args.n)

@@ -338,7 +338,7 @@ fn report_setup_error(control: OwnedFd, message: &str) {
         FrameKind::Error,
         0,
         &InitError {
-            stage: "guest setup".into(),
+            stage: proto::InitStage::GuestSetup,
             errno: None,
             message: message.to_owned(),
             file: None,

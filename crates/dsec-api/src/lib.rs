@@ -9,8 +9,63 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-/// Every isolation backend a client may name, in the order the docs list them.
-pub const BACKENDS: [&str; 5] = ["fncall", "container", "docker", "microvm", "vm"];
+/// An isolation backend. On the wire it is its [`name`](Self::name), a plain string, so
+/// that a name this server does not know gets an error listing the ones it does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    /// Stateless calls on pools of warm native containers.
+    Fncall,
+    /// dsec's native container runtime.
+    Container,
+    /// Containers of a Docker Engine.
+    Docker,
+    /// QEMU microvm guests.
+    Microvm,
+    /// QEMU q35 guests.
+    Vm,
+}
+
+impl BackendKind {
+    /// Every backend, in the order the docs list them.
+    pub const ALL: [BackendKind; 5] = [
+        BackendKind::Fncall,
+        BackendKind::Container,
+        BackendKind::Docker,
+        BackendKind::Microvm,
+        BackendKind::Vm,
+    ];
+
+    /// The name clients use.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Fncall => "fncall",
+            BackendKind::Container => "container",
+            BackendKind::Docker => "docker",
+            BackendKind::Microvm => "microvm",
+            BackendKind::Vm => "vm",
+        }
+    }
+
+    /// The backend called `name`, or a message naming the valid ones.
+    pub fn parse(name: &str) -> Result<BackendKind, String> {
+        BackendKind::ALL
+            .into_iter()
+            .find(|k| k.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = BackendKind::ALL.iter().map(|k| k.name()).collect();
+                format!(
+                    "unknown backend {name:?}; valid backends are: {}",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// Resource limits of one sandbox; `None` in a request means "the server's default".
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -48,7 +103,7 @@ impl Default for Network {
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSandboxRequest {
-    /// One of [`BACKENDS`]; `container` when omitted.
+    /// A [`BackendKind`]'s name; `container` when omitted.
     #[serde(default = "default_backend")]
     pub backend: String,
     /// A dsec image name.
@@ -176,6 +231,18 @@ pub struct Usage {
     pub pids: u64,
     /// CPU time consumed.
     pub cpu_ms: f64,
+    /// Most memory charged at once since creation (0 where the backend cannot tell).
+    #[serde(default)]
+    pub memory_peak_bytes: u64,
+    /// Forks the pids limit refused since creation.
+    #[serde(default)]
+    pub pids_limit_hits: u64,
+    /// Processes the memory limit killed since creation.
+    #[serde(default)]
+    pub oom_kills: u64,
+    /// Bytes used in the writable layer, where the backend can tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_bytes: Option<u64>,
 }
 
 /// What the server says about a sandbox.
@@ -265,23 +332,33 @@ pub struct ExecRequest {
     pub step: Option<i64>,
 }
 
-/// The outcome of one command.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
-pub struct CommandResult {
+/// How a command ended: the fields every command result carries — [`CommandResult`], the
+/// stream's [`StreamEvent::Exit`], a backend's exit event, a trajectory step's result —
+/// declared once and flattened into each, so their JSON is unchanged.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ExitStatus {
     /// Exit status; `128 + N` when killed by signal N; `null` after a timeout.
     pub exit_code: Option<i32>,
-    /// Standard output, UTF-8 with invalid bytes replaced.
-    pub stdout: String,
-    /// Standard error, likewise.
-    pub stderr: String,
     /// The timeout fired and the process tree was killed.
     pub timed_out: bool,
-    /// Output beyond the bound was discarded.
+    /// Output beyond the bound (the command's `max_output_bytes`) was discarded.
     pub truncated: bool,
     /// The sandbox's memory limit killed a process of this command.
     pub oom_killed: bool,
     /// Wall time from start to exit.
     pub duration_ms: f64,
+}
+
+/// The outcome of one command.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct CommandResult {
+    /// How it ended.
+    #[serde(flatten)]
+    pub exit: ExitStatus,
+    /// Standard output, UTF-8 with invalid bytes replaced.
+    pub stdout: String,
+    /// Standard error, likewise.
+    pub stderr: String,
     /// Served from the trajectory log without running.
     pub replayed: bool,
 }
@@ -302,16 +379,9 @@ pub enum StreamEvent {
     },
     /// The command ended; always the last event.
     Exit {
-        /// As in [`CommandResult::exit_code`].
-        exit_code: Option<i32>,
-        /// As in [`CommandResult::timed_out`].
-        timed_out: bool,
-        /// As in [`CommandResult::truncated`].
-        truncated: bool,
-        /// As in [`CommandResult::oom_killed`].
-        oom_killed: bool,
-        /// As in [`CommandResult::duration_ms`].
-        duration_ms: f64,
+        /// How it ended.
+        #[serde(flatten)]
+        exit: ExitStatus,
         /// As in [`CommandResult::replayed`].
         #[serde(default)]
         replayed: bool,
@@ -355,6 +425,73 @@ pub struct ImageInfo {
     pub layers: Vec<String>,
     /// Unix time of import.
     pub created_at: f64,
+    /// Bytes its layer blobs take in the layer store (a layer shared with other images
+    /// counts in each of them; [`StoreInfo`] counts it once).
+    #[serde(default)]
+    pub disk_bytes: u64,
+    /// Set on the image a fork made: the sandbox that was forked. Such an image is
+    /// removed automatically once no sandbox of it is left.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork_of: Option<String>,
+}
+
+/// `GET /v1/store`: what the image store holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct StoreInfo {
+    /// The layer store's directory on the server's host.
+    pub root: String,
+    /// Images recorded.
+    pub images: usize,
+    /// Layer blobs stored.
+    pub layers: usize,
+    /// Bytes the layer blobs take, each counted once.
+    pub layer_bytes: u64,
+    /// Layers this server has mounted.
+    pub mounted: usize,
+}
+
+/// `POST /v1/store/prune`: what a garbage collection removed.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct PruneResult {
+    /// Images of forks whose sandboxes are all gone.
+    pub images: Vec<String>,
+    /// Layer blobs no image referenced and nothing held.
+    pub layers: usize,
+    /// Bytes freed in the layer store.
+    pub layer_bytes: u64,
+    /// Bytes freed elsewhere: VM disks and boot templates of deleted images.
+    pub other_bytes: u64,
+}
+
+/// One line of the `application/x-ndjson` answer to `POST /v1/images` (progress of an
+/// import, for a client that asked for it with `Accept`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum ImportEvent {
+    /// The image has `total` layers to bring in.
+    Layers {
+        /// Layer count.
+        total: usize,
+    },
+    /// One more layer is stored.
+    Layer {
+        /// Its diff id.
+        diff_id: String,
+        /// Bytes of its content.
+        size: u64,
+        /// It was stored already.
+        reused: bool,
+    },
+    /// The import is done.
+    Done {
+        /// The image.
+        image: ImageInfo,
+    },
+    /// The import failed.
+    Error {
+        /// Why.
+        error: ErrorDetail,
+    },
 }
 
 /// Machine-readable class of an error; the SDK maps it to an exception.
@@ -375,6 +512,12 @@ pub enum ErrorKind {
     PayloadTooLarge,
     /// The backend cannot run here (503).
     Unavailable,
+    /// This edge has promised all the memory or processes its budget allows (503): the
+    /// same request may succeed on another edge, or here once sandboxes stop.
+    Capacity,
+    /// The sandbox's init died (killed from outside, by the OOM killer, or crashed), so
+    /// the sandbox can serve nothing more (409).
+    SandboxFailed,
     /// A bug or a host failure (500).
     Internal,
 }
@@ -386,9 +529,9 @@ impl ErrorKind {
             ErrorKind::InvalidArgument => 400,
             ErrorKind::Unauthorized => 401,
             ErrorKind::NotFound => 404,
-            ErrorKind::Conflict | ErrorKind::TrajectoryDiverged => 409,
+            ErrorKind::Conflict | ErrorKind::TrajectoryDiverged | ErrorKind::SandboxFailed => 409,
             ErrorKind::PayloadTooLarge => 413,
-            ErrorKind::Unavailable => 503,
+            ErrorKind::Unavailable | ErrorKind::Capacity => 503,
             ErrorKind::Internal => 500,
         }
     }
@@ -403,6 +546,8 @@ impl ErrorKind {
             ErrorKind::TrajectoryDiverged => "trajectory_diverged",
             ErrorKind::PayloadTooLarge => "payload_too_large",
             ErrorKind::Unavailable => "unavailable",
+            ErrorKind::Capacity => "capacity",
+            ErrorKind::SandboxFailed => "sandbox_failed",
             ErrorKind::Internal => "internal",
         }
     }
@@ -466,6 +611,57 @@ mod tests {
         assert_eq!(
             serde_json::to_string(&ev).unwrap(),
             r#"{"kind":"stdout","data":"hi"}"#
+        );
+    }
+
+    #[test]
+    fn exit_status_flattens_into_the_same_json_as_before() {
+        let exit = ExitStatus {
+            exit_code: Some(0),
+            timed_out: false,
+            truncated: false,
+            oom_killed: false,
+            duration_ms: 1.9,
+        };
+        let result = CommandResult {
+            exit,
+            stdout: "hi\n".into(),
+            stderr: String::new(),
+            replayed: false,
+        };
+        // The docs/API.md example, key for key.
+        let documented: serde_json::Value = serde_json::from_str(
+            r#"{"exit_code": 0, "stdout": "hi\n", "stderr": "", "timed_out": false,
+                "truncated": false, "oom_killed": false, "duration_ms": 1.9, "replayed": false}"#,
+        )
+        .unwrap();
+        assert_eq!(serde_json::to_value(&result).unwrap(), documented);
+        assert_eq!(
+            serde_json::from_value::<CommandResult>(documented).unwrap(),
+            result
+        );
+        let event = StreamEvent::Exit {
+            exit: ExitStatus {
+                exit_code: None,
+                timed_out: true,
+                ..exit
+            },
+            replayed: true,
+        };
+        assert_eq!(
+            serde_json::to_string(&event).unwrap(),
+            r#"{"kind":"exit","exit_code":null,"timed_out":true,"truncated":false,"oom_killed":false,"duration_ms":1.9,"replayed":true}"#
+        );
+        let old: StreamEvent = serde_json::from_str(
+            r#"{"kind":"exit","exit_code":1,"timed_out":false,"truncated":true,"oom_killed":false,"duration_ms":2.0}"#,
+        )
+        .unwrap();
+        let StreamEvent::Exit { exit, replayed } = old else {
+            panic!("not an exit: {old:?}")
+        };
+        assert_eq!(
+            (exit.exit_code, exit.truncated, replayed),
+            (Some(1), true, false)
         );
     }
 }

@@ -1,6 +1,9 @@
 //! Errors of the image store.
 
 use std::io;
+use std::path::Path;
+
+use rustix::io::Errno;
 
 /// Why an image operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +38,15 @@ pub enum ImageError {
         /// What the registry or the transport said.
         reason: String,
     },
+    /// The layer store cannot take or give a layer: it is full, read-only or unreachable.
+    /// Nothing half-written is left in it.
+    #[error("the layer store {store}: {reason}")]
+    Store {
+        /// The store's root.
+        store: String,
+        /// What is wrong, and what to do.
+        reason: String,
+    },
     /// A filesystem operation of the store itself failed.
     #[error("{context}")]
     Io {
@@ -50,6 +62,29 @@ pub enum ImageError {
 pub(crate) fn io_error(context: impl Into<String>) -> impl FnOnce(io::Error) -> ImageError {
     let context = context.into();
     move |source| ImageError::Io { context, source }
+}
+
+/// Says what an I/O error of the layer store at `store` means for its user: the store is
+/// full, read-only or gone ([`ImageError::Store`]), or something else broke ([`ImageError::Io`]).
+pub(crate) fn store_error(
+    store: &Path,
+    context: impl Into<String>,
+) -> impl FnOnce(io::Error) -> ImageError {
+    let (store, context) = (store.display().to_string(), context.into());
+    move |source| {
+        let reason = match Errno::from_io_error(&source) {
+            Some(Errno::NOSPC | Errno::DQUOT) => "is full; free space or prune images",
+            Some(Errno::ROFS) => "is read-only",
+            Some(Errno::NOENT | Errno::STALE | Errno::NOTCONN | Errno::IO | Errno::NODEV) => {
+                "is not reachable (unmounted, gone or failing)"
+            }
+            _ => return ImageError::Io { context, source },
+        };
+        ImageError::Store {
+            store,
+            reason: format!("{reason} ({context}: {source})"),
+        }
+    }
 }
 
 /// A failure deep inside an import, before it is known which source it concerns.

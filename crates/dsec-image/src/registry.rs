@@ -7,6 +7,7 @@
 use std::net::Ipv4Addr;
 use std::path::Path;
 
+use futures::{StreamExt, TryStreamExt};
 use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::errors::OciDistributionError;
 use oci_client::manifest::ImageIndexEntry;
@@ -17,8 +18,10 @@ use tokio::io::AsyncWriteExt;
 
 use crate::digest::sha256;
 use crate::error::{io_error, ImageError};
-use crate::oci::{parse_config, Plan, PlannedLayer};
-use crate::store::Pins;
+use crate::plan::{parse_config, Plan, PlannedLayer};
+
+/// Layers downloaded at once.
+const PARALLEL_DOWNLOADS: usize = 4;
 
 /// Registries reached over plain HTTP besides loopback ones (comma separated `host[:port]`).
 const INSECURE_ENV: &str = "DSEC_INSECURE_REGISTRIES";
@@ -37,10 +40,10 @@ pub(crate) fn parse_reference(source: &str) -> Option<Reference> {
 }
 
 /// Downloads what the store lacks of the image `reference` into a staging
-/// directory and returns the plan to import it; layers already stored are
-/// pinned in `pins` instead.
+/// directory and returns the plan to import it. `stored` says whether the store has a
+/// layer already (and keeps it for this import); those are not downloaded.
 pub(crate) async fn fetch(
-    pins: &mut Pins,
+    mut stored: impl FnMut(&str) -> Result<bool, ImageError>,
     staging: &Path,
     reference: &Reference,
     input: &str,
@@ -69,22 +72,13 @@ pub(crate) async fn fetch(
         .tempdir_in(staging)
         .map_err(io_error("cannot create a staging directory"))?;
     let mut layers = Vec::with_capacity(diff_ids.len());
+    let mut wanted = Vec::new();
     for (index, (layer, diff_id)) in manifest.layers.iter().zip(diff_ids).enumerate() {
         let blob = downloads.path().join(format!("layer-{index}"));
-        if pins.pin_if_stored(&diff_id) {
+        if stored(&diff_id)? {
             tracing::debug!(reference = %input, layer = %diff_id, "layer already stored");
         } else {
-            let mut file = tokio::fs::File::create(&blob)
-                .await
-                .map_err(io_error("cannot create a download file"))?;
-            client
-                .pull_blob(reference, layer, &mut file)
-                .await
-                .map_err(registry_error)?;
-            file.flush()
-                .await
-                .map_err(io_error("cannot write a download file"))?;
-            tracing::debug!(reference = %input, blob = %layer.digest, "pulled layer");
+            wanted.push((layer.clone(), blob.clone()));
         }
         layers.push(PlannedLayer {
             diff_id,
@@ -93,6 +87,25 @@ pub(crate) async fn fetch(
             blob_digest: None,
         });
     }
+    let client = &client;
+    futures::stream::iter(wanted)
+        .map(|(layer, blob)| async move {
+            let mut file = tokio::fs::File::create(&blob)
+                .await
+                .map_err(io_error("cannot create a download file"))?;
+            client
+                .pull_blob(reference, &layer, &mut file)
+                .await
+                .map_err(registry_error)?;
+            file.flush()
+                .await
+                .map_err(io_error("cannot write a download file"))?;
+            tracing::debug!(reference = %input, blob = %layer.digest, "pulled layer");
+            Ok::<(), ImageError>(())
+        })
+        .buffer_unordered(PARALLEL_DOWNLOADS)
+        .try_collect::<Vec<()>>()
+        .await?;
     Ok((Plan { id, config, layers }, downloads))
 }
 

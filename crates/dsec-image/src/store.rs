@@ -1,63 +1,88 @@
-//! The store itself: importing, looking up and removing images.
+//! The store itself, and the hub of the crate: importing, looking up, mounting and
+//! removing images.
+//!
+//! It asks its sources for what to import — [`oci`] and [`registry`] for a [`Plan`],
+//! [`docker`] for an archive, [`tree`](crate::tree) and [`unpack`](crate::unpack) for
+//! layers — and carries it out; none of them knows the store.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashSet};
 use std::fs::{self, File};
 use std::io::{self, BufReader, Read};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
+use crate::blob;
 use crate::digest::{sha256, sha256_hex, HashingReader};
 use crate::docker;
-use crate::error::{io_error, Fault, ImageError};
-use crate::oci::{self, Plan};
+use crate::error::{io_error, store_error, Fault, ImageError};
+use crate::holds::{unix_now, Held, HoldCounts, StoreLock};
+use crate::image::{Fork, Image, ImageConfig};
+use crate::mount::LayerMounts;
+use crate::oci;
+use crate::plan::{Plan, PlannedLayer};
 use crate::registry::{self, ARCHIVE_SUFFIXES};
-use crate::rootfs::unpack_tree;
+use crate::tree::{unpack_tree, unpack_upper};
 use crate::unpack::{unpack_layer, Compression, Unpacked};
 
 /// The search path a rootfs import gets, since it has no config of its own.
 const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 const MAX_NAME_LEN: usize = 128;
+/// overlayfs stacks at most this many lower layers (`OVL_MAX_STACK`); an image with
+/// more is refused at import, so that no create fails later.
+pub const MAX_LAYERS: usize = 500;
+/// Layers processed at once by one import.
+const MAX_IMPORT_THREADS: usize = 8;
 
-/// An image as the store knows it: enough to stack its layers and start its process.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct Image {
-    /// The name it was imported under.
-    pub name: String,
-    /// `sha256:<hex>` of the config JSON (OCI and Docker sources) or of the
-    /// JSON list of diff ids (rootfs sources).
-    pub id: String,
-    /// Bytes of file content in the unpacked layers.
-    pub size: u64,
-    /// Diff ids (`sha256:<hex>` of each uncompressed layer tar), bottom first.
-    pub layers: Vec<String>,
-    /// When it was imported, in unix seconds.
-    pub created_at: f64,
-    /// Run-time defaults from the image config.
-    pub config: ImageConfig,
+/// How far an import has got, for a progress display.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ImportProgress {
+    /// The image has this many layers to bring in.
+    Layers(usize),
+    /// One more layer is in the store (`reused`: it was there already).
+    LayerDone {
+        /// Its diff id.
+        diff_id: String,
+        /// Bytes of file content.
+        size: u64,
+        /// It was stored already.
+        reused: bool,
+    },
 }
 
-/// The run-time defaults an image carries.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct ImageConfig {
-    /// Environment, as `K=V`.
-    pub env: Vec<String>,
-    /// Working directory, if the image sets one.
-    pub workdir: Option<String>,
-    /// Default arguments (appended to the entrypoint).
-    pub cmd: Vec<String>,
-    /// Command prefix.
-    pub entrypoint: Vec<String>,
+/// What the store holds, for `dsec image ls`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StoreUsage {
+    /// Images recorded.
+    pub images: usize,
+    /// Layer blobs stored.
+    pub layers: usize,
+    /// Bytes those blobs take on disk.
+    pub layer_bytes: u64,
+    /// Layers mounted by this edge.
+    pub mounted: usize,
 }
 
-/// A content-addressed store of images and their unpacked layers.
+/// What [`ImageStore::prune`] removed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Pruned {
+    /// Layer blobs deleted.
+    pub layers: usize,
+    /// Bytes they took.
+    pub bytes: u64,
+}
+
+/// A content-addressed store of images and their layers, as EROFS blobs.
 ///
-/// Layout under the root: `layers/sha256/<hex>/` (one overlayfs-ready
-/// directory per diff id), `meta/<name>.json` (one per image, written last
-/// and atomically), `staging/` (scratch space, emptied by [`ImageStore::open`]).
-/// Open one store per root. Clone is cheap.
+/// The layer store (`root`, possibly shared by many edges over NFS or another network
+/// filesystem) holds `layers/sha256/<hex>.erofs` (one blob per diff id, with a
+/// `<hex>.json` sidecar), `meta/<name>.json` (one per image, written last and
+/// atomically), `leases/<edge>.json` (what each edge holds) and `gc.lock`. The edge's own
+/// directory (`local`) holds `staging/` (scratch space, emptied at open) and `mnt/` (its
+/// layer mounts). Open one store per edge. Clone is cheap.
 #[derive(Clone, Debug)]
 pub struct ImageStore {
     inner: Arc<Inner>,
@@ -65,42 +90,69 @@ pub struct ImageStore {
 
 #[derive(Debug)]
 pub(crate) struct Inner {
-    root: PathBuf,
-    /// Layers that imports in flight rely on, with a count per import. Its lock
-    /// also orders layer commits against garbage collection.
-    pins: Mutex<HashMap<String, usize>>,
+    pub(crate) root: PathBuf,
+    staging: PathBuf,
+    pub(crate) edge: String,
+    pub(crate) mounts: LayerMounts,
+    pub(crate) holds: HoldCounts,
+}
+
+/// An image's layers mounted for stacking, held until dropped.
+#[derive(Debug)]
+pub struct MountedImage {
+    /// The layers' directories in overlayfs lowerdir order (topmost FIRST).
+    pub dirs: Vec<PathBuf>,
+    _held: Held,
+}
+
+/// An image's layer blobs, held until dropped.
+#[derive(Debug)]
+pub struct HeldBlobs {
+    /// The blobs, bottom layer first.
+    pub blobs: Vec<PathBuf>,
+    _held: Held,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Sidecar {
+    /// Bytes of file content in the layer.
+    size: u64,
 }
 
 impl ImageStore {
-    /// Opens (creating if needed) the store at `root`, usually `<state-dir>/images`,
-    /// and clears what a crashed import left in its staging area.
-    pub fn open(root: &Path) -> Result<ImageStore, ImageError> {
+    /// Opens (creating if needed) the store whose layers and images live in `root` and
+    /// whose edge-local scratch space and mounts live in `local` (the two may be the
+    /// same directory); `edge` names this edge among those sharing `root`. Clears what a
+    /// crashed run of this edge left: staging, temporary blobs, mounts. Layers stored as
+    /// directories by an older dsec are converted to blobs.
+    pub fn open(root: &Path, local: &Path, edge: &str) -> Result<ImageStore, ImageError> {
         let inner = Inner {
             root: root.to_owned(),
-            pins: Mutex::new(HashMap::new()),
+            staging: local.join("staging"),
+            edge: edge.to_owned(),
+            mounts: LayerMounts::open(&local.join("mnt"))
+                .map_err(io_error(format!("cannot set up {}/mnt", local.display())))?,
+            holds: HoldCounts::default(),
         };
-        for dir in [inner.layers_dir(), inner.meta_dir(), inner.staging_dir()] {
+        for dir in [inner.layers_dir(), inner.meta_dir(), inner.leases_dir()] {
             fs::create_dir_all(&dir)
-                .map_err(io_error(format!("cannot create {}", dir.display())))?;
+                .map_err(inner.store_err(format!("create {}", dir.display())))?;
         }
-        let staging = inner.staging_dir();
-        let leftovers = fs::read_dir(&staging)
-            .map_err(io_error(format!("cannot list {}", staging.display())))?;
-        for entry in leftovers {
-            let path = entry
-                .map_err(io_error(format!("cannot list {}", staging.display())))?
-                .path();
-            let removed = if path.is_dir() && !path.is_symlink() {
-                fs::remove_dir_all(&path)
-            } else {
-                fs::remove_file(&path)
-            };
-            removed.map_err(io_error(format!("cannot remove {}", path.display())))?;
-            tracing::info!(path = %path.display(), "removed leftover of an interrupted import");
-        }
-        Ok(ImageStore {
-            inner: Arc::new(inner),
-        })
+        fs::create_dir_all(&inner.staging).map_err(io_error(format!(
+            "cannot create {}",
+            inner.staging.display()
+        )))?;
+        clear_dir(&inner.staging)?;
+        inner.remove_own_temporaries()?;
+        let inner = Arc::new(inner);
+        inner.convert_directory_layers()?;
+        inner.write_lease(true)?;
+        Ok(ImageStore { inner })
+    }
+
+    /// The layer store's root.
+    pub fn root(&self) -> &Path {
+        &self.inner.root
     }
 
     /// Imports an image from an OCI layout directory, a rootfs directory, a
@@ -109,14 +161,24 @@ impl ImageStore {
     /// and stores it as `name` (default: the file's base name without archive
     /// extensions, or the reference itself), replacing any image of that name.
     pub async fn import(&self, source: &str, name: Option<&str>) -> Result<Image, ImageError> {
+        self.import_with(source, name, Arc::new(|_| {})).await
+    }
+
+    /// [`import`](Self::import), telling `progress` about each layer as it lands.
+    pub async fn import_with(
+        &self,
+        source: &str,
+        name: Option<&str>,
+        progress: Arc<dyn Fn(ImportProgress) + Send + Sync>,
+    ) -> Result<Image, ImageError> {
         if let Some(reference) = source.strip_prefix(docker::SCHEME) {
             let name = name.unwrap_or(reference).to_owned();
             validate_name(&name, source)?;
-            let archive = docker::export(reference, source, &self.inner.staging_dir()).await?;
+            let archive = docker::export(reference, source, &self.inner.staging).await?;
             let inner = self.inner.clone();
             let input = source.to_owned();
             return blocking(move || {
-                let image = inner.import_path(archive.path(), name, &input);
+                let image = inner.import_path(archive.path(), name, &input, &*progress);
                 drop(archive);
                 image
             })
@@ -136,7 +198,7 @@ impl ImageStore {
             validate_name(&name, source)?;
             let inner = self.inner.clone();
             let (path, input) = (path.to_owned(), source.to_owned());
-            return blocking(move || inner.import_path(&path, name, &input)).await;
+            return blocking(move || inner.import_path(&path, name, &input, &*progress)).await;
         }
         let Some(reference) = registry::parse_reference(source) else {
             return Err(ImageError::InvalidSource {
@@ -147,13 +209,15 @@ impl ImageStore {
         let name = name.unwrap_or(source).to_owned();
         validate_name(&name, source)?;
         tracing::info!(reference = %source, image = %name, "pulling image");
-        let mut pins = Pins::new(self.inner.clone());
-        let staging = self.inner.staging_dir();
-        let (plan, downloads) = registry::fetch(&mut pins, &staging, &reference, source).await?;
+        let held = Held::new(self.inner.clone());
+        let inner = self.inner.clone();
+        let stored = |diff_id: &str| inner.hold_if_stored(&held, diff_id);
+        let (plan, downloads) =
+            registry::fetch(stored, &self.inner.staging, &reference, source).await?;
         let inner = self.inner.clone();
         let input = source.to_owned();
         blocking(move || {
-            let image = inner.import_plan(&mut pins, plan, name, &input);
+            let image = inner.import_plan(&held, plan, name, &input, &*progress);
             drop(downloads);
             image
         })
@@ -166,11 +230,14 @@ impl ImageStore {
         let bytes = match fs::read(&path) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                if !self.inner.meta_dir().is_dir() {
+                    return Err(self.inner.unreachable("meta"));
+                }
                 return Err(ImageError::NotFound {
                     name: name.to_owned(),
-                })
+                });
             }
-            Err(e) => return Err(io_error(format!("cannot read {}", path.display()))(e)),
+            Err(e) => return Err(self.inner.store_err(format!("read {}", path.display()))(e)),
         };
         serde_json::from_slice(&bytes).map_err(|e| ImageError::Corrupt {
             input: name.to_owned(),
@@ -180,69 +247,47 @@ impl ImageStore {
 
     /// All images, sorted by name; unreadable metadata files are skipped with a warning.
     pub fn list(&self) -> Result<Vec<Image>, ImageError> {
-        let dir = self.inner.meta_dir();
-        let context = || format!("cannot list {}", dir.display());
-        let mut images = Vec::new();
-        for entry in fs::read_dir(&dir).map_err(io_error(context()))? {
-            let path = entry.map_err(io_error(context()))?.path();
-            let file_name = path.file_name().unwrap_or_default().to_string_lossy();
-            if file_name.starts_with('.') || !file_name.ends_with(".json") {
-                continue;
-            }
-            let bytes =
-                fs::read(&path).map_err(io_error(format!("cannot read {}", path.display())))?;
-            match serde_json::from_slice::<Image>(&bytes) {
-                Ok(image) => images.push(image),
-                Err(e) => {
-                    tracing::warn!(path = %path.display(), error = %e, "skipping unreadable image metadata")
-                }
-            }
-        }
-        images.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(images)
+        self.inner.list(false)
     }
 
-    /// Removes the image's metadata, then deletes layers no remaining image references and that are not in `in_use` (layer digests used by live sandboxes).
-    pub fn remove(&self, name: &str, in_use: &HashSet<String>) -> Result<(), ImageError> {
-        let graves = {
-            let pins = self.inner.lock_pins();
-            // Gather the other images' references before deleting anything, so
-            // an unreadable metadata directory cannot cost layers.
-            let others = self.list()?;
-            let path = self.inner.meta_path(name);
-            match fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    return Err(ImageError::NotFound {
-                        name: name.to_owned(),
-                    })
-                }
-                Err(e) => return Err(io_error(format!("cannot remove {}", path.display()))(e)),
+    /// Removes the image's metadata, then the layers that no image, no sandbox and no
+    /// import (on this edge or, by their leases, on others) relies on any more.
+    pub fn remove(&self, name: &str) -> Result<(), ImageError> {
+        let path = self.inner.meta_path(name);
+        match fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(ImageError::NotFound {
+                    name: name.to_owned(),
+                })
             }
-            let referenced: HashSet<&str> = others
-                .iter()
-                .filter(|image| image.name != name)
-                .flat_map(|image| image.layers.iter())
-                .chain(in_use)
-                .chain(pins.keys())
-                .map(String::as_str)
-                .collect();
-            self.inner.bury_unreferenced(&referenced)?
-        };
-        // Deleting happens outside the lock: the layers are already out of the store.
-        for (diff_id, grave) in graves {
-            match grave.close() {
-                Ok(()) => tracing::info!(layer = %diff_id, "deleted unreferenced layer"),
-                Err(e) => tracing::warn!(layer = %diff_id, error = %e, "could not delete layer"),
+            Err(e) => {
+                return Err(self.inner.store_err(format!("remove {}", path.display()))(
+                    e,
+                ))
             }
         }
         tracing::info!(image = %name, "removed image");
+        if let Err(e) = self.prune() {
+            tracing::warn!(image = %name, error = %e, "its layers stay until the next prune");
+        }
         Ok(())
+    }
+
+    /// Deletes every layer that no image references and nothing holds, here or on
+    /// another edge of the store; unmounts this edge's layers that no image needs.
+    pub fn prune(&self) -> Result<Pruned, ImageError> {
+        self.inner.prune()
+    }
+
+    /// Rewrites this edge's lease so that other edges keep seeing it as alive.
+    pub fn refresh_lease(&self) -> Result<(), ImageError> {
+        self.inner.write_lease(true)
     }
 
     /// Stores a sandbox's writable layer as a new image `name`: `base`'s layers plus the
     /// diff in `upper` (an overlayfs upper directory), with `base`'s config. Only the diff
-    /// is copied; the base layers are shared.
+    /// is stored; the base layers are shared.
     pub async fn commit_upper(
         &self,
         base: &Image,
@@ -250,6 +295,16 @@ impl ImageStore {
         name: &str,
     ) -> Result<Image, ImageError> {
         validate_name(name, name)?;
+        if base.layers.len() >= MAX_LAYERS {
+            return Err(ImageError::InvalidSource {
+                input: name.to_owned(),
+                reason: format!(
+                    "{} already has {} layers: a snapshot would exceed the {MAX_LAYERS} that can be stacked",
+                    base.name,
+                    base.layers.len()
+                ),
+            });
+        }
         let (inner, base, upper, name) = (
             self.inner.clone(),
             base.clone(),
@@ -258,35 +313,102 @@ impl ImageStore {
         );
         blocking(move || {
             let input = format!("the writable layer of {}", upper.display());
-            let mut pins = Pins::new(inner.clone());
+            let held = Held::new(inner.clone());
             for layer in &base.layers {
-                if !pins.pin_if_stored(layer) {
+                if !inner.hold_if_stored(&held, layer)? {
                     return Err(ImageError::NotFound {
                         name: format!("{} (layer {layer})", base.name),
                     });
                 }
             }
-            let unpacked = crate::rootfs::unpack_upper(&inner.staging_dir(), &upper)
-                .map_err(|f| f.into_error(&input))?;
+            let unpacked =
+                unpack_upper(&inner.staging, &upper).map_err(|f| f.into_error(&input))?;
             let diff_id = unpacked.diff_id.clone();
             let size = base.size + unpacked.size;
-            let new = pins.commit(unpacked).map_err(|f| f.into_error(&input))?;
+            inner.store_unpacked(&held, unpacked, &input)?;
             let mut layers = base.layers.clone();
             layers.push(diff_id);
             let id = sha256(&serde_json::to_vec(&layers).unwrap_or_default());
-            inner.finish(name, id, size, layers, base.config.clone(), new)
+            inner.finish(name, id, size, layers, base.config.clone(), None)
         })
         .await
     }
 
-    /// Directories of the image's layers in overlayfs lowerdir order (topmost layer FIRST).
-    pub fn layer_dirs(&self, image: &Image) -> Vec<PathBuf> {
+    /// Marks `name` as the image of a fork (see [`Image::fork`]).
+    pub fn mark_fork(&self, name: &str, fork: Fork) -> Result<Image, ImageError> {
+        let mut image = self.get(name)?;
+        image.fork = Some(fork);
+        self.inner.write_meta(&image)?;
+        Ok(image)
+    }
+
+    /// This edge's name among those sharing the store.
+    pub fn edge(&self) -> &str {
+        &self.inner.edge
+    }
+
+    /// Mounts the image's layers (once per edge; later calls reuse the mounts) for a
+    /// sandbox to stack, and holds them until the result is dropped. A layer whose blob
+    /// is gone or unreadable fails only this call, with the reason.
+    pub async fn mount(&self, image: &Image) -> Result<MountedImage, ImageError> {
+        let (inner, image) = (self.inner.clone(), image.clone());
+        blocking(move || {
+            let blobs = inner.held_blobs(&image)?;
+            let mut dirs = Vec::with_capacity(blobs.blobs.len());
+            for (layer, blob) in image.layers.iter().zip(&blobs.blobs).rev() {
+                let dir = inner.mounts.mount(layer, blob).map_err(|e| {
+                    match rustix::io::Errno::from_io_error(&e) {
+                        // EROFS refuses what is not a whole image of its own.
+                        Some(rustix::io::Errno::INVAL | rustix::io::Errno::UCLEAN) => {
+                            ImageError::Corrupt {
+                                input: image.name.clone(),
+                                reason: format!(
+                                    "its layer {layer} in the store is damaged ({e}); delete the image and import it again"
+                                ),
+                            }
+                        }
+                        _ => inner.store_err(format!("mount layer {layer} of {}", image.name))(e),
+                    }
+                })?;
+                dirs.push(dir);
+            }
+            Ok(MountedImage {
+                dirs,
+                _held: blobs._held,
+            })
+        })
+        .await
+    }
+
+    /// The image's layer blobs, held until the result is dropped (VM image disks use
+    /// them as they are).
+    pub fn blobs(&self, image: &Image) -> Result<HeldBlobs, ImageError> {
+        self.inner.held_blobs(image)
+    }
+
+    /// Bytes the image's layer blobs take on disk (a layer shared with other images
+    /// counts in each).
+    pub fn disk_bytes(&self, image: &Image) -> u64 {
         image
             .layers
             .iter()
-            .rev()
-            .map(|diff_id| self.inner.layer_path(diff_id))
-            .collect()
+            .filter_map(|l| fs::metadata(self.inner.blob_path(l)).ok())
+            .map(|m| m.blocks() * 512)
+            .sum()
+    }
+
+    /// What the store holds.
+    pub fn usage(&self) -> Result<StoreUsage, ImageError> {
+        let mut usage = StoreUsage {
+            images: self.list()?.len(),
+            mounted: self.inner.mounts.layers().len(),
+            ..StoreUsage::default()
+        };
+        for (_, meta) in self.inner.stored_blobs()? {
+            usage.layers += 1;
+            usage.layer_bytes += meta.blocks() * 512;
+        }
+        Ok(usage)
     }
 }
 
@@ -313,21 +435,112 @@ impl Inner {
         self.root.join("meta")
     }
 
-    fn staging_dir(&self) -> PathBuf {
-        self.root.join("staging")
+    pub(crate) fn leases_dir(&self) -> PathBuf {
+        self.root.join("leases")
     }
 
-    fn layer_path(&self, diff_id: &str) -> PathBuf {
+    pub(crate) fn lease_path(&self, edge: &str) -> PathBuf {
+        self.leases_dir().join(format!("{}.json", escape(edge)))
+    }
+
+    fn hex(diff_id: &str) -> &str {
+        diff_id.strip_prefix("sha256:").unwrap_or(diff_id)
+    }
+
+    pub(crate) fn blob_path(&self, diff_id: &str) -> PathBuf {
         self.layers_dir()
-            .join(diff_id.strip_prefix("sha256:").unwrap_or(diff_id))
+            .join(format!("{}.erofs", Self::hex(diff_id)))
+    }
+
+    fn sidecar_path(&self, diff_id: &str) -> PathBuf {
+        self.layers_dir()
+            .join(format!("{}.json", Self::hex(diff_id)))
     }
 
     fn meta_path(&self, name: &str) -> PathBuf {
         self.meta_dir().join(format!("{}.json", escape(name)))
     }
 
-    fn lock_pins(&self) -> MutexGuard<'_, HashMap<String, usize>> {
-        self.pins.lock().unwrap_or_else(PoisonError::into_inner)
+    /// A name for a temporary file in the layer store, marked as this edge's.
+    fn temp_name(&self) -> String {
+        format!(".tmp-{}-{:016x}", escape(&self.edge), rand::random::<u64>())
+    }
+
+    /// Maps an I/O error of the layer store (see [`store_error`]).
+    pub(crate) fn store_err(
+        &self,
+        context: impl Into<String>,
+    ) -> impl FnOnce(io::Error) -> ImageError {
+        store_error(&self.root, context)
+    }
+
+    /// The store's `dir` directory is gone: the store was unmounted or removed.
+    fn unreachable(&self, dir: &str) -> ImageError {
+        ImageError::Store {
+            store: self.root.display().to_string(),
+            reason: format!("is not reachable: its {dir} directory is gone (unmounted?)"),
+        }
+    }
+
+    /// Holds `diff_id` (lease first), then says whether its blob is stored.
+    fn hold_if_stored(&self, held: &Held, diff_id: &str) -> Result<bool, ImageError> {
+        held.hold(diff_id);
+        Ok(self.blob_path(diff_id).is_file())
+    }
+
+    fn held_blobs(self: &Arc<Self>, image: &Image) -> Result<HeldBlobs, ImageError> {
+        let held = Held::new(self.clone());
+        held.hold_all(&image.layers);
+        if !self.layers_dir().is_dir() {
+            return Err(self.unreachable("layers"));
+        }
+        let mut blobs = Vec::with_capacity(image.layers.len());
+        for layer in &image.layers {
+            let blob = self.blob_path(layer);
+            match fs::metadata(&blob) {
+                Ok(_) => blobs.push(blob),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    return Err(ImageError::Store {
+                        store: self.root.display().to_string(),
+                        reason: format!(
+                            "has no layer {layer} of image {:?} any more (removed by hand?); import the image again",
+                            image.name
+                        ),
+                    })
+                }
+                Err(e) => return Err(self.store_err(format!("read layer {layer}"))(e)),
+            }
+        }
+        Ok(HeldBlobs { blobs, _held: held })
+    }
+
+    fn list(&self, strict: bool) -> Result<Vec<Image>, ImageError> {
+        let dir = self.meta_dir();
+        let context = || format!("list {}", dir.display());
+        let mut images = Vec::new();
+        for entry in fs::read_dir(&dir).map_err(self.store_err(context()))? {
+            let path = entry.map_err(self.store_err(context()))?.path();
+            let file_name = path.file_name().unwrap_or_default().to_string_lossy();
+            if file_name.starts_with('.') || !file_name.ends_with(".json") {
+                continue;
+            }
+            let bytes =
+                fs::read(&path).map_err(self.store_err(format!("read {}", path.display())))?;
+            match serde_json::from_slice::<Image>(&bytes) {
+                Ok(image) => images.push(image),
+                Err(e) if strict => {
+                    return Err(ImageError::Corrupt {
+                        input: path.display().to_string(),
+                        reason: format!("{e}; nothing is pruned until it is fixed or removed"),
+                    })
+                }
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "skipping unreadable image metadata")
+                }
+            }
+        }
+        images.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(images)
     }
 
     /// Imports a path that exists: a directory or an archive file.
@@ -336,17 +549,20 @@ impl Inner {
         path: &Path,
         name: String,
         input: &str,
+        progress: &(dyn Fn(ImportProgress) + Sync),
     ) -> Result<Image, ImageError> {
         let fault = |f: Fault| f.into_error(input);
-        let mut pins = Pins::new(self.clone());
+        let held = Held::new(self.clone());
         tracing::info!(source = %input, image = %name, "importing image");
         if path.is_dir() {
             if oci::is_oci_layout(path) {
                 let plan = oci::plan_oci_layout(path).map_err(fault)?;
-                return self.import_plan(&mut pins, plan, name, input);
+                return self.import_plan(&held, plan, name, input, progress);
             }
-            let unpacked = unpack_tree(&self.staging_dir(), path, &self.root).map_err(fault)?;
-            return self.import_rootfs(&mut pins, unpacked, name, input);
+            progress(ImportProgress::Layers(1));
+            let skip = [self.root.as_path(), self.staging.as_path()];
+            let unpacked = unpack_tree(&self.staging, path, &skip).map_err(fault)?;
+            return self.import_rootfs(&held, unpacked, name, input, progress);
         }
         if !is_archive(path)? {
             return Err(ImageError::InvalidSource {
@@ -357,91 +573,231 @@ impl Inner {
         let file = File::open(path).map_err(io_error(format!("cannot open {input}")))?;
         // One pass serves both cases: an image archive is unpacked to be read,
         // a rootfs tarball is unpacked to become the layer.
-        let unpacked = unpack_layer(&self.staging_dir(), BufReader::with_capacity(1 << 18, file))
-            .map_err(fault)?;
+        let unpacked =
+            unpack_layer(&self.staging, BufReader::with_capacity(1 << 18, file)).map_err(fault)?;
         let dir = unpacked.dir.path();
         let plan = if oci::is_oci_layout(dir) {
             oci::plan_oci_layout(dir)
         } else if oci::is_docker_archive(dir) {
             oci::plan_docker_archive(dir)
         } else {
-            return self.import_rootfs(&mut pins, unpacked, name, input);
+            progress(ImportProgress::Layers(1));
+            return self.import_rootfs(&held, unpacked, name, input, progress);
         };
-        self.import_plan(&mut pins, plan.map_err(fault)?, name, input)
+        self.import_plan(&held, plan.map_err(fault)?, name, input, progress)
     }
 
     fn import_rootfs(
         &self,
-        pins: &mut Pins,
+        held: &Held,
         unpacked: Unpacked,
         name: String,
         input: &str,
+        progress: &(dyn Fn(ImportProgress) + Sync),
     ) -> Result<Image, ImageError> {
         let diff_id = unpacked.diff_id.clone();
         let size = unpacked.size;
-        let new = pins.commit(unpacked).map_err(|f| f.into_error(input))?;
+        let new = self.store_unpacked(held, unpacked, input)?;
+        progress(ImportProgress::LayerDone {
+            diff_id: diff_id.clone(),
+            size,
+            reused: !new,
+        });
         let layers = vec![diff_id];
         let id = sha256(&serde_json::to_vec(&layers).unwrap_or_default());
         let config = ImageConfig {
             env: vec![DEFAULT_PATH.to_owned()],
             ..ImageConfig::default()
         };
-        self.finish(name, id, size, layers, config, new)
+        self.finish(name, id, size, layers, config, None)
     }
 
-    /// Brings every layer of `plan` into the store, then records the image.
+    /// Brings every layer of `plan` into the store, several at once, then records the
+    /// image. The first failure stops the others; layers already stored stay (each is
+    /// whole), the image is not recorded.
     fn import_plan(
         &self,
-        pins: &mut Pins,
+        held: &Held,
         plan: Plan,
         name: String,
         input: &str,
+        progress: &(dyn Fn(ImportProgress) + Sync),
     ) -> Result<Image, ImageError> {
-        let fault = |f: Fault| f.into_error(input);
-        let mut size = 0;
-        let mut any_new = false;
-        for layer in &plan.layers {
-            if pins.pin_if_stored(&layer.diff_id) {
-                tracing::debug!(layer = %layer.diff_id, "layer already stored");
-                let path = self.layer_path(&layer.diff_id);
-                size += tree_size(&path)
-                    .map_err(io_error(format!("cannot measure {}", path.display())))?;
-                continue;
-            }
-            let file = File::open(&layer.blob).map_err(|e| match e.kind() {
-                io::ErrorKind::NotFound => ImageError::Corrupt {
-                    input: input.to_owned(),
-                    reason: format!("the blob of layer {} is missing", layer.diff_id),
-                },
-                _ => io_error(format!("cannot open {}", layer.blob.display()))(e),
-            })?;
-            let mut blob = HashingReader::new(BufReader::with_capacity(1 << 18, file));
-            let unpacked = unpack_layer(&self.staging_dir(), &mut blob).map_err(fault)?;
-            blob.drain().map_err(|e| ImageError::Corrupt {
+        if plan.layers.len() > MAX_LAYERS {
+            return Err(ImageError::InvalidSource {
                 input: input.to_owned(),
-                reason: format!("the blob of layer {} is unreadable: {e}", layer.diff_id),
-            })?;
-            if let Some(expected) = &layer.blob_digest {
-                if blob.digest() != *expected {
-                    return Err(fault(Fault::Corrupt(format!(
-                        "blob {expected} does not match its digest"
-                    ))));
-                }
-            }
-            if unpacked.diff_id != layer.diff_id {
-                return Err(fault(Fault::Corrupt(format!(
-                    "layer {} unpacks to {}",
-                    layer.diff_id, unpacked.diff_id
-                ))));
-            }
-            size += unpacked.size;
-            any_new |= pins.commit(unpacked).map_err(fault)?;
+                reason: format!(
+                    "the image has {} layers; at most {MAX_LAYERS} can be stacked (flatten it, e.g. `docker export | docker import`)",
+                    plan.layers.len()
+                ),
+            });
         }
+        progress(ImportProgress::Layers(plan.layers.len()));
+        let next = AtomicUsize::new(0);
+        let failed = AtomicBool::new(false);
+        let sizes: Mutex<Vec<Option<u64>>> = Mutex::new(vec![None; plan.layers.len()]);
+        let first_error: Mutex<Option<ImageError>> = Mutex::new(None);
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(MAX_IMPORT_THREADS)
+            .min(plan.layers.len().max(1));
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(|| {
+                    while !failed.load(Ordering::Relaxed) {
+                        let index = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(layer) = plan.layers.get(index) else {
+                            return;
+                        };
+                        match self.bring_layer(held, layer, input) {
+                            Ok((size, reused)) => {
+                                sizes.lock().unwrap_or_else(PoisonError::into_inner)[index] =
+                                    Some(size);
+                                progress(ImportProgress::LayerDone {
+                                    diff_id: layer.diff_id.clone(),
+                                    size,
+                                    reused,
+                                });
+                            }
+                            Err(e) => {
+                                failed.store(true, Ordering::Relaxed);
+                                first_error
+                                    .lock()
+                                    .unwrap_or_else(PoisonError::into_inner)
+                                    .get_or_insert(e);
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        if let Some(e) = first_error
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner)
+        {
+            return Err(e);
+        }
+        let size = sizes
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner)
+            .into_iter()
+            .map(Option::unwrap_or_default)
+            .sum();
         let layers = plan.layers.into_iter().map(|l| l.diff_id).collect();
-        self.finish(name, plan.id, size, layers, plan.config, any_new)
+        self.finish(name, plan.id, size, layers, plan.config, None)
     }
 
-    /// Records the image; its layers are all stored (and pinned) by now.
+    /// Stores one planned layer unless it is stored already; returns its content size
+    /// and whether it was reused.
+    fn bring_layer(
+        &self,
+        held: &Held,
+        layer: &PlannedLayer,
+        input: &str,
+    ) -> Result<(u64, bool), ImageError> {
+        let fault = |f: Fault| f.into_error(input);
+        if self.hold_if_stored(held, &layer.diff_id)? {
+            tracing::debug!(layer = %layer.diff_id, "layer already stored");
+            return Ok((self.layer_size(&layer.diff_id)?, true));
+        }
+        let file = File::open(&layer.blob).map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => ImageError::Corrupt {
+                input: input.to_owned(),
+                reason: format!("the blob of layer {} is missing", layer.diff_id),
+            },
+            _ => io_error(format!("cannot open {}", layer.blob.display()))(e),
+        })?;
+        let mut blob = HashingReader::new(BufReader::with_capacity(1 << 18, file));
+        let unpacked = unpack_layer(&self.staging, &mut blob).map_err(fault)?;
+        blob.drain().map_err(|e| ImageError::Corrupt {
+            input: input.to_owned(),
+            reason: format!("the blob of layer {} is unreadable: {e}", layer.diff_id),
+        })?;
+        if let Some(expected) = &layer.blob_digest {
+            if blob.digest() != *expected {
+                return Err(fault(Fault::Corrupt(format!(
+                    "blob {expected} does not match its digest"
+                ))));
+            }
+        }
+        if unpacked.diff_id != layer.diff_id {
+            return Err(fault(Fault::Corrupt(format!(
+                "layer {} unpacks to {}",
+                layer.diff_id, unpacked.diff_id
+            ))));
+        }
+        let size = unpacked.size;
+        let new = self.store_unpacked(held, unpacked, input)?;
+        Ok((size, !new))
+    }
+
+    /// Builds the blob of an unpacked layer and publishes it (and its sidecar), holding
+    /// it first. Says whether it was new: a layer another import stored meanwhile is
+    /// kept as it is and this copy dropped.
+    fn store_unpacked(
+        &self,
+        held: &Held,
+        unpacked: Unpacked,
+        input: &str,
+    ) -> Result<bool, ImageError> {
+        let diff_id = unpacked.diff_id.clone();
+        held.hold(&diff_id);
+        if self.blob_path(&diff_id).is_file() {
+            return Ok(false);
+        }
+        let size = unpacked.size;
+        let built = self.build(&diff_id, unpacked.dir.path(), input)?;
+        drop(unpacked);
+        self.publish(&diff_id, &built, size)
+    }
+
+    /// Builds the blob of the tree `tree` as a temporary file of the layer store.
+    fn build(&self, diff_id: &str, tree: &Path, input: &str) -> Result<PathBuf, ImageError> {
+        let built = self.layers_dir().join(self.temp_name());
+        blob::build(tree, &built, diff_id).map_err(|e| {
+            let _ = fs::remove_file(&built);
+            self.store_err(format!("write layer {diff_id} of {input}"))(e)
+        })?;
+        Ok(built)
+    }
+
+    /// Publishes a built blob of `diff_id` (sidecar first, so a blob always has one).
+    fn publish(&self, diff_id: &str, built: &Path, size: u64) -> Result<bool, ImageError> {
+        let dir = self.layers_dir();
+        let hex = Self::hex(diff_id);
+        let context = format!("store layer {diff_id}");
+        let sidecar = serde_json::to_vec(&Sidecar { size }).unwrap_or_default();
+        match blob::publish_bytes(&sidecar, &dir, &format!("{hex}.json"), &self.temp_name()) {
+            Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
+                let _ = fs::remove_file(built);
+                return Err(self.store_err(context)(e));
+            }
+            _ => {}
+        }
+        let new = blob::publish(built, &dir, &format!("{hex}.erofs"), &self.temp_name())
+            .map_err(self.store_err(context))?;
+        if new {
+            tracing::debug!(layer = %diff_id, size, "stored layer");
+        } else {
+            tracing::debug!(layer = %diff_id, "layer stored meanwhile; discarding copy");
+        }
+        Ok(new)
+    }
+
+    /// Bytes of file content in a stored layer.
+    fn layer_size(&self, diff_id: &str) -> Result<u64, ImageError> {
+        let path = self.sidecar_path(diff_id);
+        let bytes = fs::read(&path).map_err(self.store_err(format!("read {}", path.display())))?;
+        serde_json::from_slice::<Sidecar>(&bytes)
+            .map(|s| s.size)
+            .map_err(|e| ImageError::Corrupt {
+                input: path.display().to_string(),
+                reason: format!("unreadable: {e}"),
+            })
+    }
+
+    /// Records the image; its layers are all stored (and held) by now.
     fn finish(
         &self,
         name: String,
@@ -449,26 +805,16 @@ impl Inner {
         size: u64,
         layers: Vec<String>,
         config: ImageConfig,
-        new_layers: bool,
+        fork: Option<Fork>,
     ) -> Result<Image, ImageError> {
-        if new_layers {
-            // The metadata must not outlive a crash that loses layer content.
-            let root = File::open(&self.root)
-                .map_err(io_error(format!("cannot open {}", self.root.display())))?;
-            rustix::fs::syncfs(&root).map_err(|e| ImageError::Io {
-                context: "cannot flush the new layers to disk".into(),
-                source: e.into(),
-            })?;
-        }
         let image = Image {
             name,
             id,
             size,
             layers,
-            created_at: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64()),
+            created_at: unix_now(),
             config,
+            fork,
         };
         self.write_meta(&image)?;
         tracing::info!(image = %image.name, id = %image.id, layers = image.layers.len(), size = image.size, "imported image");
@@ -478,120 +824,160 @@ impl Inner {
     fn write_meta(&self, image: &Image) -> Result<(), ImageError> {
         let dir = self.meta_dir();
         let path = self.meta_path(&image.name);
-        let context = || format!("cannot write {}", path.display());
+        let context = || format!("write {}", path.display());
         let mut tmp = tempfile::Builder::new()
             .prefix(".tmp-")
             .tempfile_in(&dir)
-            .map_err(io_error(context()))?;
-        serde_json::to_writer_pretty(&mut tmp, image).map_err(|e| io_error(context())(e.into()))?;
-        tmp.as_file().sync_all().map_err(io_error(context()))?;
+            .map_err(self.store_err(context()))?;
+        serde_json::to_writer_pretty(&mut tmp, image)
+            .map_err(|e| self.store_err(context())(e.into()))?;
+        tmp.as_file()
+            .sync_all()
+            .map_err(self.store_err(context()))?;
         tmp.persist(&path)
-            .map_err(|e| io_error(context())(e.error))?;
+            .map_err(|e| self.store_err(context())(e.error))?;
         File::open(&dir)
             .and_then(|d| d.sync_all())
-            .map_err(io_error(context()))
+            .map_err(self.store_err(context()))
     }
 
-    /// Moves every stored layer not in `referenced` into a staging grave,
-    /// to be deleted by the caller. Call with the pins lock held.
-    fn bury_unreferenced(
-        &self,
-        referenced: &HashSet<&str>,
-    ) -> Result<Vec<(String, tempfile::TempDir)>, ImageError> {
-        let layers = self.layers_dir();
-        let context = || format!("cannot list {}", layers.display());
-        let mut graves = Vec::new();
-        for entry in fs::read_dir(&layers).map_err(io_error(context()))? {
-            let entry = entry.map_err(io_error(context()))?;
-            let diff_id = format!("sha256:{}", entry.file_name().to_string_lossy());
-            if sha256_hex(&diff_id).is_none() || referenced.contains(diff_id.as_str()) {
+    /// Every `<hex>.erofs` in the store, with its metadata.
+    fn stored_blobs(&self) -> Result<Vec<(String, fs::Metadata)>, ImageError> {
+        let dir = self.layers_dir();
+        let context = || format!("list {}", dir.display());
+        let mut blobs = Vec::new();
+        for entry in fs::read_dir(&dir).map_err(self.store_err(context()))? {
+            let entry = entry.map_err(self.store_err(context()))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(hex) = name.strip_suffix(".erofs") else {
+                continue;
+            };
+            let diff_id = format!("sha256:{hex}");
+            if sha256_hex(&diff_id).is_none() {
                 continue;
             }
-            let grave = tempfile::Builder::new()
-                .prefix("gc-")
-                .tempdir_in(self.staging_dir())
-                .map_err(io_error("cannot create a staging directory"))?;
-            fs::rename(entry.path(), grave.path().join("layer"))
-                .map_err(io_error(format!("cannot remove layer {diff_id}")))?;
-            graves.push((diff_id, grave));
-        }
-        Ok(graves)
-    }
-}
-
-/// Layers an import relies on; garbage collection leaves them alone until
-/// this is dropped, after the image's metadata is written.
-pub(crate) struct Pins {
-    inner: Arc<Inner>,
-    held: Vec<String>,
-}
-
-impl Pins {
-    pub(crate) fn new(inner: Arc<Inner>) -> Pins {
-        Pins {
-            inner,
-            held: Vec::new(),
-        }
-    }
-
-    /// Pins `diff_id` if it is stored; says whether it is.
-    pub(crate) fn pin_if_stored(&mut self, diff_id: &str) -> bool {
-        let mut pins = self.inner.lock_pins();
-        if !self.inner.layer_path(diff_id).is_dir() {
-            return false;
-        }
-        *pins.entry(diff_id.to_owned()).or_default() += 1;
-        self.held.push(diff_id.to_owned());
-        true
-    }
-
-    /// Moves an unpacked layer into the store and pins it; if another import
-    /// stored it meanwhile, the copy is discarded. Says whether it was new.
-    fn commit(&mut self, mut unpacked: Unpacked) -> Result<bool, Fault> {
-        let target = self.inner.layer_path(&unpacked.diff_id);
-        let mut pins = self.inner.lock_pins();
-        let new = match fs::rename(unpacked.dir.path(), &target) {
-            Ok(()) => true,
-            Err(e)
-                if matches!(
-                    rustix::io::Errno::from_io_error(&e),
-                    Some(rustix::io::Errno::EXIST | rustix::io::Errno::NOTEMPTY)
-                ) =>
-            {
-                false
+            if let Ok(meta) = entry.metadata() {
+                blobs.push((diff_id, meta));
             }
-            Err(e) => {
-                return Err(Fault::Io(
-                    format!("cannot store layer {}", unpacked.diff_id),
-                    e,
-                ))
-            }
-        };
-        *pins.entry(unpacked.diff_id.clone()).or_default() += 1;
-        self.held.push(unpacked.diff_id.clone());
-        drop(pins);
-        if new {
-            unpacked.dir.disable_cleanup(true);
-            tracing::debug!(layer = %unpacked.diff_id, size = unpacked.size, "stored layer");
-        } else {
-            tracing::debug!(layer = %unpacked.diff_id, "layer stored meanwhile; discarding copy");
         }
-        Ok(new)
+        Ok(blobs)
     }
-}
 
-impl Drop for Pins {
-    fn drop(&mut self) {
-        let mut pins = self.inner.lock_pins();
-        for diff_id in self.held.drain(..) {
-            if let Some(count) = pins.get_mut(&diff_id) {
-                *count -= 1;
-                if *count == 0 {
-                    pins.remove(&diff_id);
+    fn prune(&self) -> Result<Pruned, ImageError> {
+        let lock = StoreLock::take(&self.root, true).map_err(self.store_err("lock the store"))?;
+        let images = self.list(true)?;
+        let mut referenced: BTreeSet<String> = images
+            .iter()
+            .flat_map(|i| i.layers.iter().cloned())
+            .collect();
+        let counts = self.holds.lock();
+        referenced.extend(counts.keys().cloned());
+        // This edge's mounts depend on its own needs; other edges' leases only keep
+        // their layers in the store.
+        for layer in self.mounts.layers() {
+            if !referenced.contains(&layer) {
+                self.mounts.unmount(&layer);
+                tracing::debug!(layer = %layer, "unmounted layer no image needs");
+            }
+        }
+        referenced.extend(self.leased_by_others()?);
+        let mut pruned = Pruned::default();
+        let mut kept = HashSet::new();
+        for (diff_id, meta) in self.stored_blobs()? {
+            if referenced.contains(&diff_id) {
+                kept.insert(diff_id);
+                continue;
+            }
+            match fs::remove_file(self.blob_path(&diff_id)) {
+                Ok(()) => {
+                    let _ = fs::remove_file(self.sidecar_path(&diff_id));
+                    pruned.layers += 1;
+                    pruned.bytes += meta.blocks() * 512;
+                    tracing::info!(layer = %diff_id, "deleted unreferenced layer");
+                }
+                Err(e) => tracing::warn!(layer = %diff_id, error = %e, "could not delete layer"),
+            }
+        }
+        drop(counts);
+        // Sidecars whose blob never made it (a publish cut short); one being published
+        // now is held, so referenced.
+        for entry in fs::read_dir(self.layers_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(hex) = name.strip_suffix(".json") {
+                let diff_id = format!("sha256:{hex}");
+                if !kept.contains(&diff_id) && !referenced.contains(&diff_id) {
+                    let _ = fs::remove_file(entry.path());
                 }
             }
         }
+        drop(lock);
+        // Other edges may now prune what this one no longer holds or mounts.
+        self.write_lease(true)?;
+        Ok(pruned)
     }
+
+    /// Removes the temporary files a crashed run of this edge left in the layer store.
+    fn remove_own_temporaries(&self) -> Result<(), ImageError> {
+        let prefix = format!(".tmp-{}-", escape(&self.edge));
+        let dir = self.layers_dir();
+        for entry in
+            fs::read_dir(&dir).map_err(self.store_err(format!("list {}", dir.display())))?
+        {
+            let entry = entry.map_err(self.store_err(format!("list {}", dir.display())))?;
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = fs::remove_file(entry.path());
+                tracing::info!(path = %entry.path().display(), "removed leftover of an interrupted import");
+            }
+        }
+        Ok(())
+    }
+
+    /// Converts layers an older dsec stored as unpacked directories into blobs.
+    fn convert_directory_layers(self: &Arc<Self>) -> Result<(), ImageError> {
+        let dir = self.layers_dir();
+        for entry in
+            fs::read_dir(&dir).map_err(self.store_err(format!("list {}", dir.display())))?
+        {
+            let entry = entry.map_err(self.store_err(format!("list {}", dir.display())))?;
+            let diff_id = format!("sha256:{}", entry.file_name().to_string_lossy());
+            let path = entry.path();
+            if sha256_hex(&diff_id).is_none() || !path.is_dir() || path.is_symlink() {
+                continue;
+            }
+            tracing::info!(layer = %diff_id, "converting a layer directory to an EROFS blob");
+            let held = Held::new(self.clone());
+            held.hold(&diff_id);
+            if !self.blob_path(&diff_id).is_file() {
+                let built = self.build(&diff_id, &path, "a layer directory")?;
+                let size = tree_size(&path)
+                    .map_err(io_error(format!("cannot measure {}", path.display())))?;
+                self.publish(&diff_id, &built, size)?;
+            }
+            fs::remove_dir_all(&path)
+                .map_err(io_error(format!("cannot remove {}", path.display())))?;
+        }
+        Ok(())
+    }
+}
+
+/// Empties `dir` (a staging area no one else uses).
+fn clear_dir(dir: &Path) -> Result<(), ImageError> {
+    let context = || format!("cannot list {}", dir.display());
+    for entry in fs::read_dir(dir).map_err(io_error(context()))? {
+        let path = entry.map_err(io_error(context()))?.path();
+        let removed = if path.is_dir() && !path.is_symlink() {
+            fs::remove_dir_all(&path)
+        } else {
+            fs::remove_file(&path)
+        };
+        removed.map_err(io_error(format!("cannot remove {}", path.display())))?;
+        tracing::info!(path = %path.display(), "removed leftover of an interrupted import");
+    }
+    Ok(())
 }
 
 /// Is `path` a tar, gzip or zstd file, judged by its first block?
@@ -654,7 +1040,6 @@ fn escape(name: &str) -> String {
 
 /// Bytes of file content under `dir`, each hard-linked file counted once.
 fn tree_size(dir: &Path) -> io::Result<u64> {
-    use std::os::unix::fs::MetadataExt;
     let mut seen = HashSet::new();
     let mut pending = vec![dir.to_owned()];
     let mut total = 0;

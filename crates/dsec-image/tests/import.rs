@@ -1,15 +1,18 @@
 //! Imports from every kind of source, against real files (run as root).
+//!
+//! Tests that need a service `scripts/setup.sh` installs are `#[ignore]`d, so that a
+//! machine without it reports them as skipped; on a set-up machine they run with
+//! `--include-ignored`, and a missing service is then a failure.
 
-use std::collections::HashSet;
 use std::fs;
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::{symlink, FileTypeExt, MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use dsec_image::{Image, ImageError, ImageStore};
+use dsec_image::{Image, ImageError, ImageStore, MountedImage};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use tempfile::TempDir;
@@ -20,16 +23,26 @@ fn sha(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
+/// A store of its own in a temporary directory. Bind the pair as `let (tmp, store)`:
+/// the store (and its mounts) then goes before the directory.
 fn new_store() -> (TempDir, ImageStore) {
     let dir = TempDir::new().unwrap();
-    let store = ImageStore::open(&dir.path().join("images")).unwrap();
+    let store = open(&dir.path().join("images"));
     (dir, store)
 }
 
+fn open(root: &Path) -> ImageStore {
+    ImageStore::open(root, root, "test").unwrap()
+}
+
+/// Hex digests of the layer blobs stored under `root/images`.
 fn stored_layers(root: &Path) -> Vec<String> {
     let mut names: Vec<String> = fs::read_dir(root.join("images/layers/sha256"))
         .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            name.strip_suffix(".erofs").map(str::to_owned)
+        })
         .collect();
     names.sort();
     names
@@ -220,8 +233,9 @@ fn whiteout_layers() -> Vec<Vec<u8>> {
     vec![lower, upper]
 }
 
-fn layer_dir(store: &ImageStore, image: &Image, from_top: usize) -> PathBuf {
-    store.layer_dirs(image)[from_top].clone()
+/// The image's layers, mounted from their blobs, topmost first.
+async fn mounted(store: &ImageStore, image: &Image) -> MountedImage {
+    store.mount(image).await.unwrap()
 }
 
 #[tokio::test]
@@ -274,8 +288,13 @@ async fn rootfs_directory_keeps_modes_links_owners_and_special_files() {
     assert_eq!(image.size, 18 + 4);
     assert_eq!(store.get("myroot").unwrap(), image);
 
-    let layer = layer_dir(&store, &image, 0);
-    assert!(layer.starts_with(tmp.path().join("images/layers/sha256")));
+    let mounted = mounted(&store, &image).await;
+    let layer = &mounted.dirs[0];
+    assert!(layer.starts_with(tmp.path().join("images/mnt")));
+    assert_eq!(
+        stored_layers(tmp.path()),
+        [image.layers[0]["sha256:".len()..].to_owned()]
+    );
     let tool_meta = fs::symlink_metadata(layer.join("bin/tool")).unwrap();
     assert_eq!(tool_meta.mode() & 0o7777, 0o4755);
     assert_eq!((tool_meta.uid(), tool_meta.gid()), (1234, 5678));
@@ -339,10 +358,11 @@ async fn same_directory_twice_is_stored_once() {
 async fn rootfs_directory_holding_the_store_leaves_it_out() {
     let tmp = TempDir::new().unwrap();
     let rootfs = tmp.path().join("host");
-    let store = ImageStore::open(&rootfs.join("var/lib/dsec/images")).unwrap();
+    let store = open(&rootfs.join("var/lib/dsec/images"));
     fs::write(rootfs.join("hello"), b"hi").unwrap();
     let image = store.import(rootfs.to_str().unwrap(), None).await.unwrap();
-    let layer = layer_dir(&store, &image, 0);
+    let mounted = mounted(&store, &image).await;
+    let layer = &mounted.dirs[0];
     assert_eq!(fs::read(layer.join("hello")).unwrap(), b"hi");
     assert!(layer.join("var/lib/dsec").is_dir());
     assert!(!layer.join("var/lib/dsec/images").exists());
@@ -369,7 +389,8 @@ async fn rootfs_tarballs_plain_gzip_and_zstd() {
         let image = store.import(path.to_str().unwrap(), None).await.unwrap();
         assert_eq!(image.name, name);
         assert_eq!(image.layers, std::slice::from_ref(&diff_id));
-        let layer = layer_dir(&store, &image, 0);
+        let mounted = mounted(&store, &image).await;
+        let layer = &mounted.dirs[0];
         assert_eq!(fs::read(layer.join("bin/sh")).unwrap(), b"shell");
         assert_eq!(
             fs::read_link(layer.join("bin/ash")).unwrap(),
@@ -410,10 +431,10 @@ async fn oci_layout_with_whiteouts_and_opaque_directory() {
     assert_eq!(image.config.cmd, ["sh", "-c", "true"]);
     assert_eq!(image.config.entrypoint, ["/entry"]);
 
-    let dirs = store.layer_dirs(&image);
+    let mounted = mounted(&store, &image).await;
+    let dirs = &mounted.dirs;
     assert_eq!(dirs.len(), 2);
     let (upper, lower) = (&dirs[0], &dirs[1]);
-    assert!(upper.ends_with(&built.diff_ids[1]["sha256:".len()..]));
     assert_eq!(fs::read(lower.join("etc/old")).unwrap(), b"old");
     let whiteout = fs::symlink_metadata(upper.join("etc/old")).unwrap();
     assert!(whiteout.file_type().is_char_device());
@@ -441,8 +462,9 @@ async fn oci_layers_stack_under_overlayfs() {
     let layout = tmp.path().join("stacked");
     oci_layout(&layout, &whiteout_layers(), json!({}));
     let image = store.import(layout.to_str().unwrap(), None).await.unwrap();
-    let lower = store
-        .layer_dirs(&image)
+    let mounted = mounted(&store, &image).await;
+    let lower = mounted
+        .dirs
         .iter()
         .map(|d| d.to_str().unwrap().to_owned())
         .collect::<Vec<_>>()
@@ -461,16 +483,14 @@ async fn oci_layers_stack_under_overlayfs() {
         work.display()
     ))
     .unwrap();
-    if let Err(e) = rustix::mount::mount(
+    rustix::mount::mount(
         "overlay",
         &merged,
         "overlay",
         rustix::mount::MountFlags::empty(),
         options.as_c_str(),
-    ) {
-        println!("skipped: cannot mount overlayfs here ({e})");
-        return;
-    }
+    )
+    .expect("mount overlayfs (these tests run as root, with the overlay module loaded)");
     let seen = (
         merged.join("etc/passwd").exists(),
         merged.join("etc/old").exists(),
@@ -515,7 +535,9 @@ async fn nested_index_picks_linux_amd64() {
     );
     let image = store.import(layout.to_str().unwrap(), None).await.unwrap();
     assert_eq!(image.layers, built.diff_ids);
-    assert!(layer_dir(&store, &image, 0).join("amd64").is_file());
+    assert!(mounted(&store, &image).await.dirs[0]
+        .join("amd64")
+        .is_file());
 }
 
 /// Writes `files` (path, bytes) as a tar file.
@@ -563,7 +585,7 @@ async fn docker_save_archive_legacy_format() {
     assert_eq!(image.config.cmd, ["httpd"]);
     assert_eq!(image.config.workdir.as_deref(), Some("/srv"));
     assert_eq!(
-        fs::read(layer_dir(&store, &image, 0).join("srv/index.html")).unwrap(),
+        fs::read(mounted(&store, &image).await.dirs[0].join("srv/index.html")).unwrap(),
         b"hello"
     );
     assert_eq!(entries(&tmp.path().join("images/staging")), 0);
@@ -749,27 +771,38 @@ async fn remove_keeps_shared_and_in_use_layers() {
     assert_eq!(names, ["a", "b", "c"]);
     assert_eq!(stored_layers(tmp.path()).len(), 4);
 
-    store.remove("a", &HashSet::new()).unwrap();
+    store.remove("a").unwrap();
     let left = stored_layers(tmp.path());
     assert!(left.contains(&hex(&base)), "shared with b");
     assert!(!left.contains(&hex(&only_a)));
     assert!(matches!(store.get("a"), Err(ImageError::NotFound { .. })));
 
-    let in_use = HashSet::from([sha(&only_c)]);
-    store.remove("c", &in_use).unwrap();
+    // A sandbox built on c holds its layer.
+    let in_use = mounted(&store, &store.get("c").unwrap()).await;
+    store.remove("c").unwrap();
     assert!(
         stored_layers(tmp.path()).contains(&hex(&only_c)),
         "used by a sandbox"
     );
+    assert_eq!(fs::read(in_use.dirs[0].join("c")).unwrap(), b"c");
 
-    store.remove("b", &in_use).unwrap();
+    store.remove("b").unwrap();
     assert_eq!(stored_layers(tmp.path()), [hex(&only_c)]);
     assert!(matches!(
-        store.remove("b", &HashSet::new()),
+        store.remove("b"),
         Err(ImageError::NotFound { .. })
     ));
+    drop(in_use);
+    let pruned = store.prune().unwrap();
+    assert_eq!(pruned.layers, 1);
+    assert!(stored_layers(tmp.path()).is_empty());
     assert!(store.list().unwrap().is_empty());
     assert_eq!(entries(&tmp.path().join("images/staging")), 0);
+    assert_eq!(
+        entries(&tmp.path().join("images/mnt")),
+        0,
+        "unused layers are unmounted"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -800,11 +833,13 @@ async fn concurrent_imports_of_one_layer_store_it_once() {
 async fn open_clears_leftover_staging() {
     let tmp = TempDir::new().unwrap();
     let root = tmp.path().join("images");
-    ImageStore::open(&root).unwrap();
+    drop(open(&root));
     fs::create_dir_all(root.join("staging/layer-crashed/usr")).unwrap();
     fs::write(root.join("staging/layer-crashed/usr/x"), b"x").unwrap();
-    ImageStore::open(&root).unwrap();
+    fs::write(root.join("layers/sha256/.tmp-test-0123"), b"half a blob").unwrap();
+    drop(open(&root));
     assert_eq!(entries(&root.join("staging")), 0);
+    assert!(!root.join("layers/sha256/.tmp-test-0123").exists());
 }
 
 /// A registry process, stopped (by its pid) when dropped.
@@ -818,12 +853,15 @@ impl Drop for Registry {
 }
 
 #[tokio::test]
+#[ignore = "needs docker-registry and skopeo from scripts/setup.sh; run with --include-ignored"]
 async fn pull_from_a_local_registry() {
     const REGISTRY: &str = "/usr/bin/docker-registry";
     const SKOPEO: &str = "/usr/bin/skopeo";
-    if !Path::new(REGISTRY).exists() || !Path::new(SKOPEO).exists() {
-        println!("skipped: needs {REGISTRY} (Debian docker-registry) and {SKOPEO}");
-        return;
+    for program in [REGISTRY, SKOPEO] {
+        assert!(
+            Path::new(program).exists(),
+            "{program} is missing: scripts/setup.sh installs docker-registry and skopeo"
+        );
     }
     let (tmp, store) = new_store();
     let port = TcpListener::bind("127.0.0.1:0")
@@ -880,7 +918,8 @@ async fn pull_from_a_local_registry() {
     assert_eq!(image.layers, built.diff_ids);
     assert_eq!(image.config.cmd, ["sh"]);
     assert_eq!(image.config.env, ["A=1"]);
-    let upper = layer_dir(&store, &image, 0);
+    let mounted = mounted(&store, &image).await;
+    let upper = &mounted.dirs[0];
     assert!(fs::symlink_metadata(upper.join("etc/old"))
         .unwrap()
         .file_type()

@@ -14,9 +14,10 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, UdpSocket};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
 
-use crate::nft::{self, Names};
+use crate::limits::{self, Bucket, Refusals, Slots};
+use crate::nft::{self, Names, MAX_OPENED_PER_SANDBOX};
 use crate::policy::Policy;
 
 /// Shortest time an answered address stays open, whatever the record's TTL says: a client
@@ -41,6 +42,12 @@ pub(crate) struct Client {
     /// Destinations opened in its sets, and until when: a repeated question does not
     /// cost an nftables transaction while the answer's addresses are well within theirs.
     pub opened: Mutex<HashMap<(Ipv4Addr, Option<u16>), Instant>>,
+    /// Its query rate (UDP and TCP together).
+    pub rate: Mutex<Bucket>,
+    /// Its rate of nftables transactions opening answered addresses (each costs the host
+    /// an `nft` process: a name under an allowed wildcard whose nameserver answers fresh
+    /// addresses every time must not cost a core).
+    pub open_rate: Mutex<Bucket>,
 }
 
 impl Client {
@@ -49,6 +56,8 @@ impl Client {
             n,
             policy,
             opened: Mutex::default(),
+            rate: Mutex::new(Bucket::new(QUERY_RATE, QUERY_BURST)),
+            open_rate: Mutex::new(Bucket::new(OPEN_RATE, 2.0 * OPEN_RATE)),
         })
     }
 }
@@ -56,9 +65,33 @@ impl Client {
 /// The sandboxes the resolver serves, by address.
 pub(crate) type Clients = Arc<RwLock<HashMap<Ipv4Addr, Arc<Client>>>>;
 
-/// Questions answered at once; more are dropped (clients retry), so a sandbox flooding
-/// the resolver cannot make it spawn without bound.
+/// UDP questions answered at once; more are dropped (clients retry), so a sandbox
+/// flooding the resolver cannot make it spawn without bound.
 const MAX_IN_FLIGHT: usize = 256;
+/// UDP questions of one sandbox answered at once (an upstream may take
+/// [`UPSTREAM_TIMEOUT`] per question: without this, one sandbox asking for names that
+/// time out would hold every slot).
+const MAX_IN_FLIGHT_PER_SANDBOX: usize = 32;
+/// TCP connections open at once, over all sandboxes and per sandbox.
+const MAX_TCP: usize = 128;
+const MAX_TCP_PER_SANDBOX: usize = 8;
+/// Longest wait for one whole TCP query (its length and its bytes), and for its answer to
+/// be taken: a connection that sends nothing, or a byte now and then, is closed after it.
+const TCP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Questions a second one sandbox may ask on average, and in a burst; more are dropped.
+/// Each allowed one costs an upstream query (and the resolver must not become a way to
+/// flood the host's resolvers).
+const QUERY_RATE: f64 = 100.0;
+const QUERY_BURST: f64 = 200.0;
+
+/// Answers a second that may open new addresses for one sandbox (bursts of twice that);
+/// more are answered SERVFAIL.
+const OPEN_RATE: f64 = 20.0;
+
+static OVER_RATE: Refusals = Refusals::new("dns_rate");
+static OPEN_OVER_RATE: Refusals = Refusals::new("opened_addresses_rate");
+static TCP_SILENT: Refusals = Refusals::new("dns_tcp_timeout");
+static OPENED_FULL: Refusals = Refusals::new("opened_addresses_per_sandbox");
 
 /// What the resolver needs; shared by its UDP and TCP tasks.
 pub(crate) struct Resolver {
@@ -67,6 +100,8 @@ pub(crate) struct Resolver {
     pub names: Names,
     /// Addresses never opened from a DNS answer: dsec's pool (network, prefix).
     pub pool: (Ipv4Addr, u8),
+    udp_slots: Arc<Slots>,
+    tcp_slots: Arc<Slots>,
 }
 
 /// The host's resolvers, from `/etc/resolv.conf`.
@@ -161,6 +196,49 @@ fn a_records(msg: &[u8]) -> (Vec<Ipv4Addr>, u32) {
 }
 
 impl Resolver {
+    pub(crate) fn new(
+        clients: Clients,
+        upstream: Vec<SocketAddr>,
+        names: Names,
+        pool: (Ipv4Addr, u8),
+    ) -> Resolver {
+        Resolver {
+            clients,
+            upstream,
+            names,
+            pool,
+            udp_slots: Slots::new(
+                "dns_queries",
+                MAX_IN_FLIGHT_PER_SANDBOX,
+                MAX_IN_FLIGHT,
+                ("dns_queries_per_sandbox", "dns_queries"),
+            ),
+            tcp_slots: Slots::new(
+                "dns_tcp_connections",
+                MAX_TCP_PER_SANDBOX,
+                MAX_TCP,
+                ("dns_tcp_connections_per_sandbox", "dns_tcp_connections"),
+            ),
+        }
+    }
+
+    /// Whether the sandbox at `src` may ask another question now (sources that are no
+    /// sandbox are answered REFUSED, cheaply, by [`Resolver::answer`]).
+    fn within_rate(&self, src: Ipv4Addr) -> bool {
+        let client = self.clients.read().expect("lock").get(&src).cloned();
+        let Some(client) = client else {
+            return true;
+        };
+        let allowed = client.rate.lock().expect("lock").take();
+        if !allowed {
+            OVER_RATE.refuse(
+                src,
+                &format!("a sandbox asks dsec's resolver more than {QUERY_RATE} questions a second: dropped"),
+            );
+        }
+        allowed
+    }
+
     fn openable(&self, ip: Ipv4Addr) -> bool {
         let (net, prefix) = self.pool;
         let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
@@ -212,6 +290,28 @@ impl Resolver {
                     .collect()
             };
             if !wanted.is_empty() {
+                let open_after = {
+                    let mut cache = client.opened.lock().expect("lock");
+                    cache.retain(|_, t| *t > now);
+                    cache.len() + wanted.iter().filter(|d| !cache.contains_key(d)).count()
+                };
+                let refusal = if open_after > MAX_OPENED_PER_SANDBOX {
+                    Some((&OPENED_FULL, format!(
+                        "a sandbox's DNS answers opened {MAX_OPENED_PER_SANDBOX} destinations: answering SERVFAIL until some expire"
+                    )))
+                } else if !client.open_rate.lock().expect("lock").take() {
+                    Some((&OPEN_OVER_RATE, format!(
+                        "a sandbox's DNS answers open new addresses more than {OPEN_RATE} times a second: answering SERVFAIL"
+                    )))
+                } else {
+                    None
+                };
+                if let Some((refusals, why)) = refusal {
+                    if let IpAddr::V4(ip) = src {
+                        refusals.refuse(ip, &why);
+                    }
+                    return Some(empty_reply(query, qend, RCODE_SERVFAIL));
+                }
                 let script = nft::open(&self.names, client.n, &wanted, ttl);
                 let opened = tokio::task::spawn_blocking(move || nft::apply(&script)).await;
                 if !matches!(opened, Ok(Ok(()))) {
@@ -220,7 +320,6 @@ impl Resolver {
                 }
                 let until = now + Duration::from_secs(u64::from(ttl));
                 let mut cache = client.opened.lock().expect("lock");
-                cache.retain(|_, t| *t > now);
                 cache.extend(wanted.into_iter().map(|d| (d, until)));
             }
         }
@@ -257,19 +356,22 @@ impl Resolver {
     /// Serves UDP queries on `sock` forever.
     pub(crate) async fn serve_udp(self: Arc<Self>, sock: UdpSocket) {
         let sock = Arc::new(sock);
-        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
         let mut buf = vec![0u8; 4096];
         loop {
             let Ok((n, src)) = sock.recv_from(&mut buf).await else {
                 continue;
             };
-            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            let SocketAddr::V4(src) = src else { continue };
+            if !self.within_rate(*src.ip()) {
+                continue;
+            }
+            let Some(slot) = self.udp_slots.try_take(*src.ip()) else {
                 continue;
             };
             let (this, sock, query) = (Arc::clone(&self), Arc::clone(&sock), buf[..n].to_vec());
             tokio::spawn(async move {
                 let _slot = slot;
-                if let Some(reply) = this.answer(&query, src.ip()).await {
+                if let Some(reply) = this.answer(&query, IpAddr::V4(*src.ip())).await {
                     let _ = sock.send_to(&reply, src).await;
                 }
             });
@@ -278,38 +380,58 @@ impl Resolver {
 
     /// Serves TCP queries (length-prefixed) on `listener` forever.
     pub(crate) async fn serve_tcp(self: Arc<Self>, listener: TcpListener) {
-        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT / 4));
         loop {
-            let Ok((mut conn, src)) = listener.accept().await else {
-                continue;
-            };
-            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            let (conn, src, slot) = limits::accept(&listener, &self.tcp_slots).await;
+            let Some(slot) = slot else {
                 continue; // dropping `conn` closes it
             };
             let this = Arc::clone(&self);
             tokio::spawn(async move {
                 let _slot = slot;
-                loop {
-                    let mut len = [0u8; 2];
-                    let read =
-                        tokio::time::timeout(UPSTREAM_TIMEOUT * 3, conn.read_exact(&mut len));
-                    if !matches!(read.await, Ok(Ok(_))) {
-                        return;
-                    }
-                    let mut query = vec![0u8; u16::from_be_bytes(len) as usize];
-                    if conn.read_exact(&mut query).await.is_err() {
-                        return;
-                    }
-                    let Some(reply) = this.answer(&query, src.ip()).await else {
-                        return;
-                    };
-                    let mut out = (reply.len() as u16).to_be_bytes().to_vec();
-                    out.extend_from_slice(&reply);
-                    if conn.write_all(&out).await.is_err() {
-                        return;
-                    }
-                }
+                this.serve_tcp_connection(conn, *src.ip()).await;
             });
+        }
+    }
+
+    /// Answers the queries of one TCP connection until it ends, stalls or misbehaves.
+    async fn serve_tcp_connection(&self, mut conn: TcpStream, src: Ipv4Addr) {
+        let mut answered = 0u64;
+        loop {
+            let read = tokio::time::timeout(TCP_TIMEOUT, async {
+                let mut len = [0u8; 2];
+                conn.read_exact(&mut len).await?;
+                let mut query = vec![0u8; usize::from(u16::from_be_bytes(len))];
+                conn.read_exact(&mut query).await?;
+                Ok::<_, std::io::Error>(query)
+            })
+            .await;
+            let query = match read {
+                Ok(Ok(query)) => query,
+                Ok(Err(_)) => return, // closed (or reset)
+                Err(_) if answered == 0 => {
+                    TCP_SILENT.refuse(
+                        src,
+                        &format!("a TCP connection to dsec's resolver sent no whole query in {TCP_TIMEOUT:?}: closed"),
+                    );
+                    return;
+                }
+                Err(_) => return, // idle after its answers: a client keeping it open
+            };
+            if !self.within_rate(src) {
+                return;
+            }
+            let Some(reply) = self.answer(&query, IpAddr::V4(src)).await else {
+                return;
+            };
+            let mut out = (reply.len() as u16).to_be_bytes().to_vec();
+            out.extend_from_slice(&reply);
+            if !matches!(
+                tokio::time::timeout(TCP_TIMEOUT, conn.write_all(&out)).await,
+                Ok(Ok(()))
+            ) {
+                return;
+            }
+            answered += 1;
         }
     }
 }

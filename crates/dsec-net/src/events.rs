@@ -34,10 +34,14 @@ pub struct Refused {
 /// Refused events by sandbox chain number.
 pub(crate) type Log = Arc<Mutex<HashMap<u32, VecDeque<Refused>>>>;
 
-/// Files `event` under sandbox chain `n`, dropping its oldest beyond [`KEEP`].
+/// Files `event` under sandbox chain `n`, dropping its oldest beyond [`KEEP`]; an event of
+/// a chain with no sandbox now (one just released) is dropped, so the log holds entries
+/// only for sandboxes that exist.
 pub(crate) fn record(log: &Log, n: u32, event: Refused) {
     let mut log = log.lock().expect("lock");
-    let events = log.entry(n).or_default();
+    let Some(events) = log.get_mut(&n) else {
+        return;
+    };
     if events.len() == KEEP {
         events.pop_front();
     }
@@ -150,5 +154,25 @@ mod tests {
             payload: logged.payload.clone(),
         };
         assert!(parse(&other, 1.0).is_none());
+    }
+
+    #[test]
+    fn keeps_the_last_events_of_attached_sandboxes_only() {
+        let log = Log::default();
+        let event = |port| Refused {
+            time: 0.0,
+            dst: Ipv4Addr::new(192, 0, 2, 1),
+            port: Some(port),
+            protocol: "udp".into(),
+        };
+        record(&log, 7, event(1));
+        assert!(log.lock().unwrap().is_empty(), "no sandbox 7: dropped");
+        log.lock().unwrap().insert(7, VecDeque::new());
+        for port in 0..(KEEP as u16 + 10) {
+            record(&log, 7, event(port));
+        }
+        let kept = &log.lock().unwrap()[&7];
+        assert_eq!(kept.len(), KEEP);
+        assert_eq!(kept.front().unwrap().port, Some(10));
     }
 }

@@ -8,21 +8,28 @@
 //! proxy (module `proxy`) that checks the name each HTTP or TLS connection to those addresses
 //! carries; refusals become events (module `events`).
 //!
-//! Every host object carries this server's tag, so a server restarted after a crash finds
-//! and removes what it left ([`Networking::start`] begins with that), and never touches
-//! anything else.
+//! Every host object carries this server's tag, and the server holds a record of the tag
+//! outside its state directory while they exist (module `record`): any dsec server starting
+//! on the host removes what a dead server left (SIGKILL, OOM, a crash), whatever state
+//! directory either used, and never touches a live server's objects or anything not
+//! dsec's. The resolver and the proxy cap what each sandbox may hold of them (module
+//! `limits`), and the kernel caps its conntrack entries and opened addresses (`nft`).
 #![warn(missing_docs)]
 
 mod dns;
 mod events;
+mod limits;
 mod netlink;
 mod nft;
 pub mod policy;
 mod proxy;
+mod record;
 
 use std::collections::HashSet;
+use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::OwnedFd;
+use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,9 +40,20 @@ pub use policy::{Policy, Rule, RuleError};
 use crate::dns::{Clients, Resolver};
 use crate::netlink::Rtnl;
 use crate::nft::Names;
+use crate::record::{Owner, Record, Registry};
 
-/// The default address pool: private, and unlikely to be used by anything else on a host.
+/// The first default address pool: private, and unlikely to be used by anything else on
+/// a host. When a host route overlaps it (another dsec server's bridge, say), a server
+/// without `--net-pool` takes the next free /16 of [`DEFAULT_RANGE`].
 pub const DEFAULT_POOL: &str = "10.209.0.0/16";
+
+/// Where the default pool is chosen from: its /16s, from [`DEFAULT_POOL`] on.
+pub const DEFAULT_RANGE: &str = "10.208.0.0/12";
+
+/// The default pools in the order they are tried: 10.209, 10.210, ... 10.223, 10.208.
+fn default_pools() -> impl Iterator<Item = (Ipv4Addr, u8)> {
+    (1..=16u8).map(|k| (Ipv4Addr::new(10, 208 + k % 16, 0, 0), 16))
+}
 
 /// Where a sandbox's own DNS configuration is written.
 pub const RESOLV_CONF: &str = "/etc/resolv.conf";
@@ -90,6 +108,8 @@ pub fn parse_pool(pool: &str) -> Result<(Ipv4Addr, u8), String> {
 pub struct Networking {
     state: Result<Arc<Active>, String>,
     tag: String,
+    /// This server's record (module `record`), held while objects of its tag may exist.
+    record: Mutex<Option<Record>>,
 }
 
 struct Active {
@@ -194,11 +214,10 @@ fn allow_through_iptables(bridge: &str, table: &str) -> Result<(), String> {
 fn remove_host_state(tag: &str) {
     let (bridge, prefix, table) = (bridge_name(tag), veth_prefix(tag), table_name(tag));
     if let Ok(mut rtnl) = Rtnl::open() {
-        let links: Vec<String> = std::fs::read_dir("/sys/class/net")
+        let links: Vec<String> = rtnl
+            .link_names()
+            .unwrap_or_default()
             .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
             .filter(|n| n.starts_with(&prefix) || *n == bridge)
             .collect();
         for link in links {
@@ -235,8 +254,21 @@ fn remove_host_state(tag: &str) {
     }
 }
 
-/// A route of the host that overlaps `pool`, as "network/prefix on device".
-fn overlapping_route(pool: (Ipv4Addr, u8)) -> Option<String> {
+/// A route of the host.
+struct Route {
+    net: Ipv4Addr,
+    prefix: u32,
+    dev: String,
+}
+
+impl fmt::Display for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{} on {}", self.net, self.prefix, self.dev)
+    }
+}
+
+/// A route of the host that overlaps `pool`.
+fn overlapping_route(pool: (Ipv4Addr, u8)) -> Option<Route> {
     let table = std::fs::read_to_string("/proc/net/route").ok()?;
     let pool_lo = u32::from(pool.0);
     let pool_hi = pool_lo | !(u32::MAX << (32 - pool.1));
@@ -260,43 +292,239 @@ fn overlapping_route(pool: (Ipv4Addr, u8)) -> Option<String> {
         let lo = dst & mask;
         let hi = lo | !mask;
         if lo <= pool_hi && pool_lo <= hi {
-            return Some(format!(
-                "{}/{} on {}",
-                Ipv4Addr::from(lo),
-                mask.count_ones(),
-                f[0]
-            ));
+            return Some(Route {
+                net: Ipv4Addr::from(lo),
+                prefix: mask.count_ones(),
+                dev: f[0].to_owned(),
+            });
         }
     }
     None
 }
 
+/// Who owns `route`, when it is another dsec server's bridge, for messages.
+fn route_owner(route: &Route, registry: &Registry) -> String {
+    let Some(tag) = route.dev.strip_prefix("dsec").filter(|t| record::is_tag(t)) else {
+        return String::new();
+    };
+    match registry.live().into_iter().find(|l| l.tag == tag) {
+        Some(live) => format!(
+            " (the bridge of a live dsec server: {})",
+            record::describe(live.owner.as_ref())
+        ),
+        None => format!(
+            " (a dsec bridge that no live server on this host has recorded: one of an older \
+             dsec, or of a server in another mount namespace; if none uses it, \
+             `ip link del {}` removes it)",
+            route.dev
+        ),
+    }
+}
+
+/// The pool to use: `explicit` if no host route overlaps it, else the first free default.
+fn choose_pool(
+    explicit: Option<(Ipv4Addr, u8)>,
+    registry: &Registry,
+) -> Result<(Ipv4Addr, u8), String> {
+    let text = |p: (Ipv4Addr, u8)| format!("{}/{}", p.0, p.1);
+    if let Some(pool) = explicit {
+        return match overlapping_route(pool) {
+            None => Ok(pool),
+            Some(route) => Err(format!(
+                "the address pool {} overlaps the host's route {route}{}; choose another with \
+                 --net-pool, or leave it out to get a free one",
+                text(pool),
+                route_owner(&route, registry)
+            )),
+        };
+    }
+    let mut taken = Vec::new();
+    for pool in default_pools() {
+        match overlapping_route(pool) {
+            None => {
+                if let Some(first) = taken.first() {
+                    tracing::info!(pool = %text(pool), taken = %first,
+                        "the default address pool is taken: using the next free one");
+                }
+                return Ok(pool);
+            }
+            Some(route) => taken.push(format!(
+                "{} ({route}{})",
+                text(pool),
+                route_owner(&route, registry)
+            )),
+        }
+    }
+    Err(format!(
+        "every /16 of the default range {DEFAULT_RANGE} overlaps a host route (first: {}); \
+         choose a pool with --net-pool",
+        taken.first().map_or("", String::as_str)
+    ))
+}
+
+const IP_FORWARD: &str = "/proc/sys/net/ipv4/ip_forward";
+
+/// Makes the host forward IPv4, which sandbox traffic needs, as dockerd does when it
+/// starts. When dsec is the one to switch it on, it first sets the iptables `FORWARD`
+/// policy to DROP (dockerd does that too), so the host does not start routing between
+/// its other interfaces; dsec's bridge then passes by the accept rules
+/// [`allow_through_iptables`] adds. Forwarding stays on after dsec stops: other software
+/// that started meanwhile (dockerd) may rely on it, as it would on dockerd's.
+fn ensure_forwarding() -> Result<(), String> {
+    let now =
+        std::fs::read_to_string(IP_FORWARD).map_err(|e| format!("reading {IP_FORWARD}: {e}"))?;
+    if now.trim() == "1" {
+        return Ok(());
+    }
+    let dropping = iptables(&["-P", "FORWARD", "DROP"]).is_some();
+    std::fs::write(IP_FORWARD, "1").map_err(|e| {
+        format!("IP forwarding is off on this host (net.ipv4.ip_forward=0) and switching it on failed: {e}")
+    })?;
+    if dropping {
+        tracing::info!(
+            "switched IP forwarding on (net.ipv4.ip_forward=1) for sandbox networking, \
+            as dockerd does, after setting the iptables FORWARD policy to DROP; it stays on"
+        );
+    } else {
+        tracing::warn!(
+            "switched IP forwarding on (net.ipv4.ip_forward=1) for sandbox networking, \
+            but could not set the iptables FORWARD policy to DROP (is iptables installed?): \
+            this host now also routes between its other interfaces"
+        );
+    }
+    Ok(())
+}
+
+/// What start-up made on the host: handed from its blocking part to the async one.
+struct Made {
+    record: Record,
+    bridge_index: i32,
+    names: Names,
+    pool: (Ipv4Addr, u8),
+    proxy: std::net::TcpListener,
+}
+
+/// Claims `tag`, removes what this server and dead ones left, and makes the bridge and the
+/// tables, all under the records lock. On failure nothing of `tag` is left; `Err` says
+/// why.
+fn make_host_state(
+    tag: &str,
+    explicit: Option<(Ipv4Addr, u8)>,
+    state_dir: &str,
+    mut names: Names,
+) -> Result<Made, String> {
+    let registry = Registry::lock(Path::new(record::DIR))
+        .map_err(|e| format!("locking {}: {e}", record::DIR))?;
+    let mut owner = Owner {
+        pid: std::process::id(),
+        netns: record::netns_id(),
+        state_dir: state_dir.to_owned(),
+        pool: None,
+    };
+    let record = registry.claim(tag, &owner)?;
+    remove_host_state(tag);
+    for (dead, was, left) in registry.dead(&owner.netns) {
+        remove_host_state(&dead);
+        left.remove(&registry);
+        tracing::info!(tag = %dead, owner = %record::describe(was.as_ref()),
+            "removed the networking a dead dsec server left");
+    }
+    let made = (|| {
+        if nft::query(&["--version"]).is_none() {
+            return Err("the nft command (nftables) is not installed".to_owned());
+        }
+        ensure_forwarding()?;
+        let pool = choose_pool(explicit, &registry)?;
+        let gateway = Ipv4Addr::from(u32::from(pool.0) + 1);
+        let mut rtnl = Rtnl::open().map_err(|e| format!("netlink: {e}"))?;
+        rtnl.add_bridge(&names.bridge)
+            .map_err(|e| format!("creating bridge {}: {e}", names.bridge))?;
+        let index = netlink::index(&names.bridge).map_err(|e| format!("bridge index: {e}"))?;
+        rtnl.add_addr(index, gateway, pool.1)
+            .map_err(|e| format!("addressing bridge {}: {e}", names.bridge))?;
+        // The proxy's port goes into the rules, so it is bound first.
+        let proxy = std::net::TcpListener::bind((gateway, 0))
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .map_err(|e| format!("name-checking proxy on {gateway}: {e}"))?;
+        names.proxy_port = proxy.local_addr().map_err(|e| e.to_string())?.port();
+        nft::apply(&nft::base(
+            &names,
+            &format!("{}/{}", pool.0, pool.1),
+            gateway,
+        ))
+        .map_err(|e| format!("installing nftables rules: {e}"))?;
+        allow_through_iptables(&names.bridge, &names.table)?;
+        Ok((index, pool, proxy))
+    })();
+    match made {
+        Ok((bridge_index, pool, proxy)) => {
+            owner.pool = Some(pool);
+            if let Err(e) = record.write(&owner) {
+                tracing::warn!(error = %e, "updating the networking record");
+            }
+            Ok(Made {
+                record,
+                bridge_index,
+                names,
+                pool,
+                proxy,
+            })
+        }
+        Err(reason) => {
+            remove_host_state(tag);
+            record.remove(&registry);
+            Err(reason)
+        }
+    }
+}
+
+/// Removes everything of `tag` from the host, then its record.
+fn release_host_state(tag: &str, record: Record) {
+    match Registry::lock(Path::new(record::DIR)) {
+        Ok(registry) => {
+            remove_host_state(tag);
+            record.remove(&registry);
+        }
+        // The record stays, unlocked: the next server to start finds it dead and removes it.
+        Err(e) => {
+            tracing::warn!(error = %e, "locking {}", record::DIR);
+            remove_host_state(tag);
+        }
+    }
+}
+
 impl Networking {
-    /// Removes what an earlier run of server `tag` left, then sets up the bridge, the
-    /// nftables tables and the resolver. Never fails: a host that cannot do it gets a
-    /// `Networking` whose every attach is `Unavailable` with the reason.
-    pub async fn start(tag: &str, pool: (Ipv4Addr, u8)) -> Networking {
-        let t = tag.to_owned();
-        let _ = tokio::task::spawn_blocking(move || remove_host_state(&t)).await;
-        let state = match Self::setup(tag, pool).await {
-            Ok(active) => {
-                tracing::info!(bridge = %active.names.bridge, pool = %format!("{}/{}", pool.0, pool.1), "sandbox networking ready");
-                Ok(Arc::new(active))
+    /// Claims tag `tag` for this server (module `record`), removes what an earlier run of
+    /// it and any dead dsec server left in this network namespace, switches IP forwarding
+    /// on if it is off, then sets up the bridge, the nftables tables, the resolver and the
+    /// proxy. `pool`: the address pool, used only if free; `None`: the first free /16 of
+    /// [`DEFAULT_RANGE`]. `state_dir` is recorded for people. Never fails: a host that
+    /// cannot do it gets a `Networking` whose every attach is `Unavailable` with the
+    /// reason.
+    pub async fn start(tag: &str, pool: Option<(Ipv4Addr, u8)>, state_dir: &Path) -> Networking {
+        let (state, record) = match Self::setup(tag, pool, &state_dir.display().to_string()).await {
+            Ok((active, record)) => {
+                tracing::info!(bridge = %active.names.bridge,
+                    pool = %format!("{}/{}", active.pool.0, active.pool.1), "sandbox networking ready");
+                (Ok(Arc::new(active)), Some(record))
             }
             Err(reason) => {
                 tracing::warn!(%reason, "sandbox networking unavailable");
-                let t = tag.to_owned();
-                let _ = tokio::task::spawn_blocking(move || remove_host_state(&t)).await;
-                Err(reason)
+                (Err(reason), None)
             }
         };
         Networking {
             state,
             tag: tag.to_owned(),
+            record: Mutex::new(record),
         }
     }
 
-    async fn setup(tag: &str, pool: (Ipv4Addr, u8)) -> Result<Active, String> {
+    async fn setup(
+        tag: &str,
+        pool: Option<(Ipv4Addr, u8)>,
+        state_dir: &str,
+    ) -> Result<(Active, Record), String> {
         // The event reader's nflog group must be bound before the rules name it.
         let (nflog, log_group) = events::bind(log_group(tag));
         let names = Names {
@@ -306,67 +534,51 @@ impl Networking {
             log_group,
             proxy_port: 0,
         };
+        let (t, sd) = (tag.to_owned(), state_dir.to_owned());
+        let made = tokio::task::spawn_blocking(move || make_host_state(&t, pool, &sd, names))
+            .await
+            .map_err(|e| e.to_string())??;
+        let record = made.record;
+        let (names, pool) = (made.names, made.pool);
         let gateway = Ipv4Addr::from(u32::from(pool.0) + 1);
-        let pool_text = format!("{}/{}", pool.0, pool.1);
-        let mut n2 = names;
-        let setup = tokio::task::spawn_blocking(move || {
-            if nft::query(&["--version"]).is_none() {
-                return Err("the nft command (nftables) is not installed".into());
+        let serving = async {
+            let proxy = tokio::net::TcpListener::from_std(made.proxy).map_err(|e| e.to_string())?;
+            let listen = SocketAddr::from((gateway, 53));
+            let udp = tokio::net::UdpSocket::bind(listen)
+                .await
+                .map_err(|e| format!("DNS resolver on {listen}/udp: {e}"))?;
+            let tcp = tokio::net::TcpListener::bind(listen)
+                .await
+                .map_err(|e| format!("DNS resolver on {listen}/tcp: {e}"))?;
+            Ok::<_, String>((proxy, udp, tcp))
+        };
+        let (proxy, udp, tcp) = match serving.await {
+            Ok(sockets) => sockets,
+            Err(reason) => {
+                let t = tag.to_owned();
+                let _ = tokio::task::spawn_blocking(move || release_host_state(&t, record)).await;
+                return Err(reason);
             }
-            let forward =
-                std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward").unwrap_or_default();
-            if forward.trim() != "1" {
-                return Err("IP forwarding is off on this host (net.ipv4.ip_forward=0)".into());
-            }
-            if let Some(route) = overlapping_route(pool) {
-                return Err(format!(
-                    "the address pool {pool_text} overlaps the host's route {route}; choose another with --net-pool"
-                ));
-            }
-            let mut rtnl = Rtnl::open().map_err(|e| format!("netlink: {e}"))?;
-            rtnl.add_bridge(&n2.bridge)
-                .map_err(|e| format!("creating bridge {}: {e}", n2.bridge))?;
-            let index = netlink::index(&n2.bridge).map_err(|e| format!("bridge index: {e}"))?;
-            rtnl.add_addr(index, gateway, pool.1)
-                .map_err(|e| format!("addressing bridge {}: {e}", n2.bridge))?;
-            // The proxy's port goes into the rules, so it is bound first.
-            let proxy = std::net::TcpListener::bind((gateway, 0))
-                .and_then(|l| l.set_nonblocking(true).map(|()| l))
-                .map_err(|e| format!("name-checking proxy on {gateway}: {e}"))?;
-            n2.proxy_port = proxy.local_addr().map_err(|e| e.to_string())?.port();
-            nft::apply(&nft::base(&n2, &pool_text, gateway))
-                .map_err(|e| format!("installing nftables rules: {e}"))?;
-            allow_through_iptables(&n2.bridge, &n2.table)?;
-            Ok::<_, String>((index, n2, proxy))
-        });
-        let (bridge_index, names, proxy) = setup.await.map_err(|e| e.to_string())??;
-        let proxy = tokio::net::TcpListener::from_std(proxy).map_err(|e| e.to_string())?;
-        let listen = SocketAddr::from((gateway, 53));
-        let udp = tokio::net::UdpSocket::bind(listen)
-            .await
-            .map_err(|e| format!("DNS resolver on {listen}/udp: {e}"))?;
-        let tcp = tokio::net::TcpListener::bind(listen)
-            .await
-            .map_err(|e| format!("DNS resolver on {listen}/tcp: {e}"))?;
+        };
         let clients: Clients = Arc::default();
         let upstream = dns::host_resolvers();
         if upstream.is_empty() {
             tracing::warn!("no nameserver in /etc/resolv.conf: sandboxes will resolve nothing");
         }
-        let resolver = Arc::new(Resolver {
-            clients: Arc::clone(&clients),
+        let resolver = Arc::new(Resolver::new(
+            Arc::clone(&clients),
             upstream,
-            names: names.clone(),
+            names.clone(),
             pool,
-        });
+        ));
         let refused = events::Log::default();
         let refused_by_proxy = Arc::new(AtomicU64::new(0));
-        let proxy_task = Arc::new(proxy::Proxy {
-            clients: Arc::clone(&clients),
+        let proxy_task = Arc::new(proxy::Proxy::new(
+            Arc::clone(&clients),
             pool,
-            refused: Arc::clone(&refused),
-            refused_count: Arc::clone(&refused_by_proxy),
-        });
+            Arc::clone(&refused),
+            Arc::clone(&refused_by_proxy),
+        ));
         let tasks = vec![
             tokio::spawn(Arc::clone(&resolver).serve_udp(udp)),
             tokio::spawn(resolver.serve_tcp(tcp)),
@@ -375,15 +587,17 @@ impl Networking {
         let stop = Arc::new(AtomicBool::new(false));
         match nflog {
             Ok(nflog) => {
-                events::start(nflog, pool, Arc::clone(&refused), Arc::clone(&stop))
-                    .map_err(|e| format!("starting the refused-event reader: {e}"))?;
+                if let Err(e) = events::start(nflog, pool, Arc::clone(&refused), Arc::clone(&stop))
+                {
+                    tracing::warn!(error = %e, "no refused-connection events (starting their reader failed)");
+                }
             }
             Err(e) => tracing::warn!(error = %e,
                 "no refused-connection events (no free nflog group); the counter still works"),
         }
-        Ok(Active {
+        let active = Active {
             names,
-            bridge_index,
+            bridge_index: made.bridge_index,
             gateway,
             pool,
             clients,
@@ -394,7 +608,8 @@ impl Networking {
             tasks,
             refused,
             stop,
-        })
+        };
+        Ok((active, record))
     }
 
     /// Why networking is unavailable, if it is.
@@ -411,7 +626,11 @@ impl Networking {
             .map_err(|r| NetError::Unavailable(r.clone()))?;
         let n = active.allocate()?;
         let ip = Ipv4Addr::from(u32::from(active.pool.0) + n);
-        active.refused.lock().expect("lock").remove(&n);
+        active
+            .refused
+            .lock()
+            .expect("lock")
+            .insert(n, Default::default());
         let script = nft::attach(&active.names, n, ip, policy, active.next_generation());
         let attachment = Attachment {
             active: Arc::clone(active),
@@ -436,17 +655,21 @@ impl Networking {
     }
 
     /// Packets refused so far by every sandbox's policy and by the bridge's input rules.
+    /// (Also publishes `dsec_network_limited_total` for the caps the kernel enforces,
+    /// whose counters are read in the same nftables listing.)
     pub async fn refused_total(&self) -> u64 {
         let Ok(active) = &self.state else {
             return 0;
         };
         let names = active.names.clone();
-        let now: u64 = tokio::task::spawn_blocking(move || nft::refused(&names, None))
+        let counters = tokio::task::spawn_blocking(move || nft::refused(&names, None))
             .await
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(_, p)| p)
-            .sum();
+            .unwrap_or_default();
+        // Read in the same listing: what the kernel-side caps refused.
+        for (limit, packets) in counters.by_limit {
+            metrics::counter!("dsec_network_limited_total", "limit" => limit).absolute(packets);
+        }
+        let now: u64 = counters.by_chain.into_iter().map(|(_, p)| p).sum();
         active.refused_gone.load(Ordering::Relaxed)
             + active.refused_by_proxy.load(Ordering::Relaxed)
             + now
@@ -460,8 +683,11 @@ impl Networking {
             }
             active.stop.store(true, Ordering::Relaxed);
         }
-        let tag = self.tag.clone();
-        let _ = tokio::task::spawn_blocking(move || remove_host_state(&tag)).await;
+        let record = self.record.lock().expect("lock").take();
+        if let Some(record) = record {
+            let tag = self.tag.clone();
+            let _ = tokio::task::spawn_blocking(move || release_host_state(&tag, record)).await;
+        }
     }
 }
 
@@ -493,6 +719,7 @@ impl Active {
     /// Refused packets counted by chain `n` now.
     fn refused_by(&self, n: u32) -> u64 {
         nft::refused(&self.names, Some(n))
+            .by_chain
             .into_iter()
             .filter(|(c, _)| *c == Some(n))
             .map(|(_, p)| p)
@@ -602,6 +829,19 @@ mod tests {
         assert!(parse_pool("10.209.0.0/8").is_err());
         assert!(parse_pool("10.209.0.0").is_err());
         assert!(parse_pool("x/16").is_err());
+    }
+
+    #[test]
+    fn default_pools_are_the_range_from_the_default_on() {
+        let pools: Vec<String> = default_pools().map(|(n, p)| format!("{n}/{p}")).collect();
+        assert_eq!(pools.first().map(String::as_str), Some(DEFAULT_POOL));
+        assert_eq!(pools.len(), 16);
+        let range = parse_pool(DEFAULT_RANGE).unwrap();
+        let mask = u32::MAX << (32 - range.1);
+        for (net, _) in default_pools() {
+            assert_eq!(u32::from(net) & mask, u32::from(range.0));
+        }
+        assert_eq!(pools.iter().collect::<HashSet<_>>().len(), 16);
     }
 
     #[test]

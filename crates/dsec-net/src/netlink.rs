@@ -119,6 +119,12 @@ impl Rtnl {
 
     /// Sends one request and waits for its acknowledgement.
     fn call(&mut self, msg: &mut Msg) -> io::Result<()> {
+        self.send(msg)?;
+        self.receive(|_, _| {})
+    }
+
+    /// Stamps `msg` with the next sequence number and sends it to the kernel.
+    fn send(&mut self, msg: &mut Msg) -> io::Result<()> {
         self.seq = self.seq.wrapping_add(1);
         let len = msg.buf.len() as u32;
         msg.buf[0..4].copy_from_slice(&len.to_ne_bytes());
@@ -140,7 +146,13 @@ impl Rtnl {
         if sent < 0 {
             return Err(io::Error::last_os_error());
         }
-        let mut reply = [0u8; 8192];
+        Ok(())
+    }
+
+    /// Reads replies to the last request until its acknowledgement (or, for a dump, its
+    /// end), handing every other message of that request to `each` as (type, payload).
+    fn receive(&mut self, mut each: impl FnMut(u16, &[u8])) -> io::Result<()> {
+        let mut reply = vec![0u8; 32 * 1024];
         loop {
             // SAFETY: `reply` is writable for its whole length.
             let n = unsafe {
@@ -160,20 +172,51 @@ impl Rtnl {
                     u32::from_ne_bytes(reply[off..off + 4].try_into().expect("4 bytes")) as usize;
                 let kind = u16::from_ne_bytes(reply[off + 4..off + 6].try_into().expect("2"));
                 let seq = u32::from_ne_bytes(reply[off + 8..off + 12].try_into().expect("4"));
-                if kind == libc::NLMSG_ERROR as u16 && seq == self.seq && off + 20 <= n as usize {
-                    let err = i32::from_ne_bytes(reply[off + 16..off + 20].try_into().expect("4"));
-                    return if err == 0 {
-                        Ok(())
-                    } else {
-                        Err(io::Error::from_raw_os_error(-err))
-                    };
-                }
-                if mlen < 16 {
+                if mlen < 16 || off + mlen > n as usize {
                     break;
+                }
+                if seq == self.seq {
+                    if kind == libc::NLMSG_ERROR as u16 && mlen >= 20 {
+                        let err =
+                            i32::from_ne_bytes(reply[off + 16..off + 20].try_into().expect("4"));
+                        return if err == 0 {
+                            Ok(())
+                        } else {
+                            Err(io::Error::from_raw_os_error(-err))
+                        };
+                    }
+                    if kind == libc::NLMSG_DONE as u16 {
+                        return Ok(());
+                    }
+                    each(kind, &reply[off + 16..off + mlen]);
                 }
                 off += (mlen + 3) & !3;
             }
         }
+    }
+
+    /// The names of every interface in this socket's network namespace. (Not from
+    /// `/sys/class/net`: that shows the namespace sysfs was mounted in, which is not this
+    /// one for a server started with `nsenter --net`.)
+    pub(crate) fn link_names(&mut self) -> io::Result<Vec<String>> {
+        let mut m = Msg::new(libc::RTM_GETLINK, libc::NLM_F_DUMP as u16);
+        m.ifinfo(0, false);
+        self.send(&mut m)?;
+        let mut names = Vec::new();
+        self.receive(|kind, msg| {
+            if kind != libc::RTM_NEWLINK {
+                return;
+            }
+            let name = attrs(msg.get(IFINFOMSG_LEN..).unwrap_or_default())
+                .find(|(kind, _)| *kind == IFLA_IFNAME)
+                .map(|(_, data)| {
+                    String::from_utf8_lossy(data)
+                        .trim_end_matches('\0')
+                        .to_owned()
+                });
+            names.extend(name);
+        })?;
+        Ok(names)
     }
 
     /// Creates bridge `name` (up).
@@ -276,6 +319,17 @@ impl Rtnl {
             .attr(RTA_OIF, &(index as u32).to_ne_bytes());
         self.call(&mut m)
     }
+}
+
+/// The attributes of a netlink message's payload, as (type without flags, data).
+fn attrs(mut buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    std::iter::from_fn(move || {
+        let len = usize::from(u16::from_ne_bytes([*buf.first()?, *buf.get(1)?]));
+        let kind = u16::from_ne_bytes([*buf.get(2)?, *buf.get(3)?]) & 0x3fff;
+        let data = buf.get(4..len)?;
+        buf = buf.get((len + 3) & !3..).unwrap_or_default();
+        Some((kind, data))
+    })
 }
 
 /// Runs `f` on a fresh thread that has joined the network namespace `netns`, so that

@@ -25,6 +25,32 @@ use crate::NetError;
 /// Comment on every rule that refuses: the counters read back for the refused metric.
 const REFUSED: &str = "dsec-refused";
 
+/// Prefix of the comment of each rule that enforces a cap: `dsec-limited:<limit>`, read
+/// back for `dsec_network_limited_total{limit}`.
+const LIMITED: &str = "dsec-limited:";
+
+/// DNS packets a second one sandbox may send (on average; bursts of twice that): a flood
+/// is dropped by the kernel, before it can fill the resolver's socket, which every
+/// sandbox shares. (The resolver keeps its own count per question; see `dns`.)
+pub(crate) const DNS_PACKET_RATE: u32 = 100;
+
+/// New connections a second one sandbox may open to the bridge (the proxy, DNS over TCP),
+/// on average; bursts of twice that.
+pub(crate) const LOCAL_CONNECTION_RATE: u32 = 100;
+
+/// Connections (conntrack entries) one sandbox may have through the host at once: each
+/// costs kernel memory, and the host's table (`nf_conntrack_max`) is shared by everything
+/// on it; a sandbox spraying UDP at many ports would otherwise fill it for all.
+pub(crate) const MAX_FORWARDED_PER_SANDBOX: u32 = 2048;
+
+/// Connections one sandbox may have to the bridge itself (DNS queries, each a conntrack
+/// entry for 30 s or more, and connections to the proxy).
+pub(crate) const MAX_LOCAL_PER_SANDBOX: u32 = 1024;
+
+/// Destinations DNS answers may open for one sandbox at once, per set (see `dns`): each
+/// is kernel memory, and a name under an allowed wildcard can answer many addresses.
+pub(crate) const MAX_OPENED_PER_SANDBOX: usize = 4096;
+
 /// Prefix of the nflog messages of refused packets.
 pub(crate) const LOG_PREFIX: &str = "dsec-refused ";
 
@@ -108,6 +134,9 @@ pub(crate) fn base(names: &Names, pool: &str, bridge_ip: Ipv4Addr) -> String {
     let (t, br, ports) = (&names.table, &names.bridge, &names.veth_prefix);
     let log = names.log();
     let proxy = names.proxy_port;
+    let local = MAX_LOCAL_PER_SANDBOX;
+    let (dns_rate, dns_burst) = (DNS_PACKET_RATE, 2 * DNS_PACKET_RATE);
+    let (conn_rate, conn_burst) = (LOCAL_CONNECTION_RATE, 2 * LOCAL_CONNECTION_RATE);
     format!(
         "table inet {t} {{
   map sandboxes {{ type ipv4_addr : verdict; }}
@@ -123,9 +152,19 @@ pub(crate) fn base(names: &Names, pool: &str, bridge_ip: Ipv4Addr) -> String {
     iifname \"{br}\" ip saddr vmap @sandboxes
     iifname \"{br}\" counter reject with icmpx type admin-prohibited
   }}
+  set local_conns {{ type ipv4_addr; size 65536; flags dynamic; }}
+  set dns_rate {{ type ipv4_addr; size 65536; flags dynamic,timeout; timeout 10s; }}
+  set connection_rate {{ type ipv4_addr; size 65536; flags dynamic,timeout; timeout 10s; }}
+  chain limited {{
+    {log}
+    counter reject with icmpx type admin-prohibited comment \"{LIMITED}conntrack_per_sandbox\"
+  }}
   chain input {{
     type filter hook input priority filter - 10; policy accept;
+    iifname \"{br}\" udp dport 53 add @dns_rate {{ ip saddr limit rate over {dns_rate}/second burst {dns_burst} packets }} counter drop comment \"{LIMITED}dns_udp_rate\"
     iifname \"{br}\" ct state established,related accept
+    iifname \"{br}\" ct state new add @local_conns {{ ip saddr ct count over {local} }} jump limited
+    iifname \"{br}\" meta l4proto tcp ct state new add @connection_rate {{ ip saddr limit rate over {conn_rate}/second burst {conn_burst} packets }} counter drop comment \"{LIMITED}local_connection_rate\"
     iifname \"{br}\" ip daddr {bridge_ip} meta l4proto {{ tcp, udp }} th dport 53 accept
     iifname \"{br}\" ip daddr {bridge_ip} tcp dport {proxy} accept
     iifname \"{br}\" {log}
@@ -166,6 +205,10 @@ fn rules(names: &Names, n: u32, policy: &Policy, generation: u32) -> String {
         let _ = writeln!(
             s,
             "add rule inet {t} {c} ct state established,related ct mark {generation:#x} accept"
+        );
+        let _ = writeln!(
+            s,
+            "add rule inet {t} {c} ct state new ct count over {MAX_FORWARDED_PER_SANDBOX} jump limited"
         );
     }
     let mut rule = |body: &str| {
@@ -253,10 +296,12 @@ pub(crate) fn attach(
     let t = &names.table;
     let (c, d, p) = (Names::chain(n), Names::any_set(n), Names::port_set(n));
     let nc = Names::nat_chain(n);
+    // Room past the resolver's own count of what it opened, which it checks first.
+    let size = MAX_OPENED_PER_SANDBOX + 64;
     let mut s = format!(
         "add chain inet {t} {c}\nadd chain inet {t} {nc}\n\
-         add set inet {t} {d} {{ type ipv4_addr; flags timeout; }}\n\
-         add set inet {t} {p} {{ type ipv4_addr . inet_service; flags timeout; }}\n\
+         add set inet {t} {d} {{ type ipv4_addr; flags timeout; size {size}; }}\n\
+         add set inet {t} {p} {{ type ipv4_addr . inet_service; flags timeout; size {size}; }}\n\
          flush chain inet {t} {c}\nflush chain inet {t} {nc}\n\
          flush set inet {t} {d}\nflush set inet {t} {p}\n"
     );
@@ -325,10 +370,17 @@ pub(crate) fn open(names: &Names, n: u32, dests: &[(Ipv4Addr, Option<u16>)], ttl
     s
 }
 
-/// Packets refused so far, per sandbox chain number, plus those refused by `input`
-/// (under `None`), from the counters of the rules commented [`REFUSED`].
-/// (`chain`: only that sandbox's chain, which is much cheaper to list than the table.)
-pub(crate) fn refused(names: &Names, chain: Option<u32>) -> Vec<(Option<u32>, u64)> {
+/// What the refusing rules' counters say: packets refused by policy per sandbox chain
+/// number (`None`: the bridge's `input` chain), and packets refused by each cap.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub by_chain: Vec<(Option<u32>, u64)>,
+    pub by_limit: Vec<(String, u64)>,
+}
+
+/// The counters of the rules commented [`REFUSED`] or [`LIMITED`]. (`chain`: only that
+/// sandbox's chain, which is much cheaper to list than the table.)
+pub(crate) fn refused(names: &Names, chain: Option<u32>) -> Counters {
     let listed = match chain {
         None => query(&["-j", "list", "table", "inet", &names.table]),
         Some(n) => query(&[
@@ -340,29 +392,33 @@ pub(crate) fn refused(names: &Names, chain: Option<u32>) -> Vec<(Option<u32>, u6
             &Names::chain(n),
         ]),
     };
-    let Some(json) = listed else {
-        return Vec::new();
+    let mut out = Counters::default();
+    let Some(doc) = listed.and_then(|json| serde_json::from_str::<serde_json::Value>(&json).ok())
+    else {
+        return out;
     };
-    let Ok(doc) = serde_json::from_str::<serde_json::Value>(&json) else {
-        return Vec::new();
-    };
-    let mut out = Vec::new();
     for item in doc["nftables"].as_array().into_iter().flatten() {
         let rule = &item["rule"];
-        if rule["comment"].as_str() != Some(REFUSED) {
+        let packets = || {
+            rule["expr"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find_map(|e| e["counter"]["packets"].as_u64())
+                .unwrap_or(0)
+        };
+        let Some(comment) = rule["comment"].as_str() else {
             continue;
+        };
+        if comment == REFUSED {
+            let chain = rule["chain"].as_str().unwrap_or_default();
+            let n = chain
+                .strip_prefix('s')
+                .and_then(|h| u32::from_str_radix(h, 16).ok());
+            out.by_chain.push((n, packets()));
+        } else if let Some(limit) = comment.strip_prefix(LIMITED) {
+            out.by_limit.push((limit.to_owned(), packets()));
         }
-        let packets = rule["expr"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find_map(|e| e["counter"]["packets"].as_u64())
-            .unwrap_or(0);
-        let chain = rule["chain"].as_str().unwrap_or_default();
-        let n = chain
-            .strip_prefix('s')
-            .and_then(|h| u32::from_str_radix(h, 16).ok());
-        out.push((n, packets));
     }
     out
 }
@@ -371,15 +427,19 @@ pub(crate) fn refused(names: &Names, chain: Option<u32>) -> Vec<(Option<u32>, u6
 mod tests {
     use super::*;
 
-    #[test]
-    fn allow_lists_end_in_a_counted_reject() {
-        let names = Names {
+    fn names() -> Names {
+        Names {
             table: "dsec_t".into(),
             bridge: "dsect".into(),
             veth_prefix: "dvt".into(),
             log_group: 9,
             proxy_port: 4242,
-        };
+        }
+    }
+
+    #[test]
+    fn allow_lists_end_in_a_counted_reject() {
+        let names = names();
         let p = Policy::allow(&["10.0.0.0/8", "1.2.3.4:443", "pypi.org"]).unwrap();
         let s = attach(&names, 5, Ipv4Addr::new(10, 209, 0, 5), &p, 7);
         assert!(s.contains("s00005 ct state established,related ct mark 0x7 accept"));
@@ -397,5 +457,33 @@ mod tests {
         assert!(last_rule.contains("reject") && last_rule.contains(REFUSED));
         assert!(s.contains("n00005 tcp dport { 80, 443 } ip daddr @d00005 redirect to :4242"));
         assert!(s.contains("n00005 ip daddr 10.0.0.0/8 accept"));
+        // The conntrack cap comes right after the established-connection shortcut, before
+        // anything the policy accepts.
+        let chain: Vec<&str> = s
+            .lines()
+            .filter(|l| l.starts_with("add rule inet dsec_t s00005"))
+            .collect();
+        assert!(chain[1].ends_with(&format!(
+            "ct state new ct count over {MAX_FORWARDED_PER_SANDBOX} jump limited"
+        )));
+        assert!(s.contains(&format!("size {}", MAX_OPENED_PER_SANDBOX + 64)));
+    }
+
+    #[test]
+    fn the_base_tables_limit_each_sandbox_before_accepting() {
+        let s = base(&names(), "10.209.0.0/16", Ipv4Addr::new(10, 209, 0, 1));
+        let input: Vec<&str> = s
+            .split("chain input {")
+            .nth(1)
+            .unwrap()
+            .lines()
+            .map(str::trim)
+            .collect();
+        let at = |needle: &str| input.iter().position(|l| l.contains(needle)).unwrap();
+        // The DNS rate comes before the established shortcut (a UDP flood from one port is
+        // "established" after the first answer); the caps before what input accepts.
+        assert!(at("dsec-limited:dns_udp_rate") < at("ct state established,related accept"));
+        assert!(at("ct count over") < at("th dport 53 accept"));
+        assert!(at("dsec-limited:local_connection_rate") < at("tcp dport 4242 accept"));
     }
 }

@@ -8,6 +8,15 @@ use caps::{CapSet, Capability, CapsHashSet};
 /// stops a container from opening the block devices it creates. dsec does not install a
 /// device filter, so it withholds the capability instead: `/dev` holds only the nodes init
 /// made, and a process inside cannot make more. FIFOs and sockets need no capability.
+///
+/// `CAP_SETFCAP` stays, as in Docker and Podman: package scripts set file capabilities
+/// (`setcap cap_net_raw+p /bin/ping` in iputils' postinst) and an image built or changed
+/// in a sandbox must keep them. What it lets an agent make is harmless everywhere dsec
+/// puts it: inside the sandbox, `no_new_privs` and the bounding set cap what an `execve`
+/// can gain at this set; on the host, a snapshot's layer sits in a `0700` state directory
+/// on a `nosuid,nodev` mount, where the kernel ignores file capabilities and setuid bits
+/// (`dsec_image::seal`); and no other namespace honours them through `/proc/<pid>/root`
+/// (the kernel treats foreign mounts as `nosuid`).
 pub const KEPT: [Capability; 13] = [
     Capability::CAP_CHOWN,
     Capability::CAP_DAC_OVERRIDE,
@@ -38,6 +47,12 @@ pub fn drop_to_default() -> Result<(), caps::errors::CapsError> {
     caps::set(None, CapSet::Effective, &keep)?;
     caps::set(None, CapSet::Permitted, &keep)?;
     Ok(())
+}
+
+/// Whether this process may lower OOM scores (`CAP_SYS_RESOURCE`), as a sandbox's init
+/// does for itself before it drops to [`KEPT`].
+pub fn can_lower_oom_scores() -> bool {
+    caps::has_cap(None, CapSet::Effective, Capability::CAP_SYS_RESOURCE).unwrap_or(false)
 }
 
 #[cfg(test)]

@@ -7,9 +7,26 @@
 //! hierarchies: [`CgroupLayout::detect`] finds out which and the rest of the code asks the
 //! layout rather than the host.
 //!
-//! Each command runs in a child cgroup of the sandbox (`e<N>`) on the *tracking* hierarchy
-//! (v2, or the v1 freezer), which is how a timeout kills a whole process tree, double
-//! forks included.
+//! The `dsec-<tag>` parents carry limits of their own ([`ParentLimits`]): all sandboxes
+//! together cannot take the memory or the pids the server and the host need.
+//!
+//! On v1 hosts, init and the commands are charged apart: the sandbox's memory cgroup, with
+//! its limit, holds the commands only, and every init of the server lives in one shared
+//! memory cgroup, `dsec-<tag>/inits`, without a limit of its own. The kernel's OOM killer
+//! then only ever chooses among a sandbox's commands, and memory an agent pins without a
+//! process to kill (tmpfs files, inodes, dentries) fills its commands' cgroup, never the
+//! budget init allocates from: a full sandbox OOM-kills its commands and keeps answering.
+//! `oom_score_adj` cannot give that guarantee: lowering it needs `CAP_SYS_RESOURCE`, which
+//! not every host grants (see `init::protect_from_oom_killer`). One shared cgroup, not one
+//! more per sandbox, because each memory cgroup costs the kernel ~1 KiB per 64 memory-aware
+//! shrinkers on the host (every sandbox's superblocks register some), so a second cgroup per
+//! sandbox would double a cost that grows with the square of the sandbox count.
+//!
+//! On v2 init shares its sandbox's memory cgroup, as before: there a cgroup with children
+//! holds no process, so the split costs two more memory cgroups per sandbox, and where
+//! cgroup namespaces are delegation boundaries (`nsdelegate`) init could not place its
+//! commands in a cgroup outside its own namespace without a per-exec `cgroup.procs` write,
+//! which waits for an RCU grace period. On v2 init's protection is its OOM score.
 
 use std::fs;
 use std::io;
@@ -81,6 +98,31 @@ pub enum CgroupLayout {
     },
 }
 
+/// Limits on the `dsec-<tag>` parents, shared by all sandboxes of this server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParentLimits {
+    /// Memory all sandboxes together may use, in bytes.
+    pub memory_bytes: u64,
+    /// Tasks (processes and threads) all sandboxes together may hold.
+    pub pids: u64,
+}
+
+/// The tightest limits the cgroups above the server set (its own cgroup included), per
+/// resource; `None` where no ancestor sets one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InheritedLimits {
+    /// Memory, in bytes.
+    pub memory_bytes: Option<u64>,
+    /// Tasks.
+    pub pids: Option<u64>,
+}
+
+/// The v1 memory cgroup, beside the sandboxes', that every init of the server lives in.
+const INITS_DIR: &str = "inits";
+/// v1 memory limits at or above this mean "no limit" (the kernel's `PAGE_COUNTER_MAX`
+/// in bytes, rounded to a page).
+const V1_UNLIMITED: u64 = 1 << 62;
+
 /// Limits as the kernel takes them.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CgroupLimits {
@@ -101,6 +143,10 @@ pub struct CgroupUsage {
     pub pids: u64,
     /// CPU time in nanoseconds.
     pub cpu_ns: u64,
+    /// Most bytes charged at once (v2: `memory.peak`, 0 on kernels without it).
+    pub memory_peak_bytes: u64,
+    /// Forks refused by the pids limit.
+    pub pids_limit_hits: u64,
 }
 
 const CFS_PERIOD_US: u64 = 100_000;
@@ -123,50 +169,16 @@ impl CgroupLayout {
         tag: &str,
     ) -> Result<CgroupLayout, CgroupError> {
         let leaf = format!("dsec-{tag}");
-        let mut unified_mount = None;
-        let mut v1_mounts: Vec<(Vec<String>, PathBuf)> = Vec::new();
-        for line in mountinfo.lines() {
-            let Some((left, right)) = line.split_once(" - ") else {
-                continue;
-            };
-            let mount_point = left.split(' ').nth(4).unwrap_or_default();
-            let mut rfields = right.split(' ');
-            let fstype = rfields.next().unwrap_or_default();
-            let super_opts = rfields.nth(1).unwrap_or_default();
-            match fstype {
-                "cgroup2" => unified_mount = Some(PathBuf::from(mount_point)),
-                "cgroup" => v1_mounts.push((
-                    super_opts.split(',').map(str::to_owned).collect(),
-                    PathBuf::from(mount_point),
-                )),
-                _ => {}
-            }
-        }
-        let own_path = |controller: &str| -> Option<String> {
-            proc_cgroup.lines().find_map(|l| {
-                let mut parts = l.splitn(3, ':');
-                let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
-                let matches = if controller.is_empty() {
-                    ctrls.is_empty()
-                } else {
-                    ctrls.split(',').any(|c| c == controller)
-                };
-                matches.then(|| path.trim_start_matches('/').to_owned())
-            })
-        };
+        let mounts = CgroupMounts::parse(mountinfo);
+        let own_path = |controller: &str| own_path(proc_cgroup, controller);
         let v1_base = |controller: &'static str| -> Result<PathBuf, CgroupError> {
-            let mount = v1_mounts
-                .iter()
-                .find(|(opts, _)| opts.iter().any(|o| o == controller))
-                .map(|(_, m)| m)
+            let mount = mounts
+                .v1(controller)
                 .ok_or(CgroupError::MissingController(controller))?;
             let own = own_path(controller).ok_or(CgroupError::MissingController(controller))?;
             Ok(mount.join(own).join(&leaf))
         };
-        if v1_mounts
-            .iter()
-            .any(|(o, _)| o.iter().any(|c| c == "memory"))
-        {
+        if mounts.v1("memory").is_some() {
             let cpu = v1_base("cpu")?;
             let cpuacct = v1_base("cpuacct").ok().filter(|p| *p != cpu);
             return Ok(CgroupLayout::V1 {
@@ -177,7 +189,9 @@ impl CgroupLayout {
                 freezer: v1_base("freezer")?,
             });
         }
-        let mount = unified_mount.ok_or(CgroupError::MissingController("memory"))?;
+        let mount = mounts
+            .unified
+            .ok_or(CgroupError::MissingController("memory"))?;
         let own = own_path("").unwrap_or_default();
         Ok(CgroupLayout::V2 {
             base: mount.join(own).join(&leaf),
@@ -209,11 +223,16 @@ impl CgroupLayout {
         }
     }
 
-    /// Creates the `dsec-<tag>` parents. On v2 the server first moves itself into a leaf
-    /// (`dsec-<tag>-server`) so that its own cgroup may delegate controllers.
-    pub fn prepare(&self) -> Result<(), CgroupError> {
+    /// Creates the `dsec-<tag>` parents (on v1 with the inits' memory cgroup) and sets
+    /// their limits. On v2 the server first moves itself into a leaf (`dsec-<tag>-server`)
+    /// so that its own cgroup may delegate controllers.
+    pub fn prepare(&self, limits: &ParentLimits) -> Result<(), CgroupError> {
         for base in self.bases() {
             fs::create_dir_all(base).map_err(io_err("create", base))?;
+        }
+        if let CgroupLayout::V1 { memory, .. } = self {
+            let inits = memory.join(INITS_DIR);
+            fs::create_dir_all(&inits).map_err(io_err("create", &inits))?;
         }
         if let CgroupLayout::V2 { base } = self {
             let own = base.parent().expect("base has a parent");
@@ -237,11 +256,36 @@ impl CgroupLayout {
                 })?;
             }
         }
-        Ok(())
+        let (memory, pids) = match self {
+            CgroupLayout::V2 { base } => (base.join("memory.max"), base.join("pids.max")),
+            CgroupLayout::V1 { memory, pids, .. } => {
+                (memory.join("memory.limit_in_bytes"), pids.join("pids.max"))
+            }
+        };
+        write_file(&memory, &limits.memory_bytes.to_string())?;
+        write_file(&pids, &limits.pids.to_string())
+    }
+
+    /// The limits the server's own cgroup and its ancestors set: sandboxes cannot use
+    /// more than those, whatever the host has.
+    pub fn inherited_limits(&self) -> InheritedLimits {
+        let (memory_dir, memory_file, pids_dir) = match self {
+            CgroupLayout::V2 { base } => (base.as_path(), "memory.max", base.as_path()),
+            CgroupLayout::V1 { memory, pids, .. } => {
+                (memory.as_path(), "memory.limit_in_bytes", pids.as_path())
+            }
+        };
+        InheritedLimits {
+            memory_bytes: tightest_above(memory_dir, memory_file),
+            pids: tightest_above(pids_dir, "pids.max"),
+        }
     }
 
     /// Removes the `dsec-<tag>` parents when they are empty (graceful shutdown).
     pub fn remove_parents(&self) {
+        if let CgroupLayout::V1 { memory, .. } = self {
+            let _ = fs::remove_dir(memory.join(INITS_DIR));
+        }
         for base in self.bases() {
             let _ = fs::remove_dir(base);
         }
@@ -272,6 +316,7 @@ impl CgroupLayout {
             .flatten()
             .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
             .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| name != INITS_DIR)
             .collect();
         ids.sort();
         ids.dedup();
@@ -280,7 +325,8 @@ impl CgroupLayout {
 }
 
 /// The cgroups of one sandbox. On v1 the directories are, in order: memory, pids, cpu,
-/// freezer, then cpuacct when it is a separate hierarchy.
+/// freezer, then cpuacct when it is a separate hierarchy. Each holds init; the commands
+/// live in the memory hierarchy's child `cmd` (see the module documentation).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SandboxCgroup {
     version: CgroupVersion,
@@ -296,6 +342,37 @@ impl SandboxCgroup {
     /// Which API this sandbox's cgroups speak.
     pub fn version(&self) -> CgroupVersion {
         self.version
+    }
+
+    /// The files init writes `0` to, to join its cgroups, before it unshares its cgroup
+    /// namespace (whose root they so become): on v1 the `tasks` file of every
+    /// hierarchy's sandbox cgroup (init is a single thread then, and a thread moving
+    /// itself through `tasks` skips the global lock a `cgroup.procs` write takes, which
+    /// waits for an RCU grace period: ~20 µs instead of ~10 ms on an idle host), on v2
+    /// its `cgroup.procs`.
+    pub fn init_joins(&self) -> Vec<PathBuf> {
+        match self.version {
+            CgroupVersion::V1 => self.dirs.iter().map(|d| d.join("tasks")).collect(),
+            CgroupVersion::V2 => vec![self.dirs[0].join("cgroup.procs")],
+        }
+    }
+
+    /// v1: the file init writes `0` to once in its namespace, to move its memory to the
+    /// shared cgroup of inits (see the module documentation).
+    pub fn init_memory_home(&self) -> Option<PathBuf> {
+        (self.version == CgroupVersion::V1).then(|| self.inits().join("tasks"))
+    }
+
+    /// v1: the file each command's first process writes `0` to before it execs, to enter
+    /// the sandbox's memory cgroup (init is elsewhere); the same fast path as
+    /// [`init_joins`](Self::init_joins). On v2 commands stay in init's cgroup.
+    pub fn commands_join(&self) -> Option<PathBuf> {
+        (self.version == CgroupVersion::V1).then(|| self.memory().join("tasks"))
+    }
+
+    fn inits(&self) -> PathBuf {
+        let base = self.memory().parent().unwrap_or_else(|| Path::new("/"));
+        base.join(INITS_DIR)
     }
 
     fn memory(&self) -> &Path {
@@ -364,45 +441,46 @@ impl SandboxCgroup {
         Ok(())
     }
 
-    /// Reads memory, pids and CPU usage; missing files read as zero.
-    pub fn usage(&self) -> CgroupUsage {
-        let num = |p: PathBuf| -> u64 {
-            fs::read_to_string(p)
-                .ok()
-                .and_then(|s| s.trim().parse().ok())
-                .unwrap_or(0)
-        };
-        match self.version {
-            CgroupVersion::V2 => {
-                let d = &self.dirs[0];
-                let cpu_us = fs::read_to_string(d.join("cpu.stat"))
-                    .ok()
-                    .and_then(|s| stat_field(&s, "usage_usec"))
-                    .unwrap_or(0);
-                CgroupUsage {
-                    memory_bytes: num(d.join("memory.current")),
-                    pids: num(d.join("pids.current")),
-                    cpu_ns: cpu_us * 1000,
-                }
-            }
-            CgroupVersion::V1 => CgroupUsage {
-                memory_bytes: num(self.memory().join("memory.usage_in_bytes")),
-                pids: num(self.pids().join("pids.current")),
-                cpu_ns: num(self.cpuacct().join("cpuacct.usage")),
-            },
+    /// What usage and OOM kills are read from.
+    fn reader(&self) -> CgroupReader {
+        CgroupReader {
+            version: self.version,
+            memory: self.memory().to_owned(),
+            pids: Some(self.pids().to_owned()),
+            cpuacct: Some(self.cpuacct().to_owned()),
         }
     }
 
-    /// How many times the kernel's OOM killer fired in this sandbox.
+    /// Reads memory, pids and CPU usage; missing files read as zero.
+    pub fn usage(&self) -> CgroupUsage {
+        self.reader().usage()
+    }
+
+    /// How many of the sandbox's processes the kernel's OOM killer killed (v1: of its
+    /// commands; v2: init included).
     pub fn oom_kills(&self) -> u64 {
-        let (file, key) = match self.version {
-            CgroupVersion::V2 => (self.dirs[0].join("memory.events"), "oom_kill"),
-            CgroupVersion::V1 => (self.memory().join("memory.oom_control"), "oom_kill"),
+        self.reader().oom_kills()
+    }
+
+    /// The OOM kills of the cgroup init is charged to: on v1 the inits of all sandboxes
+    /// (only a host-wide or all-sandboxes shortage reaches them), on v2 the sandbox.
+    pub fn init_oom_kills(&self) -> u64 {
+        match self.version {
+            CgroupVersion::V1 => oom_kills_in(&self.inits(), self.version),
+            CgroupVersion::V2 => self.oom_kills(),
+        }
+    }
+
+    /// Thaws the sandbox without waiting, so that its killed processes can exit: v1's
+    /// freezer holds even a SIGKILLed task until it is thawed. Called once the kill is
+    /// pending, so no process runs user code again. Best effort: a cgroup already gone is
+    /// fine.
+    pub fn thaw_for_kill(&self) {
+        let (file, value) = match self.version {
+            CgroupVersion::V2 => (self.dirs[0].join("cgroup.freeze"), "0"),
+            CgroupVersion::V1 => (self.freezer().join("freezer.state"), "THAWED"),
         };
-        fs::read_to_string(file)
-            .ok()
-            .and_then(|s| stat_field(&s, key))
-            .unwrap_or(0)
+        let _ = fs::write(file, value);
     }
 
     /// Freezes or thaws every process of the sandbox, and waits (up to a second) until the
@@ -441,6 +519,8 @@ impl SandboxCgroup {
     /// Kills whatever is still inside, removes the per-command children and the sandbox
     /// directories. Directories that are already gone are fine: cleanup is idempotent.
     pub fn destroy(&self) -> Result<(), CgroupError> {
+        // A paused sandbox's processes (found frozen after a crash, say) could not die.
+        self.thaw_for_kill();
         for dir in &self.dirs {
             if !dir.exists() {
                 continue;
@@ -457,6 +537,196 @@ impl SandboxCgroup {
         }
         Ok(())
     }
+}
+
+/// The cgroup mounts of `/proc/self/mountinfo`.
+struct CgroupMounts {
+    /// The cgroup2 mount (on a hybrid host, the one beside the v1 hierarchies).
+    unified: Option<PathBuf>,
+    /// Each v1 hierarchy's mount point, with its super options (which name its controllers).
+    v1: Vec<(Vec<String>, PathBuf)>,
+}
+
+impl CgroupMounts {
+    fn parse(mountinfo: &str) -> CgroupMounts {
+        let mut mounts = CgroupMounts {
+            unified: None,
+            v1: Vec::new(),
+        };
+        for line in mountinfo.lines() {
+            let Some((left, right)) = line.split_once(" - ") else {
+                continue;
+            };
+            let mount_point = left.split(' ').nth(4).unwrap_or_default();
+            let mut rfields = right.split(' ');
+            let fstype = rfields.next().unwrap_or_default();
+            let super_opts = rfields.nth(1).unwrap_or_default();
+            match fstype {
+                "cgroup2" => mounts.unified = Some(PathBuf::from(mount_point)),
+                "cgroup" => mounts.v1.push((
+                    super_opts.split(',').map(str::to_owned).collect(),
+                    PathBuf::from(mount_point),
+                )),
+                _ => {}
+            }
+        }
+        mounts
+    }
+
+    /// The mount point of the v1 hierarchy holding `controller`.
+    fn v1(&self, controller: &str) -> Option<&PathBuf> {
+        self.v1
+            .iter()
+            .find(|(opts, _)| opts.iter().any(|o| o == controller))
+            .map(|(_, m)| m)
+    }
+}
+
+/// A process's cgroup for `controller` (`""`: the unified hierarchy's), relative to the
+/// hierarchy's root, from the text of `/proc/<pid>/cgroup`.
+fn own_path(proc_cgroup: &str, controller: &str) -> Option<String> {
+    proc_cgroup.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let matches = if controller.is_empty() {
+            ctrls.is_empty()
+        } else {
+            ctrls.split(',').any(|c| c == controller)
+        };
+        matches.then(|| path.trim_start_matches('/').to_owned())
+    })
+}
+
+/// Where one cgroup's usage and OOM kills are read, on either API: a sandbox's own, or
+/// the cgroup another runtime (Docker) put a process in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CgroupReader {
+    version: CgroupVersion,
+    /// The memory controller's directory (v2: the cgroup's one directory).
+    memory: PathBuf,
+    /// The pids controller's, where mounted.
+    pids: Option<PathBuf>,
+    /// The CPU accounting controller's, where mounted.
+    cpuacct: Option<PathBuf>,
+}
+
+impl CgroupReader {
+    /// The cgroup of process `pid` as this host mounts it; `None` when its memory
+    /// controller is not mounted here (or the process is gone).
+    pub fn of_process(pid: i32) -> Option<CgroupReader> {
+        CgroupReader::from_proc(
+            &fs::read_to_string("/proc/self/mountinfo").ok()?,
+            &fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?,
+        )
+    }
+
+    /// The pure part of [`of_process`](Self::of_process): a host with a v1 memory
+    /// hierarchy is read as v1 (as [`CgroupLayout::from_proc`] decides).
+    pub fn from_proc(mountinfo: &str, proc_cgroup: &str) -> Option<CgroupReader> {
+        let mounts = CgroupMounts::parse(mountinfo);
+        let v1_dir = |controller: &str| {
+            Some(
+                mounts
+                    .v1(controller)?
+                    .join(own_path(proc_cgroup, controller)?),
+            )
+        };
+        if mounts.v1("memory").is_some() {
+            return Some(CgroupReader {
+                version: CgroupVersion::V1,
+                memory: v1_dir("memory")?,
+                pids: v1_dir("pids"),
+                cpuacct: v1_dir("cpuacct"),
+            });
+        }
+        let dir = mounts.unified?.join(own_path(proc_cgroup, "")?);
+        Some(CgroupReader {
+            version: CgroupVersion::V2,
+            memory: dir.clone(),
+            pids: Some(dir.clone()),
+            cpuacct: Some(dir),
+        })
+    }
+
+    /// Memory, pids and CPU usage; missing files read as zero.
+    pub fn usage(&self) -> CgroupUsage {
+        let (memory, pids, cpuacct) = (
+            Some(self.memory.as_path()),
+            self.pids.as_deref(),
+            self.cpuacct.as_deref(),
+        );
+        match self.version {
+            CgroupVersion::V2 => CgroupUsage {
+                memory_bytes: read_number(memory, "memory.current"),
+                pids: read_number(pids, "pids.current"),
+                cpu_ns: read_text(cpuacct, "cpu.stat")
+                    .and_then(|s| stat_field(&s, "usage_usec"))
+                    .unwrap_or(0)
+                    * 1000,
+                memory_peak_bytes: read_number(memory, "memory.peak"),
+                pids_limit_hits: pids.map_or(0, pids_limit_hits),
+            },
+            CgroupVersion::V1 => CgroupUsage {
+                memory_bytes: read_number(memory, "memory.usage_in_bytes"),
+                pids: read_number(pids, "pids.current"),
+                cpu_ns: read_number(cpuacct, "cpuacct.usage"),
+                memory_peak_bytes: read_number(memory, "memory.max_usage_in_bytes"),
+                pids_limit_hits: pids.map_or(0, pids_limit_hits),
+            },
+        }
+    }
+
+    /// The OOM kills of processes charged to this cgroup (v1 counts per cgroup, v2 with
+    /// its descendants).
+    pub fn oom_kills(&self) -> u64 {
+        oom_kills_in(&self.memory, self.version)
+    }
+}
+
+/// `file` of the controller directory `dir`, if both are there.
+fn read_text(dir: Option<&Path>, file: &str) -> Option<String> {
+    fs::read_to_string(dir?.join(file)).ok()
+}
+
+/// A one-number controller file; missing or unreadable reads as zero.
+fn read_number(dir: Option<&Path>, file: &str) -> u64 {
+    read_text(dir, file)
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// How many forks the pids controller of `dir` refused (`max` in `pids.events`, the same
+/// file on v1 and v2); 0 when unreadable.
+pub fn pids_limit_hits(dir: &Path) -> u64 {
+    fs::read_to_string(dir.join("pids.events"))
+        .ok()
+        .and_then(|s| stat_field(&s, "max"))
+        .unwrap_or(0)
+}
+
+/// The OOM kills of processes charged to `dir` (v1 counts per cgroup, v2 with its
+/// descendants).
+fn oom_kills_in(dir: &Path, version: CgroupVersion) -> u64 {
+    let file = match version {
+        CgroupVersion::V2 => "memory.events",
+        CgroupVersion::V1 => "memory.oom_control",
+    };
+    read_text(Some(dir), file)
+        .and_then(|s| stat_field(&s, "oom_kill"))
+        .unwrap_or(0)
+}
+
+/// The smallest numeric `file` among the ancestors of `dir` (`dir` itself excluded,
+/// walking up while the file exists: the hierarchy's root has none). `max` and v1's
+/// huge "unlimited" values count as no limit.
+fn tightest_above(dir: &Path, file: &str) -> Option<u64> {
+    dir.ancestors()
+        .skip(1)
+        .map(|d| fs::read_to_string(d.join(file)))
+        .take_while(Result::is_ok)
+        .filter_map(|text| text.ok()?.trim().parse::<u64>().ok())
+        .filter(|v| *v < V1_UNLIMITED)
+        .min()
 }
 
 fn stat_field(text: &str, key: &str) -> Option<u64> {
@@ -544,6 +814,58 @@ mod tests {
     }
 
     #[test]
+    fn a_process_cgroup_is_read_where_the_host_mounts_it() {
+        let reader = CgroupReader::from_proc(HYBRID_MOUNTINFO, HYBRID_CGROUP).unwrap();
+        assert_eq!(reader.version, CgroupVersion::V1);
+        assert_eq!(
+            reader.memory,
+            Path::new("/sys/fs/cgroup/memory/process_api/abc")
+        );
+        assert_eq!(
+            reader.cpuacct.as_deref(),
+            Some(Path::new("/sys/fs/cgroup/cpuacct"))
+        );
+        let unified = "25 20 0:22 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate\n";
+        let reader = CgroupReader::from_proc(unified, "0::/docker/c1\n").unwrap();
+        assert_eq!(reader.version, CgroupVersion::V2);
+        assert_eq!(
+            reader.pids.as_deref(),
+            Some(Path::new("/sys/fs/cgroup/docker/c1"))
+        );
+        // No memory controller mounted here: nothing to read.
+        assert_eq!(CgroupReader::from_proc("", "0::/docker/c1\n"), None);
+    }
+
+    #[test]
+    fn usage_and_oom_kills_are_read_on_v2() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        fs::write(d.join("memory.current"), "4096\n").unwrap();
+        fs::write(d.join("pids.current"), "3\n").unwrap();
+        fs::write(d.join("cpu.stat"), "usage_usec 1500\nuser_usec 1000\n").unwrap();
+        fs::write(d.join("memory.events"), "low 0\noom 2\noom_kill 2\n").unwrap();
+        fs::write(d.join("memory.peak"), "8192\n").unwrap();
+        fs::write(d.join("pids.events"), "max 5\n").unwrap();
+        let reader = CgroupReader {
+            version: CgroupVersion::V2,
+            memory: d.to_owned(),
+            pids: Some(d.to_owned()),
+            cpuacct: Some(d.to_owned()),
+        };
+        assert_eq!(
+            reader.usage(),
+            CgroupUsage {
+                memory_bytes: 4096,
+                pids: 3,
+                cpu_ns: 1_500_000,
+                memory_peak_bytes: 8192,
+                pids_limit_hits: 5,
+            }
+        );
+        assert_eq!(reader.oom_kills(), 2);
+    }
+
+    #[test]
     fn unified_host_uses_one_directory() {
         let mountinfo = "25 20 0:22 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate\n";
         let layout =
@@ -568,9 +890,15 @@ mod tests {
             cpuacct: None,
             freezer: base("freezer"),
         };
-        for b in layout.bases() {
-            fs::create_dir_all(b).unwrap();
-        }
+        layout
+            .prepare(&ParentLimits {
+                memory_bytes: 1 << 30,
+                pids: 1000,
+            })
+            .unwrap();
+        let read = |p: PathBuf| fs::read_to_string(p).unwrap();
+        assert_eq!(read(base("memory/memory.limit_in_bytes")), "1073741824");
+        assert_eq!(read(base("pids/pids.max")), "1000");
         let sb = layout.sandbox("s");
         sb.create(&CgroupLimits {
             cpus: 1.5,
@@ -578,18 +906,63 @@ mod tests {
             pids: 32,
         })
         .unwrap();
-        let read = |p: PathBuf| fs::read_to_string(p).unwrap();
         assert_eq!(read(base("cpu/s/cpu.cfs_quota_us")), "150000");
         assert_eq!(read(base("memory/s/memory.limit_in_bytes")), "67108864");
         assert_eq!(read(base("pids/s/pids.max")), "32");
+        // init joins every hierarchy, then moves its memory to the inits' cgroup; the
+        // commands take its place under the limit.
+        assert_eq!(sb.init_joins()[0], base("memory/s/tasks"));
+        assert_eq!(sb.init_memory_home(), Some(base("memory/inits/tasks")));
+        assert_eq!(sb.commands_join(), Some(base("memory/s/tasks")));
         fs::write(
             base("memory/s/memory.oom_control"),
             "oom_kill_disable 0\noom_kill 3\n",
         )
         .unwrap();
+        fs::write(base("memory/inits/memory.oom_control"), "oom_kill 1\n").unwrap();
         assert_eq!(sb.oom_kills(), 3);
+        assert_eq!(sb.init_oom_kills(), 1);
         fs::write(base("pids/s/pids.current"), "7\n").unwrap();
         assert_eq!(sb.usage().pids, 7);
+        // The inits' cgroup is no sandbox: a restart must not clean it as one.
         assert_eq!(layout.existing_sandboxes(), vec!["s".to_owned()]);
+    }
+
+    #[test]
+    fn v2_init_and_commands_share_the_sandbox_cgroup() {
+        let root = tempfile::tempdir().unwrap();
+        let layout = CgroupLayout::V2 {
+            base: root.path().join("dsec-t"),
+        };
+        let sb = layout.sandbox("s");
+        let d = root.path().join("dsec-t/s");
+        assert_eq!(sb.init_joins(), vec![d.join("cgroup.procs")]);
+        assert_eq!((sb.init_memory_home(), sb.commands_join()), (None, None));
+    }
+
+    #[test]
+    fn inherited_limits_are_the_tightest_above_the_server() {
+        let root = tempfile::tempdir().unwrap();
+        // mount root (no limit files), then own/ and own/slice/ with limits, then the base.
+        let own = root.path().join("own");
+        let slice = own.join("slice");
+        let base = slice.join("dsec-t");
+        fs::create_dir_all(&base).unwrap();
+        fs::write(own.join("memory.max"), "4294967296\n").unwrap();
+        fs::write(slice.join("memory.max"), "max\n").unwrap();
+        fs::write(own.join("pids.max"), "max\n").unwrap();
+        fs::write(slice.join("pids.max"), "900\n").unwrap();
+        // The base's own limit is dsec's, not inherited.
+        fs::write(base.join("memory.max"), "1024\n").unwrap();
+        let layout = CgroupLayout::V2 { base };
+        assert_eq!(
+            layout.inherited_limits(),
+            InheritedLimits {
+                memory_bytes: Some(4 << 30),
+                pids: Some(900),
+            }
+        );
+        fs::write(own.join("memory.max"), "9223372036854771712\n").unwrap();
+        assert_eq!(layout.inherited_limits().memory_bytes, None);
     }
 }

@@ -2,6 +2,7 @@
 //!
 //! One reader task per channel routes every frame to whoever is waiting for its id — a
 //! running command, or a request (file operation, identity change) awaiting its answer.
+//! The file operations themselves are in [`crate::files::client`].
 //! When the channel ends, each waiter learns that the sandbox is gone; nothing hangs.
 
 use std::collections::HashMap;
@@ -15,7 +16,7 @@ use tokio::net::UnixStream;
 use tokio::sync::{mpsc, watch};
 
 use crate::container::RuntimeError;
-use crate::proto::{self, ExecExit, ExecSpec, Frame, FrameKind};
+use crate::proto::{self, ExecExit, ExecSpec, Frame, FrameKind, InitError};
 
 type Routes = Arc<Mutex<HashMap<u32, mpsc::UnboundedSender<Frame>>>>;
 type Writer = Arc<tokio::sync::Mutex<OwnedWriteHalf>>;
@@ -27,12 +28,28 @@ pub enum ExecEvent {
     Stdout(Vec<u8>),
     /// A chunk of standard error.
     Stderr(Vec<u8>),
+    /// A step of a stepped call ended; the next step's events follow.
+    StepExit(ExecExit),
+    /// A file read back after a stepped call's last step.
+    Fetched {
+        /// The path as the exec asked for it.
+        path: String,
+        /// Its contents, up to the bound.
+        data: Vec<u8>,
+        /// The file was longer than the bound.
+        truncated: bool,
+    },
     /// The command ended.
     Exit(ExecExit),
 }
 
-/// A connected control channel whose peer has reported ready.
+/// A connected control channel whose peer has reported ready. Clones share it.
+#[derive(Clone)]
 pub struct Channel {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
     writer: Writer,
     routes: Routes,
     next_id: AtomicU32,
@@ -90,42 +107,62 @@ impl Channel {
         let (alive_tx, alive) = watch::channel(true);
         tokio::spawn(route_frames(reader, pending, Arc::clone(&routes), alive_tx));
         Channel {
-            writer: Arc::new(tokio::sync::Mutex::new(writer)),
-            routes,
-            next_id: AtomicU32::new(1),
-            alive,
+            shared: Arc::new(Shared {
+                writer: Arc::new(tokio::sync::Mutex::new(writer)),
+                routes,
+                next_id: AtomicU32::new(1),
+                alive,
+            }),
         }
     }
 
     /// Whether the peer is still there.
     pub fn is_alive(&self) -> bool {
-        *self.alive.borrow()
+        *self.shared.alive.borrow()
     }
 
     /// Waits up to `timeout` for the channel to close (the peer exited).
     pub async fn wait_closed(&self, timeout: Duration) {
-        let mut alive = self.alive.clone();
+        let mut alive = self.shared.alive.clone();
         let _ = tokio::time::timeout(timeout, alive.wait_for(|a| !*a)).await;
     }
 
-    /// Registers a new id and sends the frame `encode` builds for it.
+    /// Registers a new id and sends it a frame of `kind` whose payload is `parts`, one
+    /// after the other (so that large contents are written as they are, never copied into
+    /// one frame first).
     async fn send(
         &self,
-        encode: impl FnOnce(&mut Vec<u8>, u32),
+        kind: FrameKind,
+        parts: &[&[u8]],
     ) -> Result<(u32, mpsc::UnboundedReceiver<Frame>), RuntimeError> {
         if !self.is_alive() {
             return Err(RuntimeError::Gone);
         }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let shared = &self.shared;
+        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
-        self.routes.lock().expect("routes lock").insert(id, tx);
-        let mut frame = Vec::new();
-        encode(&mut frame, id);
-        if self.writer.lock().await.write_all(&frame).await.is_err() {
-            self.routes.lock().expect("routes lock").remove(&id);
+        shared.routes.lock().expect("routes lock").insert(id, tx);
+        let len = parts.iter().map(|p| p.len()).sum();
+        let header = proto::header(kind, id, len);
+        let written = async {
+            let mut writer = shared.writer.lock().await;
+            writer.write_all(&header).await?;
+            for part in parts {
+                writer.write_all(part).await?;
+            }
+            Ok::<_, std::io::Error>(())
+        };
+        if written.await.is_err() {
+            shared.routes.lock().expect("routes lock").remove(&id);
             return Err(RuntimeError::Gone);
         }
         Ok((id, rx))
+    }
+
+    /// Sends a frame that gets no answer, from a task of its own: callable where nothing
+    /// can wait (a `Drop`).
+    pub(crate) fn post(&self, kind: FrameKind, payload: &[u8]) {
+        post(&self.shared.writer, kind, 0, payload);
     }
 
     /// Starts a command; `files` are the contents of `spec.files`.
@@ -135,27 +172,35 @@ impl Channel {
         stdin: &[u8],
         files: &[&[u8]],
     ) -> Result<ExecHandle, RuntimeError> {
-        let (id, frames) = self
-            .send(|out, id| proto::encode_exec(out, id, spec, stdin, files))
-            .await?;
+        let header = proto::json_header(spec);
+        let mut parts = vec![header.as_slice(), stdin];
+        parts.extend_from_slice(files);
+        let (id, frames) = self.send(FrameKind::Exec, &parts).await?;
         Ok(ExecHandle {
             id,
             frames,
-            writer: Arc::clone(&self.writer),
+            writer: Arc::clone(&self.shared.writer),
             done: false,
         })
     }
 
     /// Sends a request and waits for its answer (`Done`'s payload). An `Error` answer
-    /// becomes [`RuntimeError::Exec`].
+    /// becomes [`RuntimeError::File`] for a file failure, [`RuntimeError::Exec`] otherwise.
     pub async fn request(&self, kind: FrameKind, payload: &[u8]) -> Result<Vec<u8>, RuntimeError> {
-        let (_, mut frames) = self
-            .send(|out, id| proto::encode(out, kind, id, payload))
-            .await?;
+        self.request_parts(kind, &[payload]).await
+    }
+
+    /// [`request`](Self::request) with a payload in parts, sent one after the other.
+    pub async fn request_parts(
+        &self,
+        kind: FrameKind,
+        parts: &[&[u8]],
+    ) -> Result<Vec<u8>, RuntimeError> {
+        let (_, mut frames) = self.send(kind, parts).await?;
         let frame = frames.recv().await.ok_or(RuntimeError::Gone)?;
         match frame.kind {
             FrameKind::Done => Ok(frame.payload),
-            FrameKind::Error => Err(RuntimeError::Exec(frame.json().map_err(channel_err)?)),
+            FrameKind::Error => Err(refused(frame.json().map_err(channel_err)?)),
             other => Err(RuntimeError::Channel(format!(
                 "unexpected {other:?} answering {kind:?}"
             ))),
@@ -163,9 +208,33 @@ impl Channel {
     }
 }
 
-fn channel_err(e: impl std::fmt::Display) -> RuntimeError {
+pub(crate) fn channel_err(e: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Channel(e.to_string())
 }
+
+/// What the peer's `Error` answer means for the edge.
+fn refused(err: InitError) -> RuntimeError {
+    match err.file {
+        Some(file) => RuntimeError::File(*file),
+        None => RuntimeError::Exec(err),
+    }
+}
+
+/// Writes one frame from a task of its own.
+fn post(writer: &Writer, kind: FrameKind, id: u32, payload: &[u8]) {
+    let mut frame = Vec::new();
+    proto::encode(&mut frame, kind, id, payload);
+    let writer = Arc::clone(writer);
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        handle.spawn(async move {
+            let _ = writer.lock().await.write_all(&frame).await;
+        });
+    }
+}
+
+/// Bytes read from the channel at a time; a larger frame is read straight into its
+/// payload.
+const READ_CHUNK: usize = 64 << 10;
 
 async fn read_frame<R: AsyncReadExt + Unpin>(
     reader: &mut R,
@@ -175,7 +244,27 @@ async fn read_frame<R: AsyncReadExt + Unpin>(
         if let Some(frame) = proto::decode(buf).map_err(channel_err)? {
             return Ok(Some(frame));
         }
-        let mut chunk = [0u8; 64 << 10];
+        if let Some((kind, exec_id, len)) = proto::decode_header(buf).map_err(channel_err)? {
+            if len > READ_CHUNK {
+                let mut payload = Vec::with_capacity(len);
+                payload.extend_from_slice(&buf[proto::HEADER_LEN..]);
+                buf.clear();
+                let rest = (len - payload.len()) as u64;
+                AsyncReadExt::take(&mut *reader, rest)
+                    .read_to_end(&mut payload)
+                    .await
+                    .map_err(channel_err)?;
+                if payload.len() < len {
+                    return Ok(None);
+                }
+                return Ok(Some(Frame {
+                    kind,
+                    exec_id,
+                    payload,
+                }));
+            }
+        }
+        let mut chunk = [0u8; READ_CHUNK];
         let n = reader.read(&mut chunk).await.map_err(channel_err)?;
         if n == 0 {
             return Ok(None);
@@ -186,7 +275,10 @@ async fn read_frame<R: AsyncReadExt + Unpin>(
 
 /// Whether `frame` is the last one of its id.
 fn ends_route(frame: &Frame) -> bool {
-    !matches!(frame.kind, FrameKind::Stdout | FrameKind::Stderr)
+    !matches!(
+        frame.kind,
+        FrameKind::Stdout | FrameKind::Stderr | FrameKind::StepExit | FrameKind::Fetched
+    )
 }
 
 /// Routes frames to the exec or request they belong to; when the channel ends, every
@@ -212,7 +304,8 @@ async fn route_frames(
     routes.lock().expect("routes lock").clear();
 }
 
-/// A running command: its events, in order, ending with `Exit`.
+/// A running command: its events, in order, ending with `Exit` (a stepped call's steps
+/// each end with `StepExit` but the last).
 pub struct ExecHandle {
     id: u32,
     frames: mpsc::UnboundedReceiver<Frame>,
@@ -231,14 +324,22 @@ impl ExecHandle {
             Some(frame) => match frame.kind {
                 FrameKind::Stdout => Ok(ExecEvent::Stdout(frame.payload)),
                 FrameKind::Stderr => Ok(ExecEvent::Stderr(frame.payload)),
+                FrameKind::StepExit => frame.json().map(ExecEvent::StepExit).map_err(channel_err),
+                FrameKind::Fetched => proto::decode_with_header(&frame)
+                    .map(|(file, data): (proto::FetchedFile, _)| ExecEvent::Fetched {
+                        path: file.path,
+                        data: data.to_vec(),
+                        truncated: file.truncated,
+                    })
+                    .map_err(channel_err),
                 FrameKind::Exit => frame.json().map(ExecEvent::Exit).map_err(channel_err),
-                FrameKind::Error => Err(frame.json().map_or_else(channel_err, RuntimeError::Exec)),
+                FrameKind::Error => Err(frame.json().map_or_else(channel_err, refused)),
                 other => Err(RuntimeError::Channel(format!(
                     "unexpected {other:?} for a command"
                 ))),
             },
         };
-        self.done = !matches!(event, Ok(ExecEvent::Stdout(_)) | Ok(ExecEvent::Stderr(_)));
+        self.done = matches!(event, Ok(ExecEvent::Exit(_)) | Err(_));
         Some(event)
     }
 }
@@ -247,16 +348,8 @@ impl Drop for ExecHandle {
     /// A caller that stops listening (a client that disconnected mid-stream) must not
     /// leave the command running: tell init to kill its tree.
     fn drop(&mut self) {
-        if self.done {
-            return;
-        }
-        let mut frame = Vec::new();
-        proto::encode(&mut frame, FrameKind::Kill, self.id, &[]);
-        let writer = Arc::clone(&self.writer);
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            handle.spawn(async move {
-                let _ = writer.lock().await.write_all(&frame).await;
-            });
+        if !self.done {
+            post(&self.writer, FrameKind::Kill, self.id, &[]);
         }
     }
 }

@@ -1,10 +1,11 @@
 //! The edge's side of a native container: create, exec, files, stop.
 //!
-//! A [`Container`] owns its init through a pidfd (so a recycled pid can never be
-//! signalled by mistake), its cgroups, its directory under the state dir, and the control
-//! [`Channel`].
+//! A [`Container`] owns its init through a pidfd the zygote made when it cloned init (so
+//! a recycled pid can never be signalled or read by mistake), its cgroups, its directory
+//! under the state dir, and the control [`Channel`], over which init also serves the
+//! sandbox's files ([`crate::files`]).
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -12,10 +13,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::cgroup::{CgroupError, CgroupLayout, CgroupLimits, SandboxCgroup};
+use crate::cgroup::{CgroupError, CgroupLayout, CgroupLimits, CgroupVersion, SandboxCgroup};
 use crate::channel::Channel;
 pub use crate::channel::{ExecEvent, ExecHandle};
-use crate::files::SandboxRoot;
+use crate::files::FileError;
 use crate::proto::{ExecSpec, InitError};
 use crate::spec::SandboxSpec;
 use crate::zygote::{Zygote, ZygoteError};
@@ -48,6 +49,9 @@ pub enum RuntimeError {
     /// init could not start a command.
     #[error("{}: {}", .0.stage, .0.message)]
     Exec(InitError),
+    /// A file operation failed or was refused.
+    #[error(transparent)]
+    File(#[from] FileError),
     /// The sandbox's init is gone (killed, or the sandbox was stopped).
     #[error("the sandbox's init exited")]
     Gone,
@@ -75,6 +79,37 @@ struct Record {
     cgroup: SandboxCgroup,
 }
 
+/// How a sandbox's init ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InitExit {
+    /// SIGKILLed while the OOM killer was killing in init's cgroup (on v1 hosts that of
+    /// all inits, so only a host-wide or all-sandboxes shortage: init is outside its
+    /// sandbox's own limit there).
+    OomKilled,
+    /// Killed by this signal (from outside the sandbox: processes inside cannot signal
+    /// their PID 1).
+    Signaled(i32),
+    /// Exited with this status: init exits only when its channel breaks.
+    Exited(i32),
+    /// Gone, but the kernel cannot say how (`PIDFD_INFO_EXIT` needs Linux 6.15).
+    Unknown,
+}
+
+impl std::fmt::Display for InitExit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            InitExit::OomKilled => write!(f, "was killed by the kernel's OOM killer"),
+            InitExit::Signaled(sig) => {
+                let name = nix::sys::signal::Signal::try_from(*sig)
+                    .map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_owned());
+                write!(f, "was killed by {name}")
+            }
+            InitExit::Exited(code) => write!(f, "exited with status {code}"),
+            InitExit::Unknown => write!(f, "exited"),
+        }
+    }
+}
+
 /// Parameters of a new container.
 #[derive(Clone, Debug)]
 pub struct CreateOptions {
@@ -88,6 +123,23 @@ pub struct CreateOptions {
     pub disk_bytes: u64,
     /// A fncall worker (see [`SandboxSpec::worker`]).
     pub worker: bool,
+}
+
+/// A sandbox's writable layer, held by the edge for a snapshot.
+#[derive(Debug)]
+pub struct UpperDir(OwnedFd);
+
+impl UpperDir {
+    /// A path that names the directory for as long as this value lives.
+    pub fn path(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/self/fd/{}", self.0.as_raw_fd()))
+    }
+}
+
+impl AsFd for UpperDir {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
 }
 
 /// Creates containers on this host.
@@ -104,11 +156,14 @@ pub struct Container {
     pidfd: OwnedFd,
     cgroup: SandboxCgroup,
     dir: PathBuf,
-    root: SandboxRoot,
-    upper: PathBuf,
+    /// init's descriptor of the writable layer's upper directory.
+    upper_fd: RawFd,
     worker: bool,
     channel: Channel,
     oom_kills_seen: AtomicU64,
+    /// The OOM kills of init's cgroup that were not init's: at creation (v1: the inits of
+    /// other sandboxes), and on v2 the commands' kills reported since.
+    init_oom_kills_not_init: AtomicU64,
 }
 
 impl ContainerRuntime {
@@ -126,20 +181,15 @@ impl ContainerRuntime {
         let this = Arc::clone(self);
         let id = opts.id.clone();
         let worker = opts.worker;
-        let (pid, channel, cgroup, dir) =
+        let (created, cgroup, dir) =
             tokio::task::spawn_blocking(move || this.create_blocking(&opts))
                 .await
                 .map_err(|e| RuntimeError::Channel(e.to_string()))??;
-        let pidfd = match rustix::process::pidfd_open(
-            rustix::process::Pid::from_raw(pid).expect("positive pid"),
-            rustix::process::PidfdFlags::empty(),
-        ) {
-            Ok(fd) => fd,
-            Err(e) => {
-                self.discard(&cgroup, &dir).await;
-                return Err(RuntimeError::Channel(format!("pidfd_open: {e}")));
-            }
-        };
+        let crate::zygote::Created {
+            pid,
+            channel,
+            pidfd,
+        } = created;
         let opened = async {
             let stream = std::os::unix::net::UnixStream::from(channel);
             stream
@@ -157,24 +207,25 @@ impl ContainerRuntime {
                 return Err(e);
             }
         };
+        let init_oom_kills = cgroup.init_oom_kills();
         Ok(Container {
             id,
             pid,
             pidfd,
             cgroup,
             dir,
-            root: SandboxRoot::of_pid(pid),
-            upper: PathBuf::from(format!("/proc/{pid}/fd/{}", ready.upper_fd)),
+            upper_fd: ready.upper_fd,
             worker,
             channel,
             oom_kills_seen: AtomicU64::new(0),
+            init_oom_kills_not_init: AtomicU64::new(init_oom_kills),
         })
     }
 
     fn create_blocking(
         &self,
         opts: &CreateOptions,
-    ) -> Result<(i32, OwnedFd, SandboxCgroup, PathBuf), RuntimeError> {
+    ) -> Result<(crate::zygote::Created, SandboxCgroup, PathBuf), RuntimeError> {
         let dir = self.sandboxes_dir.join(&opts.id);
         let cgroup = self.layout.sandbox(&opts.id);
         let result = (|| {
@@ -199,13 +250,15 @@ impl ContainerRuntime {
                 dir: dir.clone(),
                 layers: opts.layers.clone(),
                 disk_bytes: opts.disk_bytes,
-                cgroup_dirs: cgroup.dirs().to_vec(),
+                init_cgroups: cgroup.init_joins(),
+                init_memory_home: cgroup.init_memory_home(),
+                commands_cgroup: cgroup.commands_join(),
                 worker: opts.worker,
             };
             Ok(self.zygote.create(&spec)?)
         })();
         match result {
-            Ok((pid, fd)) => Ok((pid, fd, cgroup, dir)),
+            Ok(created) => Ok((created, cgroup, dir)),
             Err(e) => {
                 remove_sandbox(&cgroup, &dir);
                 Err(e)
@@ -274,17 +327,7 @@ impl Container {
     pub fn open_netns(&self) -> Result<OwnedFd, RuntimeError> {
         let path = PathBuf::from(format!("/proc/{}/ns/net", self.pid));
         let fd = std::fs::File::open(&path).map_err(io_err("open", &path))?;
-        // SAFETY: signal 0 through a pidfd we own only probes that the process exists.
-        let probe = unsafe {
-            libc::syscall(
-                libc::SYS_pidfd_send_signal,
-                self.pidfd.as_raw_fd(),
-                0,
-                std::ptr::null::<libc::siginfo_t>(),
-                0,
-            )
-        };
-        if probe != 0 {
+        if !crate::pidfd::alive(&self.pidfd) {
             return Err(RuntimeError::Gone);
         }
         Ok(fd.into())
@@ -295,9 +338,57 @@ impl Container {
         self.channel.is_alive()
     }
 
-    /// Confined file access.
-    pub fn root(&self) -> &SandboxRoot {
-        &self.root
+    /// The control channel: commands, and the sandbox's files as init serves them.
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    /// How init ended; call once [`is_alive`](Self::is_alive) is false, before
+    /// [`stop`](Self::stop) removes the cgroups. Blocks up to 100 ms while the kernel
+    /// finishes the exit (the channel closes before init is reaped).
+    pub fn exit_reason(&self) -> InitExit {
+        match self.exit_status() {
+            InitExit::Signaled(libc::SIGKILL)
+                if self.cgroup.init_oom_kills()
+                    > self.init_oom_kills_not_init.load(Ordering::Acquire) =>
+            {
+                InitExit::OomKilled
+            }
+            other => other,
+        }
+    }
+
+    /// How init ended as the kernel reports it (`PIDFD_INFO_EXIT`).
+    fn exit_status(&self) -> InitExit {
+        let mut poll = [libc::pollfd {
+            fd: self.pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        for _ in 0..10 {
+            // SAFETY: pidfd_info is plain old data; all-zeroes is a valid value.
+            let mut info: libc::pidfd_info = unsafe { std::mem::zeroed() };
+            info.mask = u64::from(libc::PIDFD_INFO_EXIT);
+            // SAFETY: PIDFD_GET_INFO fills the pidfd_info it is given, which outlives the
+            // call; the descriptor is our pidfd.
+            let rc =
+                unsafe { libc::ioctl(self.pidfd.as_raw_fd(), libc::PIDFD_GET_INFO, &mut info) };
+            if rc < 0 {
+                return InitExit::Unknown; // a kernel before 6.13
+            }
+            if info.mask & u64::from(libc::PIDFD_INFO_EXIT) != 0 {
+                let status = info.exit_code;
+                return if libc::WIFSIGNALED(status) {
+                    InitExit::Signaled(libc::WTERMSIG(status))
+                } else {
+                    InitExit::Exited(libc::WEXITSTATUS(status))
+                };
+            }
+            // Readable once the process has exited; the exit code follows at its reaping.
+            // SAFETY: poll(2) on one valid pollfd.
+            unsafe { libc::poll(poll.as_mut_ptr(), 1, 10) };
+        }
+        InitExit::Unknown
     }
 
     /// Whether this is a fncall worker (each command in a root of its own).
@@ -306,10 +397,25 @@ impl Container {
     }
 
     /// The writable layer's upper directory (overlayfs format: whiteouts are 0:0 character
-    /// devices, opaque directories carry `trusted.overlay.opaque`), as the host reaches it.
-    /// Read it only while the sandbox is frozen to get a consistent picture.
-    pub fn upper_dir(&self) -> &Path {
-        &self.upper
+    /// devices, opaque directories carry `trusted.overlay.opaque`), taken from init with
+    /// `pidfd_getfd` — through the pidfd, so never from another process that reused the
+    /// pid. Read it only while the sandbox is frozen to get a consistent picture.
+    pub fn upper_dir(&self) -> Result<UpperDir, RuntimeError> {
+        if self.upper_fd < 0 {
+            return Err(RuntimeError::Channel(
+                "this sandbox has no writable layer of its own".into(),
+            ));
+        }
+        rustix::process::pidfd_getfd(
+            &self.pidfd,
+            self.upper_fd,
+            rustix::process::PidfdGetfdFlags::empty(),
+        )
+        .map(UpperDir)
+        .map_err(|e| match e {
+            rustix::io::Errno::SRCH => RuntimeError::Gone,
+            e => RuntimeError::Channel(format!("pidfd_getfd of the upper directory: {e}")),
+        })
     }
 
     /// The sandbox's cgroups (usage, freezing).
@@ -330,12 +436,18 @@ impl Container {
     /// Whether the memory limit killed something since the last call.
     pub fn take_oom_kill(&self) -> bool {
         let now = self.cgroup.oom_kills();
+        if self.cgroup.version() == CgroupVersion::V2 {
+            // There init shares the commands' cgroup: these kills were not init's.
+            self.init_oom_kills_not_init.store(now, Ordering::Release);
+        }
         self.oom_kills_seen.swap(now, Ordering::AcqRel) < now
     }
 
     /// Kills everything in the sandbox and removes all it made. Idempotent.
     pub async fn stop(&self) {
         let _ = rustix::process::pidfd_send_signal(&self.pidfd, rustix::process::Signal::KILL);
+        // A paused sandbox's init dies only once thawed (see `thaw_for_kill`).
+        self.cgroup.thaw_for_kill();
         // The channel closes when init's descriptors do, i.e. once it has exited.
         self.channel.wait_closed(Duration::from_secs(5)).await;
         let (cgroup, dir) = (self.cgroup.clone(), self.dir.clone());

@@ -17,14 +17,19 @@
 //!   (~10 ms when the host is otherwise idle), which would dominate exec latency;
 //! - every descriptor init holds is close-on-exec and init is non-dumpable, so commands
 //!   cannot reach the channel through `/proc/1/fd`; signals from inside the pid
-//!   namespace cannot kill init either (the kernel protects a namespace's PID 1).
+//!   namespace cannot kill init either (the kernel protects a namespace's PID 1). Each
+//!   command's first process marks every descriptor above 2 close-on-exec right before
+//!   its `execve` ([`crate::fds`]), so nothing else reaches it either;
+//! - init serves the sandbox's files from the same loop ([`FileService`]), a chunk per
+//!   request and only from regular files of the sandbox's own filesystems, so a file
+//!   request never blocks it.
 //!
 //! A VM guest's agent (`dsec-agent`) is this same loop, entered through [`serve_guest`]
 //! once the agent has built the guest's root: there the channel is a virtio-serial port
-//! or a vsock connection, and file requests arrive on it too. The agent first takes the
-//! guest's identity with full privileges, then confines itself as init does.
+//! or a vsock connection. The agent first takes the guest's identity with full
+//! privileges, then confines itself as init does.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
@@ -34,10 +39,12 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
+use crate::files::service::FileService;
 use crate::files::{FileError, SandboxRoot};
-use crate::proto::{self, ExecExit, ExecSpec, Frame, FrameKind, InitError};
+use crate::proto::{self, ExecExit, ExecSpec, Frame, FrameKind, InitError, InitStage};
 use crate::seccomp::SeccompProfile;
 use crate::spec::SandboxSpec;
+use crate::steps::{Program, StepFds, StepPlan};
 
 /// Output init keeps queued for the edge before it stops reading command pipes.
 const MAX_QUEUED: usize = 8 << 20;
@@ -48,6 +55,11 @@ const CHILD_STACK: usize = 256 << 10;
 /// Pipe reads after a command's exit, to collect what it wrote just before exiting,
 /// without waiting on background processes that keep the pipe open.
 const DRAIN_READS: usize = 32;
+/// How much longer than the sum of its steps' timeouts a stepped call may take (building
+/// its root, writing and fetching files) before init kills it.
+const STEPS_GRACE: Duration = Duration::from_secs(10);
+/// Most bytes of a failing command child's report (stage, errno, a file error).
+const REPORT_MAX: usize = 8 << 10;
 
 /// Sets up the sandbox and serves commands until the edge closes the channel; never
 /// returns. Runs in the child the zygote cloned into fresh namespaces.
@@ -127,7 +139,7 @@ pub fn serve_guest(
         .read(true)
         .write(true)
         .open("/dev/null")
-        .map_err(|e| io_setup_error("open /dev/null", e))?;
+        .map_err(|e| io_setup_error(InitStage::OpenDevNull, e))?;
     // As a container's init: /proc/1/fd (the channel) stays closed to commands.
     // SAFETY: prctl(PR_SET_DUMPABLE) takes integer arguments only.
     unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
@@ -135,7 +147,7 @@ pub fn serve_guest(
     let mut out = Vec::new();
     encode_ready(&mut out, None);
     let fd = control.as_raw_fd();
-    write_all_blocking(fd, &out).map_err(|e| io_setup_error("report ready", e))?;
+    write_all_blocking(fd, &out).map_err(|e| io_setup_error(InitStage::ReportReady, e))?;
     let mut inbuf = Vec::new();
     let identity = loop {
         match proto::decode(&mut inbuf) {
@@ -143,7 +155,7 @@ pub fn serve_guest(
             Ok(Some(frame)) => {
                 let mut answer = Vec::new();
                 let err = setup_error(
-                    "identity",
+                    InitStage::Identity,
                     "the first request must be the guest's identity",
                     None,
                 );
@@ -161,40 +173,45 @@ pub fn serve_guest(
                         if err.kind() == std::io::ErrorKind::Interrupted {
                             continue;
                         }
-                        return Err(io_setup_error("read the channel", err));
+                        return Err(io_setup_error(InitStage::ReadChannel, err));
                     }
                     n => inbuf.extend_from_slice(&chunk[..n as usize]),
                 }
             }
-            Err(e) => return Err(setup_error("decode", e, None)),
+            Err(e) => return Err(setup_error(InitStage::Decode, e, None)),
         }
     };
     let mut answer = Vec::new();
     let taken = identity
         .json::<proto::Identity>()
-        .map_err(|e| setup_error("identity", e, None))
+        .map_err(|e| setup_error(InitStage::Identity, e, None))
         .and_then(|id| {
-            take_identity(&id).map_err(|e| io_setup_error("identity", e))?;
+            take_identity(&id).map_err(|e| io_setup_error(InitStage::Identity, e))?;
             cgroup
                 .set_pids_max(id.pids_max)
-                .map_err(|e| io_setup_error("pids limit", e))
+                .map_err(|e| io_setup_error(InitStage::PidsLimit, e))
         });
     match &taken {
         Ok(()) => proto::encode(&mut answer, FrameKind::Done, identity.exec_id, &[]),
         Err(err) => proto::encode_json(&mut answer, FrameKind::Error, identity.exec_id, err),
     }
-    write_all_blocking(fd, &answer).map_err(|e| io_setup_error("answer the identity", e))?;
+    write_all_blocking(fd, &answer).map_err(|e| io_setup_error(InitStage::AnswerIdentity, e))?;
     taken?;
-    crate::caps::drop_to_default().map_err(|e| setup_error("drop capabilities", e, None))?;
+    crate::caps::drop_to_default()
+        .map_err(|e| setup_error(InitStage::DropCapabilities, e, None))?;
     seccomp
         .apply()
-        .map_err(|e| setup_error("install seccomp filter", e, None))?;
+        .map_err(|e| setup_error(InitStage::InstallSeccomp, e, None))?;
+    let files = SandboxRoot::open(std::path::Path::new("/"))
+        .map_err(|e| io_setup_error(InitStage::OpenFilesRoot, e))?;
     let prepared = Prepared {
         upper: None,
+        files: Some(files),
         confine: Confine::Inherited,
         signals,
         devnull: devnull.into(),
-        cgroup_procs: Some(cgroup.procs),
+        commands_cgroup: Some(cgroup.procs),
+        guest: true,
     };
     Init::new(control, prepared, Vec::new(), inbuf).serve();
     Ok(())
@@ -204,13 +221,18 @@ struct Prepared {
     /// Held for the edge's snapshots; see [`crate::rootfs::setup`]. A VM guest has none:
     /// its writable layer lives on its own disk.
     upper: Option<OwnedFd>,
+    /// The root file requests are served from; `None` in a fncall worker.
+    files: Option<SandboxRoot>,
     confine: Confine,
     signals: SignalFd,
     devnull: OwnedFd,
-    /// A VM guest's commands cgroup (`cgroup.procs`, write-only), see [`GuestCgroup`].
-    /// Only a guest has one; there the whole machine is the sandbox, so its OOM kills
-    /// are read from `/proc/vmstat` (a container's edge asks the container's cgroup).
-    cgroup_procs: Option<OwnedFd>,
+    /// The file (write-only) each command writes `0` to, to enter the cgroup it runs in:
+    /// a v1 container's memory cgroup (init lives apart, see [`crate::cgroup`]), a VM
+    /// guest's [`GuestCgroup`].
+    commands_cgroup: Option<OwnedFd>,
+    /// A VM guest: the whole machine is the sandbox, so its OOM kills are read from
+    /// `/proc/vmstat` (a container's edge asks the container's cgroup).
+    guest: bool,
 }
 
 /// Where commands get their capabilities, no_new_privs and seccomp filter from.
@@ -233,21 +255,21 @@ fn signal_fd() -> Result<SignalFd, InitError> {
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGCHLD);
     mask.thread_block()
-        .map_err(|e| setup_error("block SIGCHLD", e, Some(e as i32)))?;
+        .map_err(|e| setup_error(InitStage::BlockSigchld, e, Some(e as i32)))?;
     SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
-        .map_err(|e| setup_error("signalfd", e, Some(e as i32)))
+        .map_err(|e| setup_error(InitStage::Signalfd, e, Some(e as i32)))
 }
 
-fn setup_error(stage: &str, err: impl std::fmt::Display, errno: Option<i32>) -> InitError {
+fn setup_error(stage: InitStage, err: impl std::fmt::Display, errno: Option<i32>) -> InitError {
     InitError {
-        stage: stage.to_owned(),
+        stage,
         errno,
         message: err.to_string(),
         file: None,
     }
 }
 
-fn io_setup_error(stage: &str, err: std::io::Error) -> InitError {
+fn io_setup_error(stage: InitStage, err: std::io::Error) -> InitError {
     let errno = err.raw_os_error();
     setup_error(stage, err, errno)
 }
@@ -262,21 +284,50 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
         libc::signal(libc::SIGCHLD, libc::SIG_DFL);
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
-    let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
-    for dir in &spec.cgroup_dirs {
-        std::fs::write(dir.join("cgroup.procs"), "0").map_err(|e| io("join cgroup", e))?;
+    protect_from_oom_killer();
+    for file in &spec.init_cgroups {
+        std::fs::write(file, "0").map_err(|e| io(InitStage::JoinCgroup, e))?;
     }
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWCGROUP)
-        .map_err(|e| setup_error("unshare cgroup namespace", e, Some(e as i32)))?;
+        .map_err(|e| setup_error(InitStage::UnshareCgroupNamespace, e, Some(e as i32)))?;
+    if let Some(home) = &spec.init_memory_home {
+        std::fs::write(home, "0").map_err(|e| io(InitStage::LeaveMemoryCgroup, e))?;
+    }
+    let commands_cgroup = match &spec.commands_cgroup {
+        Some(file) => Some(
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(file)
+                .map_err(|e| io(InitStage::OpenCommandsCgroup, e))?
+                .into(),
+        ),
+        None => None,
+    };
+    if spec.worker {
+        // Calls share the worker's network namespace. A socket dies with its processes,
+        // but an actively closed TCP connection would linger in TIME_WAIT (60 s), where
+        // the next call could see it; without buckets the kernel closes it at once. A
+        // namespace per call would cost ~2 ms of kernel work each (the fncall backend's
+        // documentation has the measurement).
+        std::fs::write("/proc/sys/net/ipv4/tcp_max_tw_buckets", "0")
+            .map_err(|e| io(InitStage::DisableTimeWait, e))?;
+    }
     // Opened before the pivot: a fncall worker's root has no /dev of its own.
     let devnull = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open("/dev/null")
-        .map_err(|e| io("open /dev/null", e))?;
-    let upper = crate::rootfs::setup(spec).map_err(|e| setup_error("rootfs", &e, None))?;
-    crate::rootfs::set_hostname(&spec.id).map_err(|e| io("sethostname", e))?;
-    crate::rootfs::loopback_up().map_err(|e| io("loopback", e))?;
+        .map_err(|e| io(InitStage::OpenDevNull, e))?;
+    let upper = crate::rootfs::setup(spec).map_err(|e| setup_error(InitStage::Rootfs, &e, None))?;
+    let files = match spec.worker {
+        true => None,
+        false => Some(
+            SandboxRoot::open(std::path::Path::new("/"))
+                .map_err(|e| io(InitStage::OpenFilesRoot, e))?,
+        ),
+    };
+    crate::rootfs::set_hostname(&spec.id).map_err(|e| io(InitStage::Sethostname, e))?;
+    crate::rootfs::loopback_up().map_err(|e| io(InitStage::Loopback, e))?;
     for fd in 0..3 {
         // SAFETY: dup2 onto the standard descriptors, which init owns.
         unsafe { libc::dup2(devnull.as_raw_fd(), fd) };
@@ -294,22 +345,38 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
         // Confine init itself: every command is a fork of it and inherits the reduced
         // capability sets, no_new_privs and the seccomp filter, so none of that costs
         // anything per command. init needs nothing beyond them once the sandbox is built.
-        crate::caps::drop_to_default().map_err(|e| setup_error("drop capabilities", e, None))?;
+        crate::caps::drop_to_default()
+            .map_err(|e| setup_error(InitStage::DropCapabilities, e, None))?;
         seccomp
             .apply()
-            .map_err(|e| setup_error("install seccomp filter", e, None))?;
+            .map_err(|e| setup_error(InitStage::InstallSeccomp, e, None))?;
         Confine::Inherited
     };
     Ok(Prepared {
         upper: Some(upper),
+        files,
         confine,
         signals,
         devnull: devnull.into(),
-        cgroup_procs: None,
+        commands_cgroup,
+        guest: false,
     })
 }
 
-fn write_all_blocking(fd: RawFd, mut data: &[u8]) -> std::io::Result<()> {
+/// Takes init out of the OOM killer's reach where the host allows it (`CAP_SYS_RESOURCE`,
+/// which the server may lack: then both writes change nothing, and what protects init is
+/// that on v1 hosts it lives outside its sandbox's memory limit, see [`crate::cgroup`]). The modern file also sets the floor below
+/// which a process without that capability cannot go, and children inherit the floor:
+/// written with `-1000`, every command could make itself unkillable. So the floor goes
+/// to 0 first (through the modern file), and `-1000` through the legacy `oom_adj`
+/// (`-17`), which sets the score alone: each command writes `0` before it execs and
+/// cannot go lower. The kernel logs once per boot that `oom_adj` is deprecated.
+fn protect_from_oom_killer() {
+    let _ = std::fs::write("/proc/self/oom_score_adj", "0");
+    let _ = std::fs::write("/proc/self/oom_adj", "-17");
+}
+
+pub(crate) fn write_all_blocking(fd: RawFd, mut data: &[u8]) -> std::io::Result<()> {
     while !data.is_empty() {
         // SAFETY: data points to data.len() initialised bytes.
         let n = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
@@ -377,6 +444,21 @@ struct Exec {
     truncated: bool,
     timed_out: bool,
     status: Option<WaitStatus>,
+    /// A stepped call's later pipes and reports.
+    relay: Option<StepRelay>,
+}
+
+/// init's side of a stepped call (see [`crate::steps`]): `Exec::stdout`/`stderr` are the
+/// current step's pipes; the runner's reports are relayed in order, each once all output
+/// of the step it describes has been relayed, so the edge reads every step's output
+/// before that step's end.
+struct StepRelay {
+    /// Output pipes (stdout, stderr) of the steps after the current one.
+    later: VecDeque<(OwnedFd, OwnedFd)>,
+    /// The runner's report pipe, until end-of-file.
+    reports: Option<OwnedFd>,
+    /// Report bytes received and not relayed yet.
+    pending: Vec<u8>,
 }
 
 struct Init {
@@ -391,6 +473,7 @@ struct Init {
     oom_seen: Option<u64>,
     /// The stack each command's first process runs on until its `execve`.
     child_stack: Vec<u8>,
+    files: FileService,
 }
 
 /// What a poll slot stands for.
@@ -401,14 +484,17 @@ enum Slot {
     Stdout(u32),
     Stderr(u32),
     Stdin(u32),
+    Reports(u32),
 }
 
 impl Init {
     /// `outbuf` holds frames to send first, `inbuf` bytes already received.
-    fn new(control: OwnedFd, prepared: Prepared, outbuf: Vec<u8>, inbuf: Vec<u8>) -> Self {
+    fn new(control: OwnedFd, mut prepared: Prepared, outbuf: Vec<u8>, inbuf: Vec<u8>) -> Self {
         set_nonblocking(control.as_raw_fd());
-        let oom_seen = prepared.cgroup_procs.as_ref().and_then(|_| oom_kills());
+        let oom_seen = if prepared.guest { oom_kills() } else { None };
+        let files = FileService::new(prepared.files.take());
         Init {
+            files,
             control,
             inbuf,
             outbuf,
@@ -459,6 +545,11 @@ impl Init {
                 if let Some(fd) = &ex.stdin {
                     add(fd.as_raw_fd(), libc::POLLOUT, Slot::Stdin(*id));
                 }
+                if let Some(fd) = ex.relay.as_ref().and_then(|r| r.reports.as_ref()) {
+                    if reading {
+                        add(fd.as_raw_fd(), libc::POLLIN, Slot::Reports(*id));
+                    }
+                }
             }
             let timeout = self.next_deadline().map_or(-1, |d| {
                 d.saturating_duration_since(Instant::now())
@@ -491,6 +582,7 @@ impl Init {
                     Slot::Stdout(id) => self.pump_output(id, 0),
                     Slot::Stderr(id) => self.pump_output(id, 1),
                     Slot::Stdin(id) => self.pump_stdin(id),
+                    Slot::Reports(id) => self.pump_reports(id),
                 }
             }
             self.expire_deadlines();
@@ -528,26 +620,30 @@ impl Init {
                     let files = payload.files.iter().map(|f| f.to_vec()).collect();
                     self.start(frame.exec_id, payload.spec, stdin, files);
                 }
-                Err(e) => self.send_error(frame.exec_id, "decode", None, e.to_string()),
+                Err(e) => self.send_error(frame.exec_id, InitStage::Decode, None, e.to_string()),
             },
             FrameKind::Kill => {
                 if let Some(ex) = self.execs.get(&frame.exec_id) {
                     kill_command(ex.pid, self.prepared.confine.own_pid_namespace());
                 }
             }
-            FrameKind::ReadFile | FrameKind::WriteFile | FrameKind::ListDir => {
-                match serve_file_request(&frame) {
-                    Ok(answer) => {
-                        proto::encode(&mut self.outbuf, FrameKind::Done, frame.exec_id, &answer)
-                    }
-                    Err(err) => {
-                        proto::encode_json(&mut self.outbuf, FrameKind::Error, frame.exec_id, &err)
-                    }
+            FrameKind::ReadFile
+            | FrameKind::WriteFile
+            | FrameKind::ListDir
+            | FrameKind::ReadChunk
+            | FrameKind::WriteChunk
+            | FrameKind::CloseFile => match self.files.serve(&frame) {
+                Some(Ok(answer)) => {
+                    proto::encode(&mut self.outbuf, FrameKind::Done, frame.exec_id, &answer)
                 }
-            }
+                Some(Err(err)) => {
+                    proto::encode_json(&mut self.outbuf, FrameKind::Error, frame.exec_id, &err)
+                }
+                None => {}
+            },
             FrameKind::Identity => self.send_error(
                 frame.exec_id,
-                "identity",
+                InitStage::Identity,
                 None,
                 "the guest took its identity when it started; it cannot change".into(),
             ),
@@ -555,24 +651,24 @@ impl Init {
         }
     }
 
-    fn send_error(&mut self, exec_id: u32, stage: &str, errno: Option<i32>, message: String) {
-        proto::encode_json(
-            &mut self.outbuf,
-            FrameKind::Error,
-            exec_id,
-            &InitError {
-                stage: stage.to_owned(),
-                errno,
-                message,
-                file: None,
-            },
-        );
+    fn send_error(&mut self, exec_id: u32, stage: InitStage, errno: Option<i32>, message: String) {
+        let err = setup_error(stage, message, errno);
+        proto::encode_json(&mut self.outbuf, FrameKind::Error, exec_id, &err);
     }
 
     fn start(&mut self, id: u32, spec: ExecSpec, stdin: Vec<u8>, files: Vec<Vec<u8>>) {
         match self.spawn(id, &spec, stdin, files) {
             Ok(()) => {}
             Err(Spawn::Setup(stage, errno, message)) => self.send_error(id, stage, errno, message),
+            Err(Spawn::Files(err)) => {
+                let err = InitError {
+                    stage: ChildStage::Files.stage(),
+                    errno: None,
+                    message: err.to_string(),
+                    file: Some(Box::new(err)),
+                };
+                proto::encode_json(&mut self.outbuf, FrameKind::Error, id, &err);
+            }
             Err(Spawn::Exec(errno)) => {
                 let err = std::io::Error::from_raw_os_error(errno);
                 let msg = format!(
@@ -601,17 +697,42 @@ impl Init {
         stdin: Vec<u8>,
         files: Vec<Vec<u8>>,
     ) -> Result<(), Spawn> {
-        let launch = Launch::new(spec, files).map_err(|m| Spawn::Setup("spec", None, m))?;
-        let errno = |stage: &'static str| {
+        let stepped = spec.is_stepped();
+        if stepped && !self.prepared.confine.own_pid_namespace() {
+            return Err(Spawn::Setup(
+                InitStage::Spec,
+                None,
+                "steps and fetched files are for fncall calls only".into(),
+            ));
+        }
+        // A stepped call's runner keeps the stdin to give each step (see crate::steps).
+        let (stdin, step_stdin) = if stepped {
+            (Vec::new(), stdin)
+        } else {
+            (stdin, Vec::new())
+        };
+        let launch = Launch::new(spec, files, step_stdin)
+            .map_err(|m| Spawn::Setup(InitStage::Spec, None, m))?;
+        let errno = |stage: InitStage| {
             move |e: std::io::Error| Spawn::Setup(stage, e.raw_os_error(), e.to_string())
         };
-        let (out_r, out_w) = pipe().map_err(errno("pipe"))?;
-        let (err_r, err_w) = pipe().map_err(errno("pipe"))?;
-        let (report_r, report_w) = pipe().map_err(errno("pipe"))?;
+        // One (stdout, stderr) pair per step: a plain command is a single step.
+        let mut outputs = Vec::with_capacity(1 + spec.then.len());
+        for _ in 0..if stepped { 1 + spec.then.len() } else { 1 } {
+            outputs.push((
+                pipe().map_err(errno(InitStage::Pipe))?,
+                pipe().map_err(errno(InitStage::Pipe))?,
+            ));
+        }
+        let reports = match stepped {
+            true => Some(pipe().map_err(errno(InitStage::Pipe))?),
+            false => None,
+        };
+        let (report_r, report_w) = pipe().map_err(errno(InitStage::Pipe))?;
         let stdin_pipe = if stdin.is_empty() {
             None
         } else {
-            Some(pipe().map_err(errno("pipe"))?)
+            Some(pipe().map_err(errno(InitStage::Pipe))?)
         };
         let stdin_child = stdin_pipe
             .as_ref()
@@ -619,35 +740,58 @@ impl Init {
         let started = Instant::now();
         let fds = ChildFds {
             stdin: stdin_child,
-            stdout: out_w.as_raw_fd(),
-            stderr: err_w.as_raw_fd(),
+            stdout: outputs[0].0 .1.as_raw_fd(),
+            stderr: outputs[0].1 .1.as_raw_fd(),
             report: report_w.as_raw_fd(),
-            cgroup_procs: self.prepared.cgroup_procs.as_ref().map(AsRawFd::as_raw_fd),
+            join_cgroup: self
+                .prepared
+                .commands_cgroup
+                .as_ref()
+                .map(AsRawFd::as_raw_fd),
+            steps: reports.as_ref().map(|(_, w)| StepFds {
+                outputs: outputs
+                    .iter()
+                    .map(|((_, out), (_, err))| (out.as_raw_fd(), err.as_raw_fd()))
+                    .collect(),
+                reports: w.as_raw_fd(),
+                devnull: self.prepared.devnull.as_raw_fd(),
+            }),
         };
         let pid = match self.prepared.confine {
             // A fncall worker's command gets mount, pid and IPC namespaces of its own, so
             // it is PID 1 there and everything it leaves behind dies with it.
             Confine::Call(_) => {
                 let flags = libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC;
-                let pid = crate::zygote::fork_into(flags).map_err(errno("fork"))?;
+                let pid = crate::zygote::fork_into(flags).map_err(errno(InitStage::Fork))?;
                 if pid == 0 {
                     launch.exec_child(&fds, &self.prepared.confine);
                 }
                 pid
             }
-            Confine::Inherited => {
-                spawn_shared(&launch, &fds, &mut self.child_stack).map_err(errno("clone"))?
-            }
+            Confine::Inherited => spawn_shared(&launch, &fds, &mut self.child_stack)
+                .map_err(errno(InitStage::Clone))?,
         };
-        drop((out_w, err_w, report_w));
+        drop(report_w);
+        let mut outputs = outputs
+            .into_iter()
+            .map(|((out_r, _), (err_r, _))| (out_r, err_r));
+        let (out_r, err_r) = outputs.next().expect("one step at least");
+        let relay = reports.map(|(r, _)| {
+            set_nonblocking(r.as_raw_fd());
+            StepRelay {
+                later: outputs.collect(),
+                reports: Some(r),
+                pending: Vec::new(),
+            }
+        });
         let stdin_w = stdin_pipe.map(|(r, w)| {
             drop(r);
             set_nonblocking(w.as_raw_fd());
             w
         });
         // The report pipe closes on a successful execve (close-on-exec); otherwise the
-        // child wrote why it failed.
-        let mut report = [0u8; 8];
+        // child wrote why it failed: stage and errno, then, for its files, the FileError.
+        let mut report = vec![0u8; REPORT_MAX];
         let mut got = 0;
         while got < report.len() {
             // SAFETY: reading into the remaining part of a local buffer.
@@ -665,14 +809,17 @@ impl Init {
                 break;
             }
         }
-        if got == report.len() {
+        if got >= 8 {
             let _ = waitpid(Pid::from_raw(pid), None);
             let stage = u32::from_le_bytes(report[..4].try_into().expect("4 bytes"));
-            let err = i32::from_le_bytes(report[4..].try_into().expect("4 bytes"));
+            let err = i32::from_le_bytes(report[4..8].try_into().expect("4 bytes"));
+            if let Ok(file) = serde_json::from_slice::<FileError>(&report[8..got]) {
+                return Err(Spawn::Files(file));
+            }
             return Err(match ChildStage::from_u32(stage) {
                 ChildStage::Exec => Spawn::Exec(err),
                 other => Spawn::Setup(
-                    other.name(),
+                    other.stage(),
                     Some(err),
                     match other {
                         ChildStage::Chdir => format!(
@@ -698,14 +845,13 @@ impl Init {
                 stdin_data: stdin,
                 stdin_sent: 0,
                 started,
-                deadline: spec
-                    .timeout_ms
-                    .map(|ms| started + Duration::from_millis(ms)),
+                deadline: deadline(spec, started),
                 max_output: spec.max_output_bytes,
                 sent: [0, 0],
                 truncated: false,
                 timed_out: false,
                 status: None,
+                relay,
             },
         );
         Ok(())
@@ -726,7 +872,80 @@ impl Init {
         match read_nonblocking(fd, &mut self.scratch) {
             Read::Data(n) => forward(&mut self.outbuf, id, ex, stream, &self.scratch[..n]),
             Read::WouldBlock => {}
-            Read::Eof => *pipe = None,
+            Read::Eof => {
+                *pipe = None;
+                self.relay_steps(id);
+            }
+        }
+    }
+
+    /// Reads a stepped call's reports from its runner.
+    fn pump_reports(&mut self, id: u32) {
+        let Some(relay) = self.execs.get_mut(&id).and_then(|ex| ex.relay.as_mut()) else {
+            return;
+        };
+        let Some(fd) = relay.reports.as_ref().map(AsRawFd::as_raw_fd) else {
+            return;
+        };
+        match read_nonblocking(fd, &mut self.scratch) {
+            Read::Data(n) => relay.pending.extend_from_slice(&self.scratch[..n]),
+            Read::WouldBlock => return,
+            Read::Eof => relay.reports = None,
+        }
+        self.relay_steps(id);
+    }
+
+    /// Relays the reports of a stepped call whose steps' output is all relayed: a step's
+    /// end (then the next step's pipes become current), a fetched file, the call's end.
+    /// A runner that exited without its final report (killed at the call's deadline, or
+    /// dead) ends the call like a plain command.
+    fn relay_steps(&mut self, id: u32) {
+        let Some(ex) = self.execs.get_mut(&id) else {
+            return;
+        };
+        let Some(relay) = ex.relay.as_mut() else {
+            return;
+        };
+        let mut ended = false;
+        while ex.stdout.is_none() && ex.stderr.is_none() && !ended {
+            let frame = match proto::decode(&mut relay.pending) {
+                Ok(Some(frame)) => frame,
+                Ok(None) => break,
+                Err(_) => {
+                    relay.pending.clear();
+                    break;
+                }
+            };
+            match frame.kind {
+                FrameKind::StepExit | FrameKind::Exit => {
+                    let Ok(mut exit) = frame.json::<ExecExit>() else {
+                        continue;
+                    };
+                    exit.truncated = ex.truncated;
+                    proto::encode_json(&mut self.outbuf, frame.kind, id, &exit);
+                    ended = frame.kind == FrameKind::Exit;
+                    ex.truncated = false;
+                    ex.sent = [0, 0];
+                    if let Some((out, err)) = relay.later.pop_front() {
+                        set_nonblocking(out.as_raw_fd());
+                        set_nonblocking(err.as_raw_fd());
+                        (ex.stdout, ex.stderr) = (Some(out), Some(err));
+                    }
+                }
+                FrameKind::Fetched => {
+                    proto::encode(&mut self.outbuf, FrameKind::Fetched, id, &frame.payload)
+                }
+                _ => {}
+            }
+        }
+        if ended {
+            self.execs.remove(&id);
+        } else if relay.reports.is_none()
+            && ex.status.is_some()
+            && ex.stdout.is_none()
+            && ex.stderr.is_none()
+        {
+            self.finish(id);
         }
     }
 
@@ -758,10 +977,17 @@ impl Init {
                 Ok(status) => {
                     let Some(pid) = status.pid() else { break };
                     if let Some(id) = self.by_pid.remove(&pid.as_raw()) {
-                        if let Some(ex) = self.execs.get_mut(&id) {
-                            ex.status = Some(status);
+                        let Some(ex) = self.execs.get_mut(&id) else {
+                            continue;
+                        };
+                        ex.status = Some(status);
+                        // A stepped call ends with its runner's last report, relayed once
+                        // the output before it is.
+                        if ex.relay.is_some() {
+                            self.relay_steps(id);
+                        } else {
+                            self.finish(id);
                         }
-                        self.finish(id);
                     }
                 }
             }
@@ -876,53 +1102,6 @@ fn oom_kills() -> Option<u64> {
         .ok()
 }
 
-/// Answers a guest's file request from its own root, confined exactly as the edge
-/// confines a container's file access.
-fn serve_file_request(frame: &Frame) -> Result<Vec<u8>, InitError> {
-    let failed = |e: FileError| InitError {
-        stage: "files".to_owned(),
-        errno: None,
-        message: e.to_string(),
-        file: Some(e.fault()),
-    };
-    let decode = |e: proto::ProtoError| setup_error("decode", e, None);
-    let root = SandboxRoot::at("/");
-    match frame.kind {
-        FrameKind::ReadFile => {
-            let path = String::from_utf8_lossy(&frame.payload);
-            let mut file = root.open_read(&path).map_err(failed)?;
-            let mut data = Vec::new();
-            let limit = (proto::MAX_PAYLOAD - proto::HEADER_LEN) as u64;
-            std::io::Read::read_to_end(&mut std::io::Read::take(&mut file, limit + 1), &mut data)
-                .map_err(|e| {
-                failed(FileError::Io {
-                    path: path.to_string(),
-                    source: e,
-                })
-            })?;
-            if data.len() as u64 > limit {
-                return Err(failed(FileError::WrongType {
-                    path: path.to_string(),
-                    reason: "is larger than the 256 MiB a VM sandbox reads at once".into(),
-                }));
-            }
-            Ok(data)
-        }
-        FrameKind::WriteFile => {
-            let (header, data): (proto::WriteFile, _) =
-                proto::decode_with_header(frame).map_err(decode)?;
-            root.write(&header.path, data, header.mode)
-                .map_err(failed)?;
-            Ok(Vec::new())
-        }
-        _ => {
-            let path = String::from_utf8_lossy(&frame.payload);
-            let entries = root.list(&path).map_err(failed)?;
-            Ok(serde_json::to_vec(&entries).expect("entries serialize"))
-        }
-    }
-}
-
 /// Makes a restored guest distinct from its siblings: hostname, credited entropy and a
 /// forced reseed of the kernel's generator, and the current time.
 fn take_identity(identity: &proto::Identity) -> std::io::Result<()> {
@@ -957,89 +1136,39 @@ fn take_identity(identity: &proto::Identity) -> std::io::Result<()> {
     Ok(())
 }
 
+/// When init kills a command: its timeout after it started; for a stepped call, the sum
+/// of its steps' timeouts and [`STEPS_GRACE`] (each step's own timeout is the runner's).
+fn deadline(spec: &ExecSpec, started: Instant) -> Option<Instant> {
+    if !spec.is_stepped() {
+        return spec
+            .timeout_ms
+            .map(|ms| started + Duration::from_millis(ms));
+    }
+    let total: Option<u64> = std::iter::once(spec.timeout_ms)
+        .chain(spec.then.iter().map(|s| s.timeout_ms))
+        .sum();
+    total.map(|ms| started + Duration::from_millis(ms) + STEPS_GRACE)
+}
+
 /// Kills a command and everything it started. A fncall call is PID 1 of its own pid
 /// namespace: killing it makes the kernel kill the rest.
 fn kill_command(pid: i32, own_pid_namespace: bool) {
     if own_pid_namespace {
-        // SAFETY: kill(2) with integer arguments, on the command's own process.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
+        crate::tree::kill_namespace_init(pid);
     } else {
-        kill_tree(pid);
+        // init's `/proc` is the sandbox's: every process it lists is the sandbox's.
+        crate::tree::kill_tree(pid, None);
     }
-}
-
-/// Kills a command's main process and every descendant.
-///
-/// The main process is a subreaper, so its subtree holds everything it started, double
-/// forks included. Each round stops the members found so far (a stopped process cannot
-/// fork) and rescans until no new member appears; then all are SIGKILLed. The scan reads
-/// the sandbox's own `/proc`, which lists only the sandbox's few processes.
-fn kill_tree(main: i32) {
-    let mut members = vec![main];
-    for _ in 0..64 {
-        for pid in &members {
-            // SAFETY: kill(2) with integer arguments, on a process of this command.
-            unsafe { libc::kill(*pid, libc::SIGSTOP) };
-        }
-        let before = members.len();
-        for pid in descendants(main) {
-            if !members.contains(&pid) {
-                members.push(pid);
-            }
-        }
-        if members.len() == before {
-            break;
-        }
-    }
-    for pid in &members {
-        // SAFETY: kill(2) with integer arguments, on a process of this command.
-        unsafe { libc::kill(*pid, libc::SIGKILL) };
-    }
-}
-
-/// Pids whose chain of parents leads to `root`, read from `/proc/<pid>/stat`.
-fn descendants(root: i32) -> Vec<i32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let parents: Vec<(i32, i32)> = dir
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter_map(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            // The command name may hold spaces and parentheses: parse after the last ')'.
-            let ppid = stat
-                .rsplit_once(')')?
-                .1
-                .split_whitespace()
-                .nth(1)?
-                .parse()
-                .ok()?;
-            Some((pid, ppid))
-        })
-        .collect();
-    let mut tree = vec![root];
-    let mut i = 0;
-    while i < tree.len() {
-        let parent = tree[i];
-        tree.extend(
-            parents
-                .iter()
-                .filter(|(_, pp)| *pp == parent)
-                .map(|(p, _)| *p),
-        );
-        i += 1;
-    }
-    tree.remove(0);
-    tree
 }
 
 /// Why a command could not be started.
 enum Spawn {
     /// Before execve: bad spec, chdir...; reported as an error.
-    Setup(&'static str, Option<i32>, String),
+    Setup(InitStage, Option<i32>, String),
     /// execve failed: reported like a shell does, exit 127 or 126.
     Exec(i32),
+    /// A fncall call's file could not be written.
+    Files(FileError),
 }
 
 /// The step of the child's preparation that failed, as written to the report pipe.
@@ -1053,6 +1182,7 @@ enum ChildStage {
     CallRoot = 5,
     Confine = 6,
     Files = 7,
+    Cgroup = 8,
 }
 
 impl ChildStage {
@@ -1062,21 +1192,23 @@ impl ChildStage {
             5 => ChildStage::CallRoot,
             6 => ChildStage::Confine,
             7 => ChildStage::Files,
+            8 => ChildStage::Cgroup,
             2 => ChildStage::Stdio,
             3 => ChildStage::Chdir,
             _ => ChildStage::Exec,
         }
     }
 
-    fn name(self) -> &'static str {
+    fn stage(self) -> InitStage {
         match self {
-            ChildStage::Subreaper => "become subreaper",
-            ChildStage::CallRoot => "build the call\'s root",
-            ChildStage::Confine => "drop privileges",
-            ChildStage::Files => "write the command\'s files",
-            ChildStage::Stdio => "set up stdio",
-            ChildStage::Chdir => "chdir",
-            ChildStage::Exec => "exec",
+            ChildStage::Subreaper => InitStage::Subreaper,
+            ChildStage::CallRoot => InitStage::CallRoot,
+            ChildStage::Confine => InitStage::Confine,
+            ChildStage::Files => InitStage::CallFiles,
+            ChildStage::Cgroup => InitStage::CommandsCgroup,
+            ChildStage::Stdio => InitStage::Stdio,
+            ChildStage::Chdir => InitStage::Chdir,
+            ChildStage::Exec => InitStage::Exec,
         }
     }
 }
@@ -1118,15 +1250,13 @@ fn spawn_shared(launch: &Launch, fds: &ChildFds, stack: &mut [u8]) -> std::io::R
     Ok(pid)
 }
 
-/// Writes a file (parents created) in the command's own root.
-fn write_file(path: &str, mode: u32, data: &[u8]) -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    let path = std::path::Path::new(path);
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    std::fs::write(path, data)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode & 0o7777))
+/// Writes a fncall call's files in its root (the child's `/`, after the call's root is
+/// built). Only ever runs in a forked child (not a vfork), so it may allocate.
+fn write_call_files(files: &[(String, u32, Vec<u8>)]) -> Result<(), FileError> {
+    let root = SandboxRoot::open(std::path::Path::new("/")).map_err(|e| FileError::os("/", e))?;
+    files
+        .iter()
+        .try_for_each(|(path, mode, data)| root.write_all(path, data, *mode))
 }
 
 /// How a fncall worker's commands are set up (see [`crate::spec::SandboxSpec::worker`]).
@@ -1141,19 +1271,23 @@ struct ChildFds {
     stdout: RawFd,
     stderr: RawFd,
     report: RawFd,
-    /// A VM guest's commands cgroup: its `cgroup.procs`, which the child joins.
-    cgroup_procs: Option<RawFd>,
+    /// The file the child writes `0` to, to enter the commands' cgroup (see
+    /// `Prepared::commands_cgroup`).
+    join_cgroup: Option<RawFd>,
+    /// A stepped call's runner: every step's pipes and the report pipe.
+    steps: Option<StepFds>,
 }
 
 /// Everything the child needs, converted before `fork` so that the child only makes
 /// syscalls.
 struct Launch {
-    argv: Vec<CString>,
+    program: Program,
     env: Vec<CString>,
-    candidates: Vec<CString>,
     cwd: CString,
     /// Files to write in the command's root first: (path, mode, contents).
     files: Vec<(String, u32, Vec<u8>)>,
+    /// A stepped call: what its runner runs instead of `program` alone.
+    steps: Option<StepPlan>,
 }
 
 fn cstring(s: &str, what: &str) -> Result<CString, String> {
@@ -1161,35 +1295,35 @@ fn cstring(s: &str, what: &str) -> Result<CString, String> {
 }
 
 impl Launch {
-    fn new(spec: &ExecSpec, contents: Vec<Vec<u8>>) -> Result<Launch, String> {
-        let argv = spec
-            .argv
-            .iter()
-            .map(|a| cstring(a, "argument"))
-            .collect::<Result<Vec<_>, _>>()?;
-        let program = spec.argv.first().ok_or("empty command")?;
+    /// `stdin` is the stepped call's input, which its runner gives every step.
+    fn new(spec: &ExecSpec, contents: Vec<Vec<u8>>, stdin: Vec<u8>) -> Result<Launch, String> {
         let env = spec
             .env
             .iter()
             .map(|e| cstring(e, "environment"))
             .collect::<Result<Vec<_>, _>>()?;
-        let candidates = if program.contains('/') {
-            vec![cstring(program, "program")?]
-        } else {
-            let path = spec
-                .env
-                .iter()
-                .find_map(|e| e.strip_prefix("PATH="))
-                .unwrap_or("/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin");
-            path.split(':')
-                .filter(|d| !d.is_empty())
-                .map(|d| cstring(&format!("{d}/{program}"), "program"))
-                .collect::<Result<Vec<_>, _>>()?
+        let path = spec
+            .env
+            .iter()
+            .find_map(|e| e.strip_prefix("PATH="))
+            .unwrap_or("/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin");
+        let steps = match spec.is_stepped() {
+            false => None,
+            true => Some(StepPlan {
+                steps: std::iter::once((&spec.argv, spec.timeout_ms))
+                    .chain(spec.then.iter().map(|s| (&s.argv, s.timeout_ms)))
+                    .map(|(argv, ms)| {
+                        Ok((Program::new(argv, path)?, ms.map(Duration::from_millis)))
+                    })
+                    .collect::<Result<_, String>>()?,
+                stdin,
+                fetch: spec.fetch.clone(),
+                fetch_max_bytes: spec.fetch_max_bytes,
+            }),
         };
         Ok(Launch {
-            argv,
+            program: Program::new(&spec.argv, path)?,
             env,
-            candidates,
             cwd: cstring(&spec.cwd, "working directory")?,
             files: spec
                 .files
@@ -1197,12 +1331,15 @@ impl Launch {
                 .zip(contents)
                 .map(|(f, data)| (f.path.clone(), f.mode, data))
                 .collect(),
+            steps,
         })
     }
 
-    /// Runs in the forked child: becomes a subreaper, wires stdio, enters the working
-    /// directory and execs; capabilities, no_new_privs and seccomp are inherited from
-    /// init. Reports a failing step through the report pipe and exits.
+    /// Runs in the forked child: enters the commands' cgroup, becomes a subreaper, wires
+    /// stdio, enters the working directory and execs; capabilities, no_new_privs and
+    /// seccomp are inherited from init. Reports a failing step through the report pipe
+    /// and exits. A stepped call's child becomes its runner instead of exec'ing (see
+    /// [`crate::steps`]).
     fn exec_child(&self, fds: &ChildFds, confine: &Confine) -> ! {
         let fail = |stage: ChildStage, errno: i32| -> ! {
             let mut msg = [0u8; 8];
@@ -1224,6 +1361,14 @@ impl Launch {
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
         // SAFETY: setsid(2) has no arguments.
         unsafe { libc::setsid() };
+        // Into the commands' cgroup first: everything the command makes from here on is
+        // charged under the sandbox's limit, and none of it to init.
+        if let Some(file) = fds.join_cgroup {
+            // SAFETY: writing a constant to a descriptor this process owns.
+            if unsafe { libc::write(file, c"0".as_ptr().cast(), 1) } < 0 {
+                fail(ChildStage::Cgroup, last_errno());
+            }
+        }
         match confine {
             Confine::Call(call) => {
                 if let Err(e) = crate::rootfs::setup_call(call.layer_count, call.disk_bytes) {
@@ -1236,23 +1381,45 @@ impl Launch {
             }
             _ => {}
         }
-        // init is exempt from the OOM killer; its commands must not be.
-        let _ = std::fs::write("/proc/self/oom_score_adj", "0");
-        if let Some(procs) = fds.cgroup_procs {
-            // SAFETY: writing a constant to a descriptor this process owns.
-            if unsafe { libc::write(procs, c"0".as_ptr().cast(), 1) } < 0 {
-                fail(ChildStage::Confine, last_errno());
+        match (&self.steps, &fds.steps) {
+            // The runner keeps only its own descriptors, and stays exempt from the OOM
+            // killer like init (its steps are not).
+            (Some(_), Some(step_fds)) => {
+                let mut keep = step_fds.all();
+                keep.push(fds.report);
+                if let Err(e) = crate::steps::close_other_fds(&keep) {
+                    fail(ChildStage::CallRoot, e.raw_os_error().unwrap_or(libc::EIO));
+                }
+            }
+            // init is exempt from the OOM killer where the host allows it; its commands
+            // must not be (see `protect_from_oom_killer`). Not through the shared memory:
+            // the kernel gives a vfork child its own score.
+            _ => {
+                let _ = std::fs::write("/proc/self/oom_score_adj", "0");
             }
         }
-        for (path, mode, data) in &self.files {
-            if let Err(e) = write_file(path, *mode, data) {
-                fail(ChildStage::Files, e.raw_os_error().unwrap_or(libc::EIO));
+        if !self.files.is_empty() {
+            // A fncall call's files, in its fresh root: written with the same checks as
+            // the files API, since the image itself may carry hostile links.
+            if let Err(e) = write_call_files(&self.files) {
+                let mut msg = Vec::with_capacity(REPORT_MAX);
+                msg.extend_from_slice(&(ChildStage::Files as u32).to_le_bytes());
+                msg.extend_from_slice(&0i32.to_le_bytes());
+                serde_json::to_writer(&mut msg, &e).expect("serializes");
+                msg.truncate(REPORT_MAX);
+                // SAFETY: writing a local buffer to our pipe, then leaving without unwinding.
+                unsafe {
+                    libc::write(fds.report, msg.as_ptr().cast(), msg.len());
+                    libc::_exit(127)
+                }
             }
         }
-        for (from, to) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
-            // SAFETY: dup2 between descriptors this process owns.
-            if unsafe { libc::dup2(from, to) } < 0 {
-                fail(ChildStage::Stdio, last_errno());
+        if fds.steps.is_none() {
+            for (from, to) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
+                // SAFETY: dup2 between descriptors this process owns.
+                if unsafe { libc::dup2(from, to) } < 0 {
+                    fail(ChildStage::Stdio, last_errno());
+                }
             }
         }
         // SAFETY: cwd is a valid NUL-terminated string.
@@ -1267,19 +1434,51 @@ impl Launch {
                 fail(ChildStage::Confine, last_errno());
             }
         }
-        let mut argv: Vec<*const libc::c_char> = self.argv.iter().map(|a| a.as_ptr()).collect();
-        argv.push(std::ptr::null());
-        let mut envp: Vec<*const libc::c_char> = self.env.iter().map(|e| e.as_ptr()).collect();
-        envp.push(std::ptr::null());
-        let mut errno = libc::ENOENT;
-        for path in &self.candidates {
-            // SAFETY: path, argv and envp are NUL-terminated and outlive the call.
-            unsafe { libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
-            let e = last_errno();
-            if e != libc::ENOENT && e != libc::ENOTDIR {
-                errno = e;
-            }
+        if let (Some(plan), Some(step_fds)) = (&self.steps, &fds.steps) {
+            // Set up: init stops waiting for a failure report when this closes.
+            // SAFETY: closing our end of the report pipe, used no more.
+            unsafe { libc::close(fds.report) };
+            // The runner waits for its steps with SIGCHLD blocked, as init keeps it.
+            let mut chld = SigSet::empty();
+            chld.add(Signal::SIGCHLD);
+            let _ = nix::sys::signal::pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(&chld), None);
+            plan.run(&self.env, step_fds)
         }
-        fail(ChildStage::Exec, errno)
+        if crate::fds::close_on_exec_above_stdio().is_err() {
+            fail(ChildStage::Stdio, last_errno());
+        }
+        fail(ChildStage::Exec, self.program.exec(&self.env))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::ExecStep;
+
+    #[test]
+    fn a_stepped_call_is_killed_after_all_its_steps_had_their_time() {
+        let now = Instant::now();
+        let plain = ExecSpec {
+            timeout_ms: Some(1000),
+            ..ExecSpec::default()
+        };
+        assert_eq!(deadline(&plain, now), Some(now + Duration::from_secs(1)));
+        let stepped = ExecSpec {
+            then: vec![ExecStep {
+                argv: vec!["./test".into()],
+                timeout_ms: Some(2000),
+            }],
+            ..plain.clone()
+        };
+        assert_eq!(
+            deadline(&stepped, now),
+            Some(now + Duration::from_secs(3) + STEPS_GRACE)
+        );
+        let unbounded = ExecSpec {
+            then: vec![ExecStep::default()],
+            ..plain
+        };
+        assert_eq!(deadline(&unbounded, now), None);
     }
 }

@@ -7,7 +7,10 @@
 //!   the [`rootfs`], drops [`caps`] and installs the [`seccomp`] filter on itself, then
 //!   runs commands (which inherit both) for the edge over the [`proto`] channel;
 //! - [`container`]: the edge's async handle on a sandbox, talking to init through a
-//!   [`channel`]; [`files`]: confined file access from the host side.
+//!   [`channel`]; [`files`]: the sandbox's files, served by init over that channel;
+//! - [`fds`]: what every process dsec starts may inherit (its standard descriptors only);
+//!   [`pidfd`]: host processes read and signalled by pid, held by pidfd; [`procfs`]: what
+//!   is read of them in `/proc`; [`tree`]: a command's whole process tree, killed.
 //!
 //! A VM guest's agent reuses [`init`]'s command loop, [`proto`], [`files`], [`caps`] and
 //! [`seccomp`] inside the guest (see `dsec-agent`).
@@ -17,11 +20,16 @@ pub mod caps;
 pub mod cgroup;
 pub mod channel;
 pub mod container;
+pub mod fds;
 pub mod files;
 pub mod guest;
 pub mod init;
+pub mod pidfd;
+pub mod procfs;
 pub mod proto;
 pub mod rootfs;
 pub mod seccomp;
 pub mod spec;
+mod steps;
+pub mod tree;
 pub mod zygote;

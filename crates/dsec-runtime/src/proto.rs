@@ -5,9 +5,15 @@
 //! non-dumpable so `/proc/1/fd` is closed to the sandbox's processes, and every descriptor
 //! init holds is close-on-exec: nothing inside the sandbox can open, reach or forge it.
 //! A VM guest's agent speaks the same protocol over a virtio-serial port or a vsock
-//! connection (see `dsec-agent`); there file operations and the guest's identity travel
-//! on the channel too, as request frames answered by [`FrameKind::Done`] or
+//! connection (see `dsec-agent`), where the guest's identity travels on the channel too.
+//! Requests — file operations, identity — are answered by [`FrameKind::Done`] or
 //! [`FrameKind::Error`] with the request's id.
+//!
+//! Files move in chunks of at most [`FILE_CHUNK`] bytes, one request each: the edge asks
+//! for the next chunk of a read only when its client took the last one, so neither side
+//! buffers more than a chunk per transfer, and a large file is interleaved with command
+//! output instead of holding the channel. A file that fits in one chunk costs one round
+//! trip (see [`crate::files::service`]).
 //!
 //! Each frame is a 9-byte header — payload length (`u32` LE), kind (`u8`), exec id
 //! (`u32` LE) — followed by the payload. Output travels as raw bytes (no JSON escaping on
@@ -16,7 +22,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any incompatible change; the edge refuses a mismatching init or agent.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 9;
@@ -24,13 +30,17 @@ pub const HEADER_LEN: usize = 9;
 /// Largest payload a peer accepts; bounds memory against a corrupt stream.
 pub const MAX_PAYLOAD: usize = 256 << 20;
 
+/// Most bytes of file content in one frame.
+pub const FILE_CHUNK: usize = 1 << 20;
+
 /// What a frame carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum FrameKind {
     /// init → edge: setup finished; payload: JSON [`Ready`].
     Ready = 1,
-    /// edge → init: run a command; payload: `u32` LE JSON length, JSON [`ExecSpec`], stdin.
+    /// edge → init: run a command; payload: `u32` LE JSON length, JSON [`ExecSpec`], stdin,
+    /// then the contents of [`ExecSpec::files`].
     Exec = 2,
     /// edge → init: kill an exec's process tree (client went away).
     Kill = 3,
@@ -46,16 +56,33 @@ pub enum FrameKind {
     /// edge → agent: take a fresh identity after a snapshot restore; payload: JSON
     /// [`Identity`].
     Identity = 8,
-    /// edge → agent: read a file; payload: the absolute path. Answer: its contents.
+    /// edge → sandbox: open a regular file for reading; payload: JSON [`OpenRead`].
+    /// Answer: a header (see [`encode_with_header`]) [`Opened`], then the first chunk.
     ReadFile = 9,
-    /// edge → agent: write a file; payload: `u32` LE JSON length, JSON [`WriteFile`],
-    /// contents.
+    /// edge → sandbox: open a file for writing (created or truncated); payload: a header
+    /// [`OpenWrite`], then the first chunk. Answer: JSON [`Opened`].
     WriteFile = 10,
-    /// edge → agent: list a directory; payload: the absolute path. Answer: JSON
+    /// edge → sandbox: list a directory; payload: JSON [`ListDir`]. Answer: JSON
     /// `Vec<`[`crate::files::Entry`]`>`.
     ListDir = 11,
     /// init → edge: a request succeeded; payload: its answer.
     Done = 12,
+    /// edge → sandbox: the next chunk of an open read; payload: JSON [`Transfer`].
+    /// Answer: a header [`Transfer`], then the chunk.
+    ReadChunk = 13,
+    /// edge → sandbox: the next chunk of an open write; payload: a header [`Transfer`],
+    /// then the chunk. Answer: empty.
+    WriteChunk = 14,
+    /// edge → sandbox: abandon an open transfer (its client went away); payload: JSON
+    /// [`Transfer`]. No answer.
+    CloseFile = 15,
+    /// init → edge: a step of a stepped call (see [`ExecSpec::then`]) ended and the next
+    /// one starts; payload: JSON [`ExecExit`]. The last step's end is the `Exit` frame.
+    StepExit = 16,
+    /// init → edge: a file read back from a call's root after its last step (see
+    /// [`ExecSpec::fetch`]), sent before the `Exit` frame; payload: `u32` LE JSON length,
+    /// JSON [`FetchedFile`], contents.
+    Fetched = 17,
 }
 
 impl FrameKind {
@@ -73,6 +100,11 @@ impl FrameKind {
             10 => FrameKind::WriteFile,
             11 => FrameKind::ListDir,
             12 => FrameKind::Done,
+            13 => FrameKind::ReadChunk,
+            14 => FrameKind::WriteChunk,
+            15 => FrameKind::CloseFile,
+            16 => FrameKind::StepExit,
+            17 => FrameKind::Fetched,
             _ => return None,
         })
     }
@@ -111,9 +143,7 @@ pub struct Frame {
 /// Appends one frame to `out`.
 pub fn encode(out: &mut Vec<u8>, kind: FrameKind, exec_id: u32, payload: &[u8]) {
     out.reserve(HEADER_LEN + payload.len());
-    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    out.push(kind as u8);
-    out.extend_from_slice(&exec_id.to_le_bytes());
+    out.extend_from_slice(&header(kind, exec_id, payload.len()));
     out.extend_from_slice(payload);
 }
 
@@ -123,8 +153,9 @@ pub fn encode_json<T: Serialize>(out: &mut Vec<u8>, kind: FrameKind, exec_id: u3
     encode(out, kind, exec_id, &json);
 }
 
-/// Removes and returns the first complete frame of `buf`, if there is one.
-pub fn decode(buf: &mut Vec<u8>) -> Result<Option<Frame>, ProtoError> {
+/// The header at the start of `buf`: kind, exec id and payload length, once all 9
+/// bytes are there.
+pub fn decode_header(buf: &[u8]) -> Result<Option<(FrameKind, u32, usize)>, ProtoError> {
     if buf.len() < HEADER_LEN {
         return Ok(None);
     }
@@ -133,10 +164,27 @@ pub fn decode(buf: &mut Vec<u8>) -> Result<Option<Frame>, ProtoError> {
         return Err(ProtoError::TooLarge(len));
     }
     let kind = FrameKind::from_u8(buf[4]).ok_or(ProtoError::UnknownKind(buf[4]))?;
+    let exec_id = u32::from_le_bytes(buf[5..9].try_into().expect("4 bytes"));
+    Ok(Some((kind, exec_id, len)))
+}
+
+/// The 9 header bytes of a frame whose payload is `len` bytes.
+pub fn header(kind: FrameKind, exec_id: u32, len: usize) -> [u8; HEADER_LEN] {
+    let mut h = [0; HEADER_LEN];
+    h[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    h[4] = kind as u8;
+    h[5..].copy_from_slice(&exec_id.to_le_bytes());
+    h
+}
+
+/// Removes and returns the first complete frame of `buf`, if there is one.
+pub fn decode(buf: &mut Vec<u8>) -> Result<Option<Frame>, ProtoError> {
+    let Some((kind, exec_id, len)) = decode_header(buf)? else {
+        return Ok(None);
+    };
     if buf.len() < HEADER_LEN + len {
         return Ok(None);
     }
-    let exec_id = u32::from_le_bytes(buf[5..9].try_into().expect("4 bytes"));
     let payload = buf[HEADER_LEN..HEADER_LEN + len].to_vec();
     buf.drain(..HEADER_LEN + len);
     Ok(Some(Frame {
@@ -183,6 +231,46 @@ pub struct ExecSpec {
     /// frame, in order.
     #[serde(default)]
     pub files: Vec<ExecFile>,
+    /// fncall calls only: commands run after `argv`, one at a time in the same root,
+    /// each only if the one before it exited 0. Each step's whole process tree is killed
+    /// when its main process exits or its own timeout (counted from its own start)
+    /// fires, and every step reads the exec's stdin from its beginning.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub then: Vec<ExecStep>,
+    /// fncall calls only: files (absolute, or relative to `cwd`) read back from the
+    /// call's root after its last step; regular files of the call's own filesystems
+    /// only, missing ones are left out.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fetch: Vec<String>,
+    /// Bound on the fetched files together: the file that exceeds it comes cut short
+    /// (`FetchedFile::truncated`) and the files after it are not read.
+    #[serde(default)]
+    pub fetch_max_bytes: u64,
+}
+
+impl ExecSpec {
+    /// Whether the command runs as the steps of a stepped call rather than alone.
+    pub fn is_stepped(&self) -> bool {
+        !self.then.is_empty() || !self.fetch.is_empty()
+    }
+}
+
+/// A later command of a stepped call (see [`ExecSpec::then`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecStep {
+    /// argv, looked up in the `PATH` of the exec's environment like the first command's.
+    pub argv: Vec<String>,
+    /// Kill the step's tree this long after the step started.
+    pub timeout_ms: Option<u64>,
+}
+
+/// Header of a [`FrameKind::Fetched`] frame.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FetchedFile {
+    /// The path as the exec asked for it.
+    pub path: String,
+    /// The file was longer than the bound; the rest was not read.
+    pub truncated: bool,
 }
 
 /// A file carried in an [`FrameKind::Exec`] frame.
@@ -215,19 +303,118 @@ pub struct ExecExit {
     pub oom_killed: bool,
 }
 
+/// Declares [`InitStage`] from one list: each stage's variant and its name, which is both
+/// what messages say and what the wire carries.
+macro_rules! init_stages {
+    ($($(#[$doc:meta])* $variant:ident => $name:literal,)*) => {
+        /// The step at which init (or a VM guest's agent) failed: a closed set, so the edge
+        /// matches on it rather than on words.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+        pub enum InitStage {
+            $($(#[$doc])* #[serde(rename = $name)] $variant,)*
+        }
+
+        impl InitStage {
+            /// The stage as messages and the wire name it.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(InitStage::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+
+init_stages! {
+    /// The guest's identity could not be taken (or was asked for again).
+    Identity => "identity",
+    /// A request could not be decoded.
+    Decode => "decode",
+    /// The control channel could not be read.
+    ReadChannel => "read the channel",
+    /// init could not say it is ready.
+    ReportReady => "report ready",
+    /// The guest could not answer its identity.
+    AnswerIdentity => "answer the identity",
+    /// A guest's pids limit could not be set.
+    PidsLimit => "pids limit",
+    /// Capabilities could not be dropped.
+    DropCapabilities => "drop capabilities",
+    /// The seccomp filter could not be installed.
+    InstallSeccomp => "install seccomp filter",
+    /// The root the files are served from could not be opened.
+    OpenFilesRoot => "open the root for files",
+    /// `SIGCHLD` could not be blocked.
+    BlockSigchld => "block SIGCHLD",
+    /// The signalfd could not be made.
+    Signalfd => "signalfd",
+    /// init could not join the sandbox's cgroups.
+    JoinCgroup => "join cgroup",
+    /// The cgroup namespace could not be unshared.
+    UnshareCgroupNamespace => "unshare cgroup namespace",
+    /// init could not move to the inits' memory cgroup.
+    LeaveMemoryCgroup => "leave the sandbox's memory cgroup",
+    /// The commands' cgroup could not be opened.
+    OpenCommandsCgroup => "open the commands' cgroup",
+    /// `TIME_WAIT` could not be turned off in the sandbox's network.
+    DisableTimeWait => "disable TIME_WAIT",
+    /// `/dev/null` could not be opened.
+    OpenDevNull => "open /dev/null",
+    /// The root filesystem could not be built.
+    Rootfs => "rootfs",
+    /// The hostname could not be set.
+    Sethostname => "sethostname",
+    /// The loopback interface could not be brought up.
+    Loopback => "loopback",
+    /// A VM guest's agent could not set the guest up.
+    GuestSetup => "guest setup",
+    /// A file request failed.
+    Files => "files",
+    /// The command's spec is invalid.
+    Spec => "spec",
+    /// A pipe could not be made.
+    Pipe => "pipe",
+    /// The command could not be forked.
+    Fork => "fork",
+    /// The command could not be cloned.
+    Clone => "clone",
+    /// The command could not become a subreaper.
+    Subreaper => "become subreaper",
+    /// The command's standard descriptors could not be set up.
+    Stdio => "set up stdio",
+    /// The command's working directory could not be entered.
+    Chdir => "chdir",
+    /// The command could not be executed.
+    Exec => "exec",
+    /// A fncall call's root could not be built.
+    CallRoot => "build the call's root",
+    /// A fncall call could not drop its privileges.
+    Confine => "drop privileges",
+    /// A fncall call's files could not be written.
+    CallFiles => "write the command's files",
+    /// The command could not join the commands' cgroup.
+    CommandsCgroup => "join the commands' cgroup",
+}
+
+impl std::fmt::Display for InitStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Why init could not do what it was asked.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InitError {
-    /// Which step failed (`chdir`, `exec`, `setup`, `files`, ...).
-    pub stage: String,
+    /// Which step failed.
+    pub stage: InitStage,
     /// `errno`, when a syscall failed.
     pub errno: Option<i32>,
     /// Human-readable explanation.
     pub message: String,
-    /// For a failed file request: what kind of failure, so the edge can answer exactly as
-    /// it does for a container.
+    /// For a failed file request (or a fncall call's `files`): the failure itself, so the
+    /// edge answers it as precisely as the sandbox's side saw it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub file: Option<crate::files::FileFault>,
+    pub file: Option<Box<crate::files::FileError>>,
 }
 
 /// What a VM guest takes on when it is restored from a snapshot that other sandboxes
@@ -246,24 +433,73 @@ pub struct Identity {
     pub pids_max: Option<u64>,
 }
 
+/// A [`FrameKind::ReadFile`] request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpenRead {
+    /// Absolute path in the sandbox.
+    pub path: String,
+    /// Refuse a larger file; stop a file that grows past it while it is read.
+    pub max_bytes: u64,
+}
+
 /// Header of a [`FrameKind::WriteFile`] request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WriteFile {
-    /// Absolute path in the guest.
+pub struct OpenWrite {
+    /// Absolute path in the sandbox.
     pub path: String,
     /// Permission bits.
     pub mode: u32,
+    /// The chunk in this frame is the whole file.
+    pub last: bool,
+}
+
+/// A [`FrameKind::ListDir`] request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListDir {
+    /// Absolute path in the sandbox.
+    pub path: String,
+    /// Refuse a directory with more entries.
+    pub max_entries: usize,
+}
+
+/// The answer to [`FrameKind::ReadFile`] and [`FrameKind::WriteFile`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Opened {
+    /// The transfer's id for the next chunks.
+    pub transfer: u32,
+    /// The file's size when it was opened (reads).
+    pub size: u64,
+    /// The transfer ended with this frame (and is closed).
+    pub last: bool,
+}
+
+/// Names an open transfer; in an answer to [`FrameKind::ReadChunk`] and in a
+/// [`FrameKind::WriteChunk`], `last` says the chunk ends the file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Transfer {
+    /// As [`Opened::transfer`].
+    pub id: u32,
+    /// The transfer ends with this chunk.
+    #[serde(default)]
+    pub last: bool,
 }
 
 /// Builds a payload made of a JSON header and raw bytes (`u32` LE header length first),
-/// as [`FrameKind::WriteFile`] uses.
+/// as [`FrameKind::Exec`] and the file frames use.
 pub fn encode_with_header<T: Serialize>(header: &T, data: &[u8]) -> Vec<u8> {
-    let json = serde_json::to_vec(header).expect("protocol types serialize");
-    let mut payload = Vec::with_capacity(4 + json.len() + data.len());
-    payload.extend_from_slice(&(json.len() as u32).to_le_bytes());
-    payload.extend_from_slice(&json);
+    let mut payload = json_header(header);
     payload.extend_from_slice(data);
     payload
+}
+
+/// The start of a payload built by [`encode_with_header`]: `u32` LE length, JSON; the raw
+/// bytes follow.
+pub fn json_header<T: Serialize>(header: &T) -> Vec<u8> {
+    let json = serde_json::to_vec(header).expect("protocol types serialize");
+    let mut out = Vec::with_capacity(4 + json.len());
+    out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    out.extend_from_slice(&json);
+    out
 }
 
 /// Splits a payload built by [`encode_with_header`].
@@ -284,22 +520,6 @@ pub fn decode_with_header<T: for<'de> Deserialize<'de>>(
         .ok_or_else(|| bad("header past the end".into()))?;
     let header = serde_json::from_slice(json).map_err(|e| bad(e.to_string()))?;
     Ok((header, &p[4 + n..]))
-}
-
-/// Builds the payload of an [`FrameKind::Exec`] frame: the spec, stdin, then the
-/// contents of `spec.files` in order.
-pub fn encode_exec(
-    out: &mut Vec<u8>,
-    exec_id: u32,
-    spec: &ExecSpec,
-    stdin: &[u8],
-    files: &[&[u8]],
-) {
-    let mut payload = encode_with_header(spec, stdin);
-    for f in files {
-        payload.extend_from_slice(f);
-    }
-    encode(out, FrameKind::Exec, exec_id, &payload);
 }
 
 /// A decoded [`FrameKind::Exec`] payload.
@@ -337,6 +557,21 @@ pub fn decode_exec(frame: &Frame) -> Result<ExecPayload<'_>, ProtoError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An exec frame as the edge's channel sends it: the spec, stdin, the files.
+    fn encode_exec(
+        out: &mut Vec<u8>,
+        exec_id: u32,
+        spec: &ExecSpec,
+        stdin: &[u8],
+        files: &[&[u8]],
+    ) {
+        let mut payload = encode_with_header(spec, stdin);
+        for f in files {
+            payload.extend_from_slice(f);
+        }
+        encode(out, FrameKind::Exec, exec_id, &payload);
+    }
 
     #[test]
     fn frames_round_trip_and_wait_for_completeness() {
@@ -404,6 +639,52 @@ mod tests {
         let got = decode_exec(&frame).unwrap();
         assert_eq!(got.stdin, b"in");
         assert_eq!(got.files, vec![&b"aa"[..], &b"bbb"[..]]);
+    }
+
+    #[test]
+    fn stepped_specs_round_trip_and_plain_ones_stay_plain() {
+        let plain: ExecSpec = serde_json::from_str(
+            r#"{"argv":["true"],"env":[],"cwd":"/","timeout_ms":1,"max_output_bytes":1}"#,
+        )
+        .unwrap();
+        assert!(!plain.is_stepped());
+        let json = serde_json::to_string(&plain).unwrap();
+        assert!(
+            !json.contains("then") && !json.contains("\"fetch\""),
+            "{json}"
+        );
+        let stepped = ExecSpec {
+            then: vec![ExecStep {
+                argv: vec!["./a.out".into()],
+                timeout_ms: Some(5),
+            }],
+            fetch: vec!["out.txt".into()],
+            fetch_max_bytes: 9,
+            ..plain
+        };
+        assert!(stepped.is_stepped());
+        let back: ExecSpec =
+            serde_json::from_str(&serde_json::to_string(&stepped).unwrap()).unwrap();
+        assert_eq!(back, stepped);
+    }
+
+    #[test]
+    fn fetched_files_carry_their_path_and_bytes() {
+        let header = FetchedFile {
+            path: "/mnt/b".into(),
+            truncated: true,
+        };
+        let mut buf = Vec::new();
+        encode(
+            &mut buf,
+            FrameKind::Fetched,
+            4,
+            &encode_with_header(&header, b"\x00\xff"),
+        );
+        let frame = decode(&mut buf).unwrap().unwrap();
+        let (got, data): (FetchedFile, _) = decode_with_header(&frame).unwrap();
+        assert_eq!((got, data), (header, &b"\x00\xff"[..]));
+        assert_eq!(FrameKind::from_u8(16), Some(FrameKind::StepExit));
     }
 
     #[test]

@@ -78,6 +78,14 @@ const READONLY_PATHS: &[&str] = &[
     "/proc/sysrq-trigger",
 ];
 
+/// The OOM scores of the sandbox's PID 1 (init, a VM guest's agent), read-only inside:
+/// raising a process's score needs no privilege, so any process of the sandbox could
+/// otherwise make its init the OOM killer's first choice. `/proc/1/task` (the same files
+/// per thread) is masked. A fncall call is PID 1 of a namespace of its own and keeps its
+/// score writable: nothing else lives there to protect.
+const PID1_READONLY: &[&str] = &["/proc/1/oom_score_adj", "/proc/1/oom_adj"];
+const PID1_MASKED: &str = "/proc/1/task";
+
 /// Device nodes of the minimal `/dev`: name, major, minor.
 const DEVICES: &[(&str, u64, u64)] = &[
     ("null", 1, 3),
@@ -111,7 +119,7 @@ pub fn setup(spec: &SandboxSpec) -> Result<OwnedFd, RootfsError> {
     if spec.worker {
         expose_layers(&rootfs, &spec.layers)?;
     } else {
-        build_view(&rootfs)?;
+        build_view(&rootfs, Pid1::Protected)?;
     }
     pivot(&rootfs)?;
     Ok(upper)
@@ -128,7 +136,7 @@ pub fn setup_call(layer_count: usize, disk_bytes: u64) -> Result<(), RootfsError
         .collect();
     let rootfs = base.join("root");
     build_overlay(&base.join("rw"), &rootfs, &layers, disk_bytes)?;
-    build_view(&rootfs)?;
+    build_view(&rootfs, Pid1::Alone)?;
     pivot(&rootfs)
 }
 
@@ -144,7 +152,7 @@ pub fn setup_guest(lower: &Path, scratch: &Path, rootfs: &Path) -> Result<(), Ro
         fs::create_dir_all(dir).step("mkdir", dir)?;
     }
     mount_overlay(&lower.to_string_lossy(), &upper, &work, rootfs)?;
-    build_view(rootfs)?;
+    build_view(rootfs, Pid1::Protected)?;
     nix::unistd::chdir(rootfs).step("chdir", rootfs)?;
     mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
         .step("move the new root over", Path::new("/"))?;
@@ -190,8 +198,9 @@ fn build_overlay(
     )
     .step("open", &upper)?;
     fs::create_dir(&work).step("mkdir", &work)?;
-    // The whole option string must fit in one page. Layers of one store share a parent:
-    // mounting from there with relative names makes room for ~60 layers instead of ~35.
+    // The whole option string must fit in one page. The edge mounts every layer under one
+    // directory with a short name (`dsec_image`'s mounts): naming them relative to it
+    // fits the 500 layers overlayfs can stack.
     let parent = layers.first().and_then(|l| l.parent());
     let shared = parent.filter(|p| layers.iter().all(|l| l.parent() == Some(*p)));
     if let Some(dir) = shared {
@@ -214,6 +223,13 @@ fn build_overlay(
 
 /// Mounts an overlay of `upper` over `lowerdir` (overlayfs' colon-separated list) on
 /// `rootfs`.
+///
+/// The overlay is `nodev`: image layers may hold device nodes (a registry image, a
+/// rootfs tarball, a snapshot of one), and dsec has no device cgroup to stop a sandbox
+/// from opening them, so a node `b 8 0` in an image would be the host's disk. Only the
+/// nodes dsec makes in the sandbox's own `/dev` (a mount of its own) open. Setuid bits
+/// keep their meaning here: whether they may raise privileges is the sandbox's
+/// `no_new_privs` to decide, not the filesystem's.
 fn mount_overlay(
     lowerdir: &str,
     upper: &Path,
@@ -229,20 +245,34 @@ fn mount_overlay(
         Some("overlay"),
         rootfs,
         Some("overlay"),
-        MsFlags::empty(),
+        MsFlags::MS_NODEV,
         Some(opts.as_str()),
     )
     .step("mount overlay on", rootfs)
 }
 
 /// `/proc`, `/dev`, `/sys`, the masked and the read-only paths.
-fn build_view(rootfs: &Path) -> Result<(), RootfsError> {
+/// Whether a root's `/proc/1` gets [`PID1_READONLY`]; its builder is that PID 1.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pid1 {
+    Protected,
+    /// A fncall call: PID 1 of its own pid namespace, alone there.
+    Alone,
+}
+
+fn build_view(rootfs: &Path, pid1: Pid1) -> Result<(), RootfsError> {
     mount_proc_dev_sys(rootfs)?;
     let mut empty_dir = None;
-    for path in MASKED_PATHS {
+    let masked = MASKED_PATHS
+        .iter()
+        .chain((pid1 == Pid1::Protected).then_some(&PID1_MASKED));
+    for path in masked {
         mask(rootfs, path, &mut empty_dir)?;
     }
-    for path in READONLY_PATHS {
+    let readonly = READONLY_PATHS
+        .iter()
+        .chain(PID1_READONLY.iter().filter(|_| pid1 == Pid1::Protected));
+    for path in readonly {
         make_readonly(&rootfs.join(&path[1..]))?;
     }
     Ok(())

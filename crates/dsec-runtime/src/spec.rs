@@ -16,8 +16,15 @@ pub struct SandboxSpec {
     pub layers: Vec<PathBuf>,
     /// Size of the writable layer.
     pub disk_bytes: u64,
-    /// Cgroup directories init joins before anything else.
-    pub cgroup_dirs: Vec<PathBuf>,
+    /// Files init writes `0` to, to join its cgroups, before anything else (see
+    /// [`crate::cgroup::SandboxCgroup::init_joins`]).
+    pub init_cgroups: Vec<PathBuf>,
+    /// The file init writes `0` to once in its cgroup namespace, to leave its sandbox's
+    /// memory limit (see [`crate::cgroup::SandboxCgroup::init_memory_home`]).
+    pub init_memory_home: Option<PathBuf>,
+    /// The file each command writes `0` to, to enter its sandbox's memory cgroup (see
+    /// [`crate::cgroup::SandboxCgroup::commands_join`]).
+    pub commands_cgroup: Option<PathBuf>,
     /// A fncall worker: each command runs in mount, pid and IPC namespaces of its own
     /// with a fresh writable layer, so the worker stays pristine between calls.
     #[serde(default)]

@@ -10,8 +10,14 @@
 //!
 //! Requests travel over a `SOCK_SEQPACKET` socketpair (one JSON [`SandboxSpec`] per
 //! message); each reply carries the init's host pid and, as `SCM_RIGHTS`, the edge's end of
-//! the new sandbox's control channel. The zygote dies with the server (`PDEATHSIG`), and
-//! each init dies with the zygote, so a killed server takes its sandboxes along.
+//! the new sandbox's control channel and a pidfd of init made by the clone itself
+//! (`CLONE_PIDFD`): init may die and its pid be reused before the edge sees the reply, the
+//! pidfd still names init. The zygote dies with the server (`PDEATHSIG`), and each init
+//! dies with the zygote, so a killed server takes its sandboxes along.
+//!
+//! The zygote starts with an empty environment: every init is a fork of it, and what init
+//! holds a sandbox can try to read (`/proc/1/environ`); none of the server's variables
+//! (tokens, credentials of the operator's shell) may be there.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -55,6 +61,17 @@ pub enum ZygoteError {
     Malformed,
 }
 
+/// A sandbox's init, as the zygote cloned it.
+#[derive(Debug)]
+pub struct Created {
+    /// Host pid (for `/proc/<pid>/ns/*`, always checked against the pidfd).
+    pub pid: i32,
+    /// The edge's end of the control channel.
+    pub channel: OwnedFd,
+    /// A pidfd of init, made by the clone.
+    pub pidfd: OwnedFd,
+}
+
 #[derive(Serialize, Deserialize)]
 enum Reply {
     Created { pid: i32 },
@@ -82,7 +99,10 @@ impl Zygote {
         let mut cmd = Command::new(exe);
         // Every init is a fork of the zygote and shows its command line as PID 1 inside
         // the sandbox: name it for what it is there, without the host path of the binary.
-        cmd.arg0("dsec-init").arg(ZYGOTE_ARG).stdin(Stdio::null());
+        cmd.arg0("dsec-init")
+            .arg(ZYGOTE_ARG)
+            .env_clear()
+            .stdin(Stdio::null());
         // SAFETY: the closure runs between fork and exec and only makes syscalls.
         unsafe {
             cmd.pre_exec(move || {
@@ -102,9 +122,8 @@ impl Zygote {
         })
     }
 
-    /// Clones a sandbox. Returns init's host pid and the edge's end of the control
-    /// channel. Blocking; the zygote answers in well under a millisecond.
-    pub fn create(&self, spec: &SandboxSpec) -> Result<(i32, OwnedFd), ZygoteError> {
+    /// Clones a sandbox. Blocking; the zygote answers in well under a millisecond.
+    pub fn create(&self, spec: &SandboxSpec) -> Result<Created, ZygoteError> {
         let request = serde_json::to_vec(spec).expect("spec serializes");
         let socket = self.socket.lock().expect("zygote lock");
         sendmsg::<()>(
@@ -116,7 +135,7 @@ impl Zygote {
         )
         .map_err(ZygoteError::Channel)?;
         let mut buf = vec![0u8; 4096];
-        let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+        let mut cmsg = nix::cmsg_space!([RawFd; 2]);
         let mut iov = [IoSliceMut::new(&mut buf)];
         let msg = recvmsg::<()>(
             socket.as_raw_fd(),
@@ -125,11 +144,11 @@ impl Zygote {
             MsgFlags::MSG_CMSG_CLOEXEC,
         )
         .map_err(ZygoteError::Channel)?;
-        let mut fd = None;
+        let mut fds = Vec::new();
         for c in msg.cmsgs().map_err(ZygoteError::Channel)? {
-            if let ControlMessageOwned::ScmRights(fds) = c {
+            if let ControlMessageOwned::ScmRights(received) = c {
                 // SAFETY: SCM_RIGHTS installed these descriptors in this process for us.
-                fd = fds.first().map(|f| unsafe { OwnedFd::from_raw_fd(*f) });
+                fds.extend(received.iter().map(|f| unsafe { OwnedFd::from_raw_fd(*f) }));
             }
         }
         let len = msg.bytes;
@@ -137,7 +156,17 @@ impl Zygote {
             return Err(ZygoteError::Channel(nix::Error::EPIPE));
         }
         match serde_json::from_slice(&buf[..len]).map_err(|_| ZygoteError::Malformed)? {
-            Reply::Created { pid } => Ok((pid, fd.ok_or(ZygoteError::Malformed)?)),
+            Reply::Created { pid } => {
+                let mut fds = fds.into_iter();
+                match (fds.next(), fds.next()) {
+                    (Some(channel), Some(pidfd)) => Ok(Created {
+                        pid,
+                        channel,
+                        pidfd,
+                    }),
+                    _ => Err(ZygoteError::Malformed),
+                }
+            }
             Reply::Failed { message } => Err(ZygoteError::Clone(message)),
         }
     }
@@ -187,25 +216,25 @@ pub fn serve() -> ! {
         if n <= 0 {
             std::process::exit(0);
         }
-        let (reply, fd) = match serde_json::from_slice::<SandboxSpec>(&buf[..n as usize]) {
+        let (reply, sent) = match serde_json::from_slice::<SandboxSpec>(&buf[..n as usize]) {
             Ok(spec) => match clone_sandbox(&spec, &socket, &seccomp) {
-                Ok((pid, fd)) => (Reply::Created { pid }, Some(fd)),
+                Ok((pid, channel, pidfd)) => (Reply::Created { pid }, vec![channel, pidfd]),
                 Err(e) => (
                     Reply::Failed {
                         message: e.to_string(),
                     },
-                    None,
+                    Vec::new(),
                 ),
             },
             Err(e) => (
                 Reply::Failed {
                     message: format!("bad request: {e}"),
                 },
-                None,
+                Vec::new(),
             ),
         };
         let json = serde_json::to_vec(&reply).expect("reply serializes");
-        let fds: Vec<RawFd> = fd.iter().map(AsRawFd::as_raw_fd).collect();
+        let fds: Vec<RawFd> = sent.iter().map(AsRawFd::as_raw_fd).collect();
         let cmsgs = if fds.is_empty() {
             vec![]
         } else {
@@ -229,14 +258,15 @@ fn clone_sandbox(
     spec: &SandboxSpec,
     zygote_socket: &OwnedFd,
     seccomp: &SeccompProfile,
-) -> std::io::Result<(i32, OwnedFd)> {
+) -> std::io::Result<(i32, OwnedFd, OwnedFd)> {
     let (edge_end, init_end) = socketpair(
         AddressFamily::Unix,
         SockType::Stream,
         None,
         SockFlag::SOCK_CLOEXEC,
     )?;
-    let pid = fork_into(CLONE_FLAGS)?;
+    let mut pidfd: libc::c_int = -1;
+    let pid = raw_clone(CLONE_FLAGS | libc::CLONE_PIDFD, &mut pidfd)?;
     if pid == 0 {
         // SAFETY: the child owns copies of these descriptors; closing them is local.
         unsafe {
@@ -246,7 +276,9 @@ fn clone_sandbox(
         std::mem::forget(edge_end);
         crate::init::run(spec, init_end, seccomp);
     }
-    Ok((pid, edge_end))
+    // SAFETY: CLONE_PIDFD stored a new descriptor of ours there; nothing else owns it.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
+    Ok((pid, edge_end, pidfd))
 }
 
 /// `fork(2)` into new namespaces: `clone(2)` with `flags` (`CLONE_NEW*`), no `CLONE_VM`
@@ -254,14 +286,21 @@ fn clone_sandbox(
 /// the child. Only for single-threaded callers (the zygote, a sandbox's init): the child
 /// runs arbitrary code.
 pub(crate) fn fork_into(flags: libc::c_int) -> std::io::Result<i32> {
+    raw_clone(flags, std::ptr::null_mut())
+}
+
+/// [`fork_into`], with `parent_tid` for `CLONE_PIDFD` (where the kernel stores the pidfd).
+fn raw_clone(flags: libc::c_int, parent_tid: *mut libc::c_int) -> std::io::Result<i32> {
     // SAFETY: clone(2) without CLONE_VM and with a null stack behaves like fork(2); the
     // callers are single-threaded, so the child's copy holds no lock another thread owns.
+    // `parent_tid` is null or points to an int the caller owns (its third argument on
+    // every architecture).
     let pid = unsafe {
         libc::syscall(
             libc::SYS_clone,
             (flags | libc::SIGCHLD) as libc::c_ulong,
             std::ptr::null_mut::<libc::c_void>(),
-            std::ptr::null_mut::<libc::c_int>(),
+            parent_tid,
             std::ptr::null_mut::<libc::c_int>(),
             0 as libc::c_ulong,
         )

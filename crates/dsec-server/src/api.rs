@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::{BytesRejection, JsonRejection};
+use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Path, Query, RawQuery, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
@@ -16,20 +16,20 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use dsec_api::{
-    CommandResult, CreateSandboxRequest, ErrorBody, ErrorKind, ExecRequest, FileInfo, ImageInfo,
-    ImportImageRequest, SandboxInfo, StreamEvent,
+    CommandResult, CreateSandboxRequest, ErrorBody, ErrorDetail, ErrorKind, ExecRequest, FileInfo,
+    ImageInfo, ImportEvent, ImportImageRequest, PruneResult, SandboxInfo, StoreInfo, StreamEvent,
 };
 use futures::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 use utoipa::OpenApi;
 
-use crate::backend::{Output, OutputStream};
+mod call;
+mod events;
+
+use crate::backend::{Output, OutputStream, Upload};
 use crate::edge::{Edge, Execution};
 use crate::error::ApiError;
-
-/// Files up to this size are read whole before the response starts.
-const READ_WHOLE_MAX_BYTES: u64 = 8 << 20;
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -40,6 +40,8 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// Bearer token, when the server requires one.
     pub token: Option<Arc<str>>,
+    /// SandboxFusion's `/run_code`.
+    pub sandboxfusion: Arc<crate::sandboxfusion::SandboxFusion>,
 }
 
 /// `Json<T>` whose rejections are dsec errors: 400 naming the field, 413 when too large.
@@ -70,20 +72,6 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for ApiJson<
     }
 }
 
-/// A raw body whose rejections are dsec errors.
-pub struct ApiBytes(pub Bytes);
-
-impl<S: Send + Sync> FromRequest<S> for ApiBytes {
-    type Rejection = ApiError;
-
-    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        Bytes::from_request(req, state)
-            .await
-            .map(ApiBytes)
-            .map_err(|r: BytesRejection| body_error(r.status(), r.body_text()))
-    }
-}
-
 /// Builds the router.
 pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
     let v1 = Router::new()
@@ -99,11 +87,18 @@ pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
         .route("/sandboxes/{id}/fork", post(fork_sandbox))
         .route("/sandboxes/{id}/resume", post(resume_sandbox))
         .route("/sandboxes/{id}/network", put(set_network).get(get_network))
+        .route("/idempotency/{key}", get(sandbox_by_idempotency_key))
         .route("/images", post(import_image).get(list_images))
         .route("/images/{*name}", get(get_image).delete(delete_image))
+        .route("/calls", post(call::call))
+        .route("/calls/stream", post(call::call_stream))
+        .route("/store", get(store_info))
+        .route("/store/prune", post(prune_store))
+        .route("/events", get(events::events))
         .fallback(|| async { ApiError::not_found("no such API route") });
     Router::new()
         .nest("/v1", v1)
+        .merge(crate::sandboxfusion::routes())
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
@@ -118,25 +113,35 @@ async fn authenticate(
     request: Request,
     next: Next,
 ) -> Response {
-    if let Some(token) = &state.token {
-        let given = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or_default();
-        if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
-            return ApiError::new(
-                ErrorKind::Unauthorized,
-                "missing or wrong bearer token (set DSEC_TOKEN or pass token=)",
-            )
-            .into_response();
-        }
+    if let Err(e) = check_bearer(state.token.as_deref(), &headers) {
+        return e.into_response();
     }
     next.run(request).await
 }
 
+/// Refuses a request whose bearer token is not `token` (none required: every request
+/// passes); the one check of dsec's API, on an edge and on an apiserver.
+pub fn check_bearer(token: Option<&str>, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(token) = token else {
+        return Ok(());
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or_default();
+    if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            ErrorKind::Unauthorized,
+            "missing or wrong bearer token (set DSEC_TOKEN or pass token=)",
+        ))
+    }
+}
+
 /// Compares without an early exit, so response timing does not reveal the token.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
@@ -159,13 +164,51 @@ async fn openapi() -> Json<utoipa::openapi::OpenApi> {
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandboxRequest,
-    responses((status = 201, body = SandboxInfo), (status = 400, body = ErrorBody),
+    params(("Idempotency-Key" = Option<String>, Header, description = "a create retried with the same key returns the sandbox already made (200)")),
+    responses((status = 201, body = SandboxInfo), (status = 200, body = SandboxInfo),
+              (status = 400, body = ErrorBody),
               (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 async fn create_sandbox(
     State(state): State<AppState>,
+    headers: HeaderMap,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
-    Ok((StatusCode::CREATED, Json(state.edge.create(req).await?)))
+    match idempotency_key(&headers)? {
+        Some(key) => {
+            let (info, made) = state.edge.create_once(key, req).await?;
+            let status = if made {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            Ok((status, Json(info)))
+        }
+        None => Ok((StatusCode::CREATED, Json(state.edge.create(req).await?))),
+    }
+}
+
+/// The `Idempotency-Key` header of a create: a retried create with the same key returns
+/// the sandbox already made (200) instead of making another.
+pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
+    headers
+        .get(IDEMPOTENCY_KEY)
+        .map(|v| {
+            v.to_str()
+                .map_err(|_| ApiError::invalid("Idempotency-Key must be printable ASCII"))
+        })
+        .transpose()
+}
+
+/// The header naming a create's idempotency key.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+#[utoipa::path(get, path = "/v1/idempotency/{key}",
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorBody)))]
+async fn sandbox_by_idempotency_key(
+    State(state): State<AppState>,
+    Path(key): Path<String>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    Ok(Json(state.edge.by_idempotency_key(&key)?))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes",
@@ -366,13 +409,7 @@ async fn exec(
         match event? {
             Output::Stdout(d) => stdout.extend_from_slice(&d),
             Output::Stderr(d) => stderr.extend_from_slice(&d),
-            Output::Exit(exit) => {
-                result.exit_code = exit.exit_code;
-                result.timed_out = exit.timed_out;
-                result.truncated = exit.truncated;
-                result.oom_killed = exit.oom_killed;
-                result.duration_ms = exit.duration_ms;
-            }
+            Output::Exit(exit) => result.exit = exit,
         }
     }
     result.stdout = utf8_lossy(stdout);
@@ -415,11 +452,7 @@ async fn exec_stream(
                         }
                     }
                     tail.push(StreamEvent::Exit {
-                        exit_code: exit.exit_code,
-                        timed_out: exit.timed_out,
-                        truncated: exit.truncated,
-                        oom_killed: exit.oom_killed,
-                        duration_ms: exit.duration_ms,
+                        exit,
                         replayed: false,
                     });
                     return Some((tail, (None, dec)));
@@ -449,19 +482,25 @@ async fn exec_stream(
         };
         Ok::<_, Infallible>(Bytes::from(line))
     });
+    Ok(streamed(sse, Body::from_stream(events)))
+}
+
+/// A streamed answer: server-sent events when the client asked for them, else NDJSON;
+/// never cached.
+fn streamed(sse: bool, body: Body) -> Response {
     let content_type = if sse {
         "text/event-stream"
     } else {
         "application/x-ndjson"
     };
-    Ok((
+    (
         [
             (header::CONTENT_TYPE, content_type),
             (header::CACHE_CONTROL, "no-cache"),
         ],
-        Body::from_stream(events),
+        body,
     )
-        .into_response())
+        .into_response()
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -501,50 +540,50 @@ fn path_query(
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(PathQuery),
     responses((status = 200, description = "The file's bytes", content_type = "application/octet-stream"),
-              (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+              (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 503, body = ErrorBody)))]
 async fn read_file(
     State(state): State<AppState>,
     Path(id): Path<String>,
     query: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let q = path_query(query)?;
-    let file = state.edge.read_file(&id, &q.path).await?;
-    // The sandbox may be rewriting the file as we read it, so the size it had at open is
-    // no promise: small files are read whole and sent with their real length, large ones
-    // streamed chunked (no Content-Length to break).
-    let small = file
-        .metadata()
-        .is_ok_and(|m| m.len() <= READ_WHOLE_MAX_BYTES);
-    let body = if small {
-        let data = tokio::task::spawn_blocking(move || {
-            let mut data = Vec::new();
-            std::io::Read::read_to_end(&mut &file, &mut data).map(|_| data)
-        })
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(|e| ApiError::internal(format!("reading {:?}: {e}", q.path)))?;
-        Body::from(data)
+    let mut file = state.edge.read_file(&id, &q.path).await?;
+    // The first chunk comes with the open. A file it holds whole is sent with its length;
+    // a larger one is streamed chunked, each chunk asked of the sandbox when the client
+    // took the last (the sandbox may be rewriting the file: its size is no promise).
+    let first = file.next().await.transpose()?.unwrap_or_default();
+    let body = if file.finished() {
+        Body::from(first)
     } else {
-        Body::from_stream(tokio_util::io::ReaderStream::new(
-            tokio::fs::File::from_std(file),
-        ))
+        let rest = futures::stream::unfold(file, |mut file| async move {
+            let chunk = file.next().await?;
+            Some((chunk.map_err(|e| std::io::Error::other(e.message)), file))
+        });
+        Body::from_stream(futures::stream::once(async { Ok(first) }).chain(rest))
     };
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response())
 }
 
 #[utoipa::path(put, path = "/v1/sandboxes/{id}/files", params(PathQuery),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
-    responses((status = 204), (status = 400, body = ErrorBody), (status = 413, body = ErrorBody)))]
+    responses((status = 204), (status = 400, body = ErrorBody), (status = 413, body = ErrorBody),
+              (status = 503, body = ErrorBody)))]
 async fn write_file(
     State(state): State<AppState>,
     Path(id): Path<String>,
     query: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
-    ApiBytes(body): ApiBytes,
+    headers: HeaderMap,
+    body: Body,
 ) -> Result<StatusCode, ApiError> {
     let q = path_query(query)?;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let upload = Upload::new(body.into_data_stream(), declared);
     state
         .edge
-        .write_file(&id, &q.path, body.to_vec(), q.mode.unwrap_or(0o644))
+        .write_file(&id, &q.path, upload, q.mode.unwrap_or(0o644))
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -560,17 +599,83 @@ async fn list_files(
     Ok(Json(state.edge.list_files(&id, &q.path).await?))
 }
 
+/// Imports an image. A client that accepts `application/x-ndjson` gets the progress as
+/// it happens, one [`ImportEvent`] per line, ending with `done` or `error`.
 #[utoipa::path(post, path = "/v1/images", request_body = ImportImageRequest,
     responses((status = 201, body = ImageInfo), (status = 400, body = ErrorBody)))]
 async fn import_image(
     State(state): State<AppState>,
+    headers: HeaderMap,
     ApiJson(req): ApiJson<ImportImageRequest>,
-) -> Result<(StatusCode, Json<ImageInfo>), ApiError> {
-    let image = state
-        .edge
-        .import_image(&req.source, req.name.as_deref())
-        .await?;
-    Ok((StatusCode::CREATED, Json(image)))
+) -> Result<Response, ApiError> {
+    let progress = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/x-ndjson"));
+    if !progress {
+        let image = state
+            .edge
+            .import_image(&req.source, req.name.as_deref(), Arc::new(|_| {}))
+            .await?;
+        return Ok((StatusCode::CREATED, Json(image)).into_response());
+    }
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let events = tx.clone();
+    let report = Arc::new(move |p: dsec_image::ImportProgress| {
+        let event = match p {
+            dsec_image::ImportProgress::Layers(total) => ImportEvent::Layers { total },
+            dsec_image::ImportProgress::LayerDone {
+                diff_id,
+                size,
+                reused,
+            } => ImportEvent::Layer {
+                diff_id,
+                size,
+                reused,
+            },
+        };
+        let _ = events.send(event);
+    });
+    tokio::spawn(async move {
+        let end = match state
+            .edge
+            .import_image(&req.source, req.name.as_deref(), report)
+            .await
+        {
+            Ok(image) => ImportEvent::Done { image },
+            Err(e) => ImportEvent::Error {
+                error: ErrorDetail {
+                    kind: e.kind,
+                    message: e.message,
+                },
+            },
+        };
+        let _ = tx.send(end);
+    });
+    let lines = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|event| {
+        let json = serde_json::to_string(&event).expect("events serialize");
+        Ok::<_, Infallible>(Bytes::from(format!("{json}\n")))
+    });
+    Ok((
+        StatusCode::CREATED,
+        [
+            (header::CONTENT_TYPE, "application/x-ndjson"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(lines),
+    )
+        .into_response())
+}
+
+#[utoipa::path(get, path = "/v1/store", responses((status = 200, body = StoreInfo)))]
+async fn store_info(State(state): State<AppState>) -> Result<Json<StoreInfo>, ApiError> {
+    Ok(Json(state.edge.store_info().await?))
+}
+
+/// Collects image garbage now (the server also does it every minute).
+#[utoipa::path(post, path = "/v1/store/prune", responses((status = 200, body = PruneResult)))]
+async fn prune_store(State(state): State<AppState>) -> Result<Json<PruneResult>, ApiError> {
+    Ok(Json(state.edge.prune_images().await?))
 }
 
 #[utoipa::path(get, path = "/v1/images", responses((status = 200, body = [ImageInfo])))]
@@ -593,7 +698,7 @@ async fn delete_image(
     State(state): State<AppState>,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    state.edge.delete_image(&name)?;
+    state.edge.delete_image(&name).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -614,6 +719,7 @@ async fn delete_image(
         create_sandbox,
         list_sandboxes,
         get_sandbox,
+        sandbox_by_idempotency_key,
         delete_sandbox,
         exec,
         exec_stream,
@@ -624,8 +730,14 @@ async fn delete_image(
         import_image,
         list_images,
         get_image,
-        delete_image
-    )
+        delete_image,
+        store_info,
+        prune_store,
+        call::call,
+        call::call_stream,
+        events::events
+    ),
+    components(schemas(crate::events::Event))
 )]
 struct ApiDoc;
 

@@ -1,31 +1,41 @@
 //! The edge: owns the sandboxes of this host.
 //!
-//! It validates requests and fills in defaults, picks the backend, keeps the table of live
-//! sandboxes, enforces `ttl_s` and `idle_ttl_s` with a reaper, and answers every
-//! per-sandbox request after checking the sandbox's state.
+//! It validates requests and fills in defaults, admits them against its budget (see
+//! [`crate::admission`]), picks the backend, keeps the table of live sandboxes, enforces
+//! `ttl_s` and `idle_ttl_s` with a reaper, notices sandboxes whose init died, and answers
+//! every per-sandbox request after checking the sandbox's state.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fs::File;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 use dsec_api::{
-    Command, CreateSandboxRequest, ExecRequest, FileInfo, ImageInfo, Limits, Network, SandboxInfo,
-    SandboxState,
+    BackendKind, Command, CreateSandboxRequest, ExecRequest, FileInfo, ImageInfo, Limits, Network,
+    PruneResult, SandboxInfo, SandboxState, StoreInfo,
 };
-use dsec_image::{Image, ImageStore};
+use dsec_image::ImageStore;
 use dsec_trajectory::{
     digest, FileDigest, ForkOf, SandboxLog, SandboxRecord, StepRequest, TrajectoryLog,
 };
 use rand::Rng;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tracing::Instrument;
 
+use crate::admission::{Admission, Grant};
+use crate::backend::files::too_large_upload;
 use crate::backend::{
-    Backends, CommandSpec, Created, FileWrite, OutputStream, Sandbox, SandboxRequest,
+    image_info, Backend, Backends, CommandSpec, Created, FileRead, FileWrite, OutputStream,
+    Sandbox, SandboxRequest, Upload,
 };
 use crate::error::ApiError;
+use crate::events::{kind, Events, Subject};
 use crate::trajectory::{self, Decision, Position, Replayed};
+
+mod fleet;
+mod usage;
+pub use fleet::EdgeLoad;
 
 /// Server-wide defaults and bounds, set by `dsec serve` flags.
 #[derive(Clone, Debug)]
@@ -44,11 +54,28 @@ pub struct EdgeConfig {
     pub timeout_s: f64,
     /// Default bound on each output stream.
     pub max_output_bytes: u64,
+    /// Bounds of the files API.
+    pub files: FileLimits,
 }
+
+/// Bounds of the files API.
+#[derive(Clone, Copy, Debug)]
+pub struct FileLimits {
+    /// Largest file `read_file` returns.
+    pub max_read_bytes: u64,
+    /// Largest file `write_file` accepts.
+    pub max_write_bytes: u64,
+}
+
+/// File transfers (reads, writes, listings) in flight per sandbox, and on the whole server:
+/// each holds up to a chunk of the server's memory while it lasts.
+const FILE_TRANSFERS_PER_SANDBOX: usize = 8;
+const FILE_TRANSFERS_TOTAL: usize = 64;
+/// How long a file request waits for a free transfer before it is refused.
+const FILE_TRANSFER_WAIT: Duration = Duration::from_secs(30);
 
 /// Upper bounds beyond which a limit is "absurd" rather than merely large.
 const MAX_DISK_MB: u64 = 1 << 20;
-const MAX_PIDS: u64 = 1 << 22;
 const MIN_PIDS: u64 = 4;
 const MIN_MEMORY_MB: u64 = 8;
 const MAX_TTL_S: f64 = 30.0 * 86400.0;
@@ -58,7 +85,6 @@ const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/b
 
 struct Entry {
     info: SandboxInfo,
-    image_layers: Vec<String>,
     env: Vec<String>,
     workdir: String,
     state: Mutex<SandboxState>,
@@ -70,10 +96,44 @@ struct Entry {
     position: Position,
     /// The request it was created from, for its forks.
     request: CreateSandboxRequest,
+    /// Its file transfers in flight (see [`FILE_TRANSFERS_PER_SANDBOX`]).
+    file_transfers: Arc<Semaphore>,
+    /// Its share of the edge's budget, given back once it is stopped (or has failed).
+    grant: Mutex<Option<Grant>>,
+    /// Why it failed, once it has (set once, by the first to notice).
+    failure: tokio::sync::OnceCell<String>,
+    /// What made it, asked what its sandboxes can do.
+    backend: Arc<dyn Backend>,
     sandbox: Box<dyn Sandbox>,
+    /// The edge's event stream.
+    events: Arc<Events>,
+    /// OOM kills its commands reported since the usage sampler last looked (see
+    /// [`usage`]), so that a kill makes one `limit.oom` event, not two.
+    oom_reported: std::sync::atomic::AtomicU64,
+    /// Labels the Watcher added (`watcher.<rule>`), shown with those it was created with.
+    flags: Mutex<BTreeMap<String, String>>,
 }
 
 impl Entry {
+    /// Its labels: those it was created with, and the Watcher's flags.
+    fn labels(&self) -> BTreeMap<String, String> {
+        let mut labels = self.info.labels.clone();
+        labels.extend(self.flags.lock().expect("lock").clone());
+        labels
+    }
+
+    /// Records an event about this sandbox.
+    fn emit(&self, kind: &str, data: serde_json::Value) {
+        self.events.emit(
+            kind,
+            Some(Subject {
+                id: &self.info.id,
+                labels: &self.info.labels,
+            }),
+            data,
+        );
+    }
+
     fn touch(&self) {
         *self.last_active.lock().expect("lock") = Instant::now();
     }
@@ -88,6 +148,7 @@ impl Entry {
 
     fn snapshot(&self) -> SandboxInfo {
         let mut info = self.info.clone();
+        info.labels = self.labels();
         info.state = self.state();
         if matches!(info.state, SandboxState::Running | SandboxState::Paused) {
             info.usage = self.sandbox.usage();
@@ -95,7 +156,59 @@ impl Entry {
         info
     }
 
-    fn expired(&self, now: Instant) -> bool {
+    /// Why a sandbox in this state cannot serve a request (`what`: " and cannot …").
+    fn state_error(&self, what: &str) -> ApiError {
+        let id = &self.info.id;
+        match self.state() {
+            SandboxState::Failed => failed(
+                id,
+                self.failure.get().map_or("its init exited", String::as_str),
+            ),
+            other => ApiError::conflict(format!("sandbox {id:?} is {}{what}", other.as_str())),
+        }
+    }
+
+    /// Marks a sandbox whose init died as failed: asks the backend how, logs and counts
+    /// it, removes what it held and gives its budget back. Whoever notices first (the
+    /// reaper, a request) does the work, the others wait for it; all return the error
+    /// requests to the sandbox get.
+    async fn fail(&self) -> ApiError {
+        self.failure
+            .get_or_init(|| async {
+                let failure = self.sandbox.failure().await;
+                tracing::warn!(
+                    sandbox = %self.info.id,
+                    backend = %self.info.backend,
+                    cause = failure.cause,
+                    "sandbox failed: {}",
+                    failure.detail
+                );
+                metrics::counter!("dsec_sandbox_failures_total", "backend" => self.info.backend.clone(), "cause" => failure.cause)
+                    .increment(1);
+                self.set_state(SandboxState::Failed);
+                self.emit(
+                    kind::SANDBOX_FAILED,
+                    serde_json::json!({"cause": failure.cause, "detail": failure.detail}),
+                );
+                self.sandbox.stop().await;
+                self.grant.lock().expect("lock").take();
+                failure.detail
+            })
+            .await;
+        self.state_error("")
+    }
+
+    /// `result`, unless it says the sandbox's init is gone: then the sandbox is marked
+    /// failed now (not at the reaper's next round) and the error says why.
+    async fn or_failed<T>(&self, result: Result<T, ApiError>) -> Result<T, ApiError> {
+        match result {
+            Err(e) if e.kind == dsec_api::ErrorKind::SandboxFailed => Err(self.fail().await),
+            other => other,
+        }
+    }
+
+    /// Which lifetime is over, if one is: `ttl` or `idle_ttl`.
+    fn expired(&self, now: Instant) -> Option<&'static str> {
         let past = |limit: Option<f64>, since: Instant| {
             limit.is_some_and(|s| now.duration_since(since) >= Duration::from_secs_f64(s))
         };
@@ -104,7 +217,13 @@ impl Entry {
                 self.info.idle_ttl_s,
                 *self.last_active.lock().expect("lock"),
             );
-        past(self.info.ttl_s, self.created) || idle
+        if past(self.info.ttl_s, self.created) {
+            Some("ttl")
+        } else if idle {
+            Some("idle_ttl")
+        } else {
+            None
+        }
     }
 }
 
@@ -112,11 +231,43 @@ impl Entry {
 pub struct Edge {
     config: EdgeConfig,
     host_cpus: f64,
-    host_memory_mb: u64,
+    admission: Arc<Admission>,
     images: ImageStore,
     backends: Backends,
     sandboxes: RwLock<HashMap<String, Arc<Entry>>>,
     log: TrajectoryLog,
+    /// The server's file transfers in flight (see [`FILE_TRANSFERS_TOTAL`]).
+    file_transfers: Arc<Semaphore>,
+    /// Images of forks whose children are still being created: not garbage yet.
+    forking: Mutex<HashSet<String>>,
+    /// What happens here, for `GET /v1/events`.
+    events: Arc<Events>,
+    /// Creations in flight (published as the edge's load in a fleet).
+    creating: AtomicUsize,
+    /// Sandboxes made for an idempotency key (see [`Edge::create_once`]).
+    idempotent: fleet::IdempotencyKeys,
+}
+
+/// Marks a fork's image as being forked from, until dropped.
+struct Forking<'a> {
+    set: &'a Mutex<HashSet<String>>,
+    name: String,
+}
+
+impl<'a> Forking<'a> {
+    fn start(set: &'a Mutex<HashSet<String>>, name: &str) -> Forking<'a> {
+        set.lock().expect("lock").insert(name.to_owned());
+        Forking {
+            set,
+            name: name.to_owned(),
+        }
+    }
+}
+
+impl Drop for Forking<'_> {
+    fn drop(&mut self) {
+        self.set.lock().expect("lock").remove(&self.name);
+    }
 }
 
 /// A command started by [`Edge::exec`].
@@ -131,17 +282,6 @@ fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
-}
-
-fn host_memory_mb() -> u64 {
-    // SAFETY: sysconf takes an integer and returns an integer.
-    let (pages, page_size) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    (pages.max(0) as u64 * page_size.max(0) as u64) >> 20
 }
 
 fn host_cpus() -> f64 {
@@ -216,7 +356,11 @@ fn decode_b64(field: &str, data: &str) -> Result<Vec<u8>, ApiError> {
 
 /// The policy a `network` field asks for: `InvalidArgument` naming a malformed rule, and
 /// `Unavailable` for a network on a backend that cannot give one.
-fn network_policy(backend: &str, network: &Network) -> Result<dsec_net::Policy, ApiError> {
+fn network_policy(
+    name: &str,
+    backend: &dyn Backend,
+    network: &Network,
+) -> Result<dsec_net::Policy, ApiError> {
     let policy = match network {
         Network::Enabled(false) => dsec_net::Policy::Off,
         Network::Enabled(true) => dsec_net::Policy::Full,
@@ -224,44 +368,74 @@ fn network_policy(backend: &str, network: &Network) -> Result<dsec_net::Policy, 
             dsec_net::Policy::allow(allow).map_err(|e| ApiError::invalid(e.to_string()))?
         }
     };
-    if !policy.is_off() && backend != "container" {
+    if !policy.is_off() && !backend.has_networking() {
         return Err(ApiError::unavailable(format!(
-            "backend {backend:?} has no sandbox networking yet: only \"container\" sandboxes \
+            "backend {name:?} has no sandbox networking yet: only \"container\" sandboxes \
              take network=True or an allow-list"
         )));
     }
     Ok(policy)
 }
 
+/// The error for a request to a sandbox whose init died.
+fn failed(id: &str, why: &str) -> ApiError {
+    ApiError::sandbox_failed(format!(
+        "sandbox {id:?} has failed: {why}; stop it and create a new one"
+    ))
+}
+
 /// `true` when the sandbox has every one of `labels`.
-fn has_labels(info: &SandboxInfo, labels: &[(String, String)]) -> bool {
+fn has_labels(entry: &Entry, labels: &[(String, String)]) -> bool {
+    if labels.is_empty() {
+        return true;
+    }
+    let have = entry.labels();
     labels
         .iter()
-        .all(|(k, v)| info.labels.get(k).is_some_and(|x| x == v))
+        .all(|(k, v)| have.get(k).is_some_and(|x| x == v))
 }
 
 impl Edge {
-    /// An edge with no sandboxes yet.
+    /// An edge with no sandboxes yet, admitting them against `admission`.
     pub fn new(
         config: EdgeConfig,
+        admission: Arc<Admission>,
         images: ImageStore,
         backends: Backends,
         log: TrajectoryLog,
+        events: Arc<Events>,
     ) -> Edge {
         Edge {
+            events,
             config,
             host_cpus: host_cpus(),
-            host_memory_mb: host_memory_mb(),
+            admission,
             images,
             backends,
             sandboxes: RwLock::default(),
             log,
+            file_transfers: Arc::new(Semaphore::new(FILE_TRANSFERS_TOTAL)),
+            forking: Mutex::default(),
+            creating: AtomicUsize::new(0),
+            idempotent: fleet::IdempotencyKeys::default(),
         }
     }
 
+    /// The event stream.
+    pub fn events(&self) -> &Arc<Events> {
+        &self.events
+    }
+
+    /// The sandbox `id`, a request to it (its idle time starts again).
     fn entry(&self, id: &str) -> Result<Arc<Entry>, ApiError> {
-        let entry = self
-            .sandboxes
+        let entry = self.lookup(id)?;
+        entry.touch();
+        Ok(entry)
+    }
+
+    /// The sandbox `id`, without counting as a request to it.
+    fn lookup(&self, id: &str) -> Result<Arc<Entry>, ApiError> {
+        self.sandboxes
             .read()
             .expect("lock")
             .get(id)
@@ -270,9 +444,7 @@ impl Edge {
                 ApiError::not_found(format!(
                     "sandbox {id:?} not found: it was stopped, expired, or never existed"
                 ))
-            })?;
-        entry.touch();
-        Ok(entry)
+            })
     }
 
     /// An entry that can take requests now; a paused sandbox is resumed transparently.
@@ -284,13 +456,7 @@ impl Edge {
                 self.resume(id).await?;
                 Ok(entry)
             }
-            SandboxState::Failed => Err(ApiError::conflict(format!(
-                "sandbox {id:?} has failed (its init exited); stop it and create a new one"
-            ))),
-            other => Err(ApiError::conflict(format!(
-                "sandbox {id:?} is {}",
-                other.as_str()
-            ))),
+            _ => Err(entry.state_error("")),
         }
     }
 
@@ -300,16 +466,31 @@ impl Edge {
             return Err(ApiError::invalid("cpus must be a finite number"));
         }
         let cpus = check_range("cpus", cpus, 0.01, self.host_cpus, " (this host's CPUs)")?;
+        let capacity = self.admission.capacity();
         let mem = req.memory_mb.unwrap_or(self.config.memory_mb as i64);
         let mem = check_range(
             "memory_mb",
             mem,
             MIN_MEMORY_MB as i64,
-            self.host_memory_mb as i64,
-            " (this host's memory)",
+            capacity.memory_mb as i64,
+            &format!(
+                " (what all sandboxes of this host may use together: {})",
+                capacity.memory_why
+            ),
         )?;
+        // Refused rather than clamped: a sandbox must get the limit it asked for, and
+        // one above the host's task limit could never be reached anyway.
         let pids = req.pids.unwrap_or(self.config.pids as i64);
-        let pids = check_range("pids", pids, MIN_PIDS as i64, MAX_PIDS as i64, "")?;
+        let pids = check_range(
+            "pids",
+            pids,
+            MIN_PIDS as i64,
+            capacity.pids as i64,
+            &format!(
+                " (the tasks all sandboxes of this host may hold together: {})",
+                capacity.pids_why
+            ),
+        )?;
         let disk = req.disk_mb.unwrap_or(self.config.disk_mb as i64);
         let disk = check_range("disk_mb", disk, 1, MAX_DISK_MB as i64, "")?;
         Ok((cpus, mem as u64, pids as u64, disk as u64))
@@ -317,6 +498,7 @@ impl Edge {
 
     /// Creates a sandbox.
     pub async fn create(&self, req: CreateSandboxRequest) -> Result<SandboxInfo, ApiError> {
+        let _in_flight = fleet::InFlight::enter(&self.creating);
         self.create_from(req, None).await
     }
 
@@ -327,11 +509,11 @@ impl Edge {
         fork_of: Option<ForkOf>,
     ) -> Result<SandboxInfo, ApiError> {
         let request = req.clone();
-        let backend = self.backends.get(&req.backend)?;
+        let (kind, backend) = self.backends.get(&req.backend)?;
         let (cpus, memory_mb, pids, disk_mb) = self.validate(&req)?;
         let ttl_s = check_duration("ttl_s", req.ttl_s)?;
         let idle_ttl_s = check_duration("idle_ttl_s", req.idle_ttl_s)?;
-        let network = network_policy(&req.backend, &req.network)?;
+        let network = network_policy(kind.name(), backend.as_ref(), &req.network)?;
         if let Some(w) = &req.workdir {
             check_absolute("workdir", w)?;
         }
@@ -348,6 +530,13 @@ impl Edge {
             self.config.name,
             rand::rng().random::<u64>() & 0xffff_ffff_ffff
         );
+        let grant = match backend.admitted_per_sandbox() {
+            true => Some(
+                self.admission
+                    .admit(kind.name(), memory_mb, backend.host_tasks(pids))?,
+            ),
+            false => None,
+        };
         let started = Instant::now();
         let Created { sandbox, image } = backend
             .create(SandboxRequest {
@@ -421,7 +610,6 @@ impl Edge {
                 fork_of.as_ref().map_or(0, |f| f.steps),
             ),
             info: info.clone(),
-            image_layers: image.layers,
             env: merge_env(&[&base_env, &image_env, &sandbox_env]),
             workdir,
             state: Mutex::new(SandboxState::Running),
@@ -429,8 +617,25 @@ impl Edge {
             last_active: Mutex::new(Instant::now()),
             busy: AtomicUsize::new(0),
             request,
+            file_transfers: Arc::new(Semaphore::new(FILE_TRANSFERS_PER_SANDBOX)),
+            grant: Mutex::new(grant),
+            failure: tokio::sync::OnceCell::new(),
+            backend,
             sandbox,
+            events: Arc::clone(&self.events),
+            oom_reported: Default::default(),
+            flags: Mutex::default(),
         });
+        entry.emit(
+            kind::SANDBOX_CREATED,
+            serde_json::json!({
+                "backend": info.backend,
+                "image": info.image,
+                "limits": info.limits,
+                "trajectory_id": info.trajectory_id,
+                "create_ms": started.elapsed().as_secs_f64() * 1000.0,
+            }),
+        );
         self.sandboxes.write().expect("lock").insert(id, entry);
         Ok(info)
     }
@@ -440,6 +645,16 @@ impl Edge {
         Ok(self.entry(id)?.snapshot())
     }
 
+    /// The sandboxes now in the table (a copy: the lock is not held while they are used).
+    fn entries(&self) -> Vec<Arc<Entry>> {
+        self.sandboxes
+            .read()
+            .expect("lock")
+            .values()
+            .cloned()
+            .collect()
+    }
+
     /// Sandboxes having all of `labels`, oldest first.
     pub fn list(&self, labels: &[(String, String)]) -> Vec<SandboxInfo> {
         let entries: Vec<Arc<Entry>> = self
@@ -447,7 +662,7 @@ impl Edge {
             .read()
             .expect("lock")
             .values()
-            .filter(|e| has_labels(&e.info, labels))
+            .filter(|e| has_labels(e, labels))
             .cloned()
             .collect();
         let mut infos: Vec<SandboxInfo> = entries.iter().map(|e| e.snapshot()).collect();
@@ -462,20 +677,16 @@ impl Edge {
         match entry.state() {
             SandboxState::Paused => return Ok(entry.snapshot()),
             SandboxState::Running => {}
-            other => {
-                return Err(ApiError::conflict(format!(
-                    "sandbox {id:?} is {} and cannot be paused",
-                    other.as_str()
-                )))
-            }
+            _ => return Err(entry.state_error(" and cannot be paused")),
         }
         if entry.busy.load(Ordering::Acquire) > 0 {
             return Err(ApiError::conflict(format!(
-                "sandbox {id:?} is running a command; pause it between commands"
+                "sandbox {id:?} is running a command or a file transfer; pause it between them"
             )));
         }
         entry.sandbox.pause().await?;
         entry.set_state(SandboxState::Paused);
+        entry.emit(kind::SANDBOX_PAUSED, serde_json::Value::Null);
         Ok(entry.snapshot())
     }
 
@@ -485,6 +696,7 @@ impl Edge {
         if entry.state() == SandboxState::Paused {
             entry.sandbox.resume().await?;
             entry.set_state(SandboxState::Running);
+            entry.emit(kind::SANDBOX_RESUMED, serde_json::Value::Null);
         }
         Ok(entry.snapshot())
     }
@@ -497,12 +709,7 @@ impl Edge {
         let running = match entry.state() {
             SandboxState::Running => true,
             SandboxState::Paused => false,
-            other => {
-                return Err(ApiError::conflict(format!(
-                    "sandbox {id:?} is {} and cannot be snapshotted",
-                    other.as_str()
-                )))
-            }
+            _ => return Err(entry.state_error(" and cannot be snapshotted")),
         };
         let name = name.unwrap_or_else(|| format!("{id}-snap-{:08x}", rand::rng().random::<u32>()));
         if running {
@@ -525,7 +732,16 @@ impl Edge {
         // is done: the snapshot and the inherited steps describe the same point.
         let position = parent.position.hold().await;
         let name = format!("{id}-fork-{:08x}", rand::rng().random::<u32>());
+        let _forking = Forking::start(&self.forking, &name);
         let image = self.snapshot(id, Some(name)).await?;
+        let fork = dsec_image::Fork {
+            edge: self.images.edge().to_owned(),
+            parent: id.to_owned(),
+        };
+        if let Err(e) = self.images.mark_fork(&image.name, fork) {
+            let _ = self.delete_image(&image.name).await;
+            return Err(e.into());
+        }
         let fork_of = match (&parent.request.trajectory_id, &position) {
             (Some(t), Some(next)) => Some(ForkOf {
                 trajectory_id: t.clone(),
@@ -556,7 +772,7 @@ impl Edge {
                 let _ = self.stop(&c.id).await;
             }
             // No child uses the fork's image now: it must not outlive the failed fork.
-            let _ = self.delete_image(&image.name);
+            let _ = self.delete_image(&image.name).await;
             return Err(e);
         }
         Ok(children)
@@ -565,8 +781,8 @@ impl Edge {
     /// Replaces the egress policy of a running sandbox.
     pub async fn set_network(&self, id: &str, network: &Network) -> Result<(), ApiError> {
         let entry = self.live_entry(id).await?;
-        let policy = network_policy(&entry.info.backend, network)?;
-        if policy.is_off() && entry.info.backend != "container" {
+        let policy = network_policy(&entry.info.backend, entry.backend.as_ref(), network)?;
+        if policy.is_off() && !entry.backend.has_networking() {
             return Ok(()); // other backends never have a network: nothing to take away
         }
         entry.sandbox.set_network(policy).await
@@ -591,12 +807,29 @@ impl Edge {
     /// Publishes `dsec_network_refused_total` (called before each metrics scrape): the
     /// refused-packet counters of the nftables rules, read now.
     pub async fn publish_network_metrics(&self) {
-        let refused = self.backends.container.network_refused().await;
+        let refused = self.backends.network_refused_total().await;
         metrics::counter!("dsec_network_refused_total").absolute(refused);
+    }
+
+    /// Adds label `key=value` to a running sandbox (the Watcher's flag).
+    /// Not a request to the sandbox: its idle time goes on.
+    pub(crate) fn flag(&self, id: &str, key: &str, value: &str) -> Result<(), ApiError> {
+        let entry = self.lookup(id)?;
+        entry
+            .flags
+            .lock()
+            .expect("lock")
+            .insert(key.to_owned(), value.to_owned());
+        Ok(())
     }
 
     /// Stops and removes a sandbox.
     pub async fn stop(&self, id: &str) -> Result<(), ApiError> {
+        self.stop_because(id, "requested").await
+    }
+
+    /// Stops and removes a sandbox; `reason` goes into its `sandbox.stopped` event.
+    pub(crate) async fn stop_because(&self, id: &str, reason: &str) -> Result<(), ApiError> {
         let entry = self
             .sandboxes
             .write()
@@ -606,6 +839,16 @@ impl Edge {
         entry.set_state(SandboxState::Stopping);
         entry.sandbox.stop().await;
         entry.set_state(SandboxState::Stopped);
+        entry.emit(
+            kind::SANDBOX_STOPPED,
+            serde_json::json!({
+                "reason": reason,
+                "lifetime_s": entry.created.elapsed().as_secs_f64(),
+            }),
+        );
+        // From now on its log may be pruned; nothing need wait for that.
+        drop(self.log.stopped(id));
+        entry.grant.lock().expect("lock").take();
         Ok(())
     }
 
@@ -618,7 +861,7 @@ impl Edge {
             .keys()
             .cloned()
             .collect();
-        futures::future::join_all(ids.iter().map(|id| self.stop(id))).await;
+        futures::future::join_all(ids.iter().map(|id| self.stop_because(id, "shutdown"))).await;
     }
 
     /// Starts a command after writing its files.
@@ -689,6 +932,21 @@ impl Edge {
                 Decision::Run(recorder) => recorder,
             };
         let started = Instant::now();
+        entry.emit(
+            kind::COMMAND_START,
+            serde_json::json!({
+                "cmd": command_summary(&argv),
+                "cwd": cwd,
+                "step": req.step,
+                "timeout_s": timeout_s,
+            }),
+        );
+        for f in &files {
+            entry.emit(
+                kind::FILE_WRITE,
+                serde_json::json!({"path": f.path, "size": f.data.len(), "mode": f.mode, "by": "exec"}),
+            );
+        }
         let stream = entry
             .sandbox
             .exec(CommandSpec {
@@ -703,10 +961,23 @@ impl Edge {
             .await;
         metrics::histogram!("dsec_exec_start_seconds", "backend" => entry.info.backend.clone())
             .record(started.elapsed().as_secs_f64());
-        let inner = stream?;
-        entry.busy.fetch_add(1, Ordering::AcqRel);
+        let inner = match entry.or_failed(stream).await {
+            Ok(inner) => inner,
+            Err(e) => {
+                entry.emit(
+                    kind::COMMAND_END,
+                    serde_json::json!({"error": e.message, "duration_ms": 0.0}),
+                );
+                return Err(e);
+            }
+        };
         Ok(Execution {
-            stream: recorder.wrap(Box::new(Busy { inner, entry })),
+            stream: recorder.wrap(Box::new(Busy {
+                inner,
+                busy: BusyGuard::new(entry),
+                started,
+                ended: false,
+            })),
             replayed: false,
         })
     }
@@ -723,7 +994,9 @@ impl Edge {
             .await?
             .ok_or_else(|| {
                 ApiError::not_found(format!(
-                    "sandbox {id:?} not found in the trajectory log: it never existed here"
+                    "sandbox {id:?} not found in the trajectory log: it never existed here, \
+                     or it stopped and its log was pruned (the oldest stopped sandboxes' \
+                     logs go first when the log reaches its budget, --trajectory-max-mb)"
                 ))
             })
     }
@@ -739,51 +1012,113 @@ impl Edge {
         metrics::histogram!("dsec_exec_seconds", "backend" => backend).record(seconds);
     }
 
-    /// Opens a file of a sandbox for reading.
-    pub async fn read_file(&self, id: &str, path: &str) -> Result<File, ApiError> {
-        self.live_entry(id).await?.sandbox.read_file(path).await
+    /// Opens a file of a sandbox for reading: its chunks, as the caller takes them.
+    pub async fn read_file(&self, id: &str, path: &str) -> Result<Box<dyn FileRead>, ApiError> {
+        let span = file_span(id, path, "read");
+        async {
+            let (entry, slot) = self.file_transfer(id, path).await?;
+            let result = entry
+                .sandbox
+                .read_file(path, self.config.files.max_read_bytes)
+                .await;
+            let inner = entry.or_failed(result).await?;
+            let transfer = Transfer {
+                inner,
+                span: tracing::Span::current(),
+                path: path.to_owned(),
+                sent: 0,
+                slot,
+            };
+            Ok(Box::new(transfer) as Box<dyn FileRead>)
+        }
+        .instrument(span)
+        .await
     }
 
-    /// Writes a file into a sandbox.
+    /// Writes a file into a sandbox, from an upload streamed as it arrives.
     pub async fn write_file(
         &self,
         id: &str,
         path: &str,
-        data: Vec<u8>,
+        mut data: Upload,
         mode: u32,
     ) -> Result<(), ApiError> {
         check_absolute("path", path)?;
-        self.live_entry(id)
-            .await?
-            .sandbox
-            .write_file(path, data, mode & 0o7777)
-            .await
+        let limit = self.config.files.max_write_bytes;
+        if let Some(len) = data.declared_len().filter(|n| *n > limit) {
+            data.discard(limit).await;
+            return Err(too_large_upload(path, Some(len), limit).into());
+        }
+        data.set_limit(limit);
+        let declared = data.declared_len();
+        async {
+            let (entry, _slot) = self.file_transfer(id, path).await?;
+            let result = entry.sandbox.write_file(path, mode & 0o7777, data).await;
+            let written = entry.or_failed(result).await;
+            if written.is_ok() {
+                entry.emit(
+                    kind::FILE_WRITE,
+                    serde_json::json!({"path": path, "size": declared, "mode": mode & 0o7777, "by": "files"}),
+                );
+            }
+            written
+        }
+        .instrument(file_span(id, path, "write"))
+        .await
     }
 
     /// Lists a directory of a sandbox.
     pub async fn list_files(&self, id: &str, path: &str) -> Result<Vec<FileInfo>, ApiError> {
-        self.live_entry(id).await?.sandbox.list_files(path).await
+        async {
+            let (entry, _slot) = self.file_transfer(id, path).await?;
+            let result = entry.sandbox.list_files(path).await;
+            entry.or_failed(result).await
+        }
+        .instrument(file_span(id, path, "list"))
+        .await
+    }
+
+    /// A live sandbox and a transfer slot on it and on the server; waits up to
+    /// [`FILE_TRANSFER_WAIT`] for one to free up.
+    async fn file_transfer(
+        &self,
+        id: &str,
+        path: &str,
+    ) -> Result<(Arc<Entry>, TransferSlot), ApiError> {
+        let entry = self.live_entry(id).await?;
+        let sandbox = take_slot(&entry.file_transfers, "sandbox", || {
+            format!(
+                "sandbox {id:?} has {FILE_TRANSFERS_PER_SANDBOX} file transfers in flight, \
+                 the most one sandbox may have; {path:?} waited {FILE_TRANSFER_WAIT:?} for one \
+                 to end"
+            )
+        })
+        .await?;
+        let server = take_slot(&self.file_transfers, "server", || {
+            format!(
+                "the server has {FILE_TRANSFERS_TOTAL} file transfers in flight, the most it \
+                 serves at once; {path:?} waited {FILE_TRANSFER_WAIT:?} for one to end"
+            )
+        })
+        .await?;
+        let slot = TransferSlot {
+            _sandbox: sandbox,
+            _server: server,
+            _busy: BusyGuard::new(Arc::clone(&entry)),
+        };
+        Ok((entry, slot))
     }
 
     /// Stops sandboxes past their TTL or idle TTL, and marks failed those whose init died.
     pub async fn reap_once(&self) {
         let now = Instant::now();
-        let entries: Vec<Arc<Entry>> = self
-            .sandboxes
-            .read()
-            .expect("lock")
-            .values()
-            .cloned()
-            .collect();
-        for entry in entries {
+        for entry in self.entries() {
             let id = &entry.info.id;
-            if entry.expired(now) {
+            if let Some(which) = entry.expired(now) {
                 tracing::info!(sandbox = %id, "lifetime over; stopping");
-                let _ = self.stop(id).await;
+                let _ = self.stop_because(id, which).await;
             } else if entry.state() == SandboxState::Running && !entry.sandbox.is_alive() {
-                tracing::warn!(sandbox = %id, "init exited; sandbox failed");
-                entry.set_state(SandboxState::Failed);
-                entry.sandbox.stop().await;
+                entry.fail().await;
             }
         }
     }
@@ -797,15 +1132,16 @@ impl Edge {
         }
     }
 
-    /// Publishes the sandbox gauges (called before each metrics scrape).
+    /// Publishes the sandbox and admission gauges (called before each metrics scrape).
     pub fn publish_gauges(&self) {
+        self.admission.publish_gauges();
         let mut counts: HashMap<(String, SandboxState), u64> = HashMap::new();
         for e in self.sandboxes.read().expect("lock").values() {
             *counts
                 .entry((e.info.backend.clone(), e.state()))
                 .or_default() += 1;
         }
-        for backend in dsec_api::BACKENDS {
+        for backend in BackendKind::ALL.map(BackendKind::name) {
             for state in SandboxState::ALL {
                 let n = counts
                     .get(&(backend.to_owned(), state))
@@ -817,67 +1153,317 @@ impl Edge {
         }
     }
 
-    /// Imports an image.
+    /// Imports an image, telling `progress` about each layer.
     pub async fn import_image(
         &self,
         source: &str,
         name: Option<&str>,
+        progress: Arc<dyn Fn(dsec_image::ImportProgress) + Send + Sync>,
     ) -> Result<ImageInfo, ApiError> {
-        Ok(image_info(self.images.import(source, name).await?))
+        let image = self.images.import_with(source, name, progress).await?;
+        Ok(image_info(&self.images, image))
     }
 
     /// All images.
     pub fn images(&self) -> Result<Vec<ImageInfo>, ApiError> {
-        Ok(self.images.list()?.into_iter().map(image_info).collect())
+        let images = self.images.list()?;
+        Ok(images
+            .into_iter()
+            .map(|i| image_info(&self.images, i))
+            .collect())
     }
 
     /// One image.
     pub fn image(&self, name: &str) -> Result<ImageInfo, ApiError> {
-        Ok(image_info(self.images.get(name)?))
+        Ok(image_info(&self.images, self.images.get(name)?))
     }
 
     /// Deletes an image; layers that live sandboxes use stay until those stop.
-    pub fn delete_image(&self, name: &str) -> Result<(), ApiError> {
-        let in_use: HashSet<String> = self
+    pub async fn delete_image(&self, name: &str) -> Result<(), ApiError> {
+        let (images, name) = (self.images.clone(), name.to_owned());
+        tokio::task::spawn_blocking(move || images.remove(&name))
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))??;
+        Ok(())
+    }
+
+    /// What the image store holds.
+    pub async fn store_info(&self) -> Result<StoreInfo, ApiError> {
+        let images = self.images.clone();
+        let usage = tokio::task::spawn_blocking(move || images.usage())
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))??;
+        Ok(StoreInfo {
+            root: self.images.root().display().to_string(),
+            images: usage.images,
+            layers: usage.layers,
+            layer_bytes: usage.layer_bytes,
+            mounted: usage.mounted,
+        })
+    }
+
+    /// Collects image garbage: the images of this edge's forks once none of their
+    /// sandboxes is left (a fork still starting its children keeps its image), then
+    /// layers nothing references or holds, then what the backends keep of images that
+    /// are gone (VM disks, boot templates).
+    pub async fn prune_images(&self) -> Result<PruneResult, ApiError> {
+        let mut in_use: HashSet<String> = self
             .sandboxes
             .read()
             .expect("lock")
             .values()
-            .flat_map(|e| e.image_layers.iter().cloned())
+            .map(|e| e.info.image.clone())
             .collect();
-        Ok(self.images.remove(name, &in_use)?)
+        in_use.extend(self.forking.lock().expect("lock").iter().cloned());
+        let images = self.images.clone();
+        let edge = images.edge().to_owned();
+        let (swept, pruned, live) = tokio::task::spawn_blocking(move || {
+            let mut swept = Vec::new();
+            for image in images.list()? {
+                let ours = image.fork.as_ref().is_some_and(|f| f.edge == edge);
+                if ours && !in_use.contains(&image.name) {
+                    match images.remove(&image.name) {
+                        Ok(()) => swept.push(image.name),
+                        Err(e) => tracing::warn!(image = %image.name, error = %e, "cannot remove a fork's image"),
+                    }
+                }
+            }
+            let pruned = images.prune()?;
+            let live: HashSet<String> = images.list()?.into_iter().map(|i| i.id).collect();
+            Ok::<_, dsec_image::ImageError>((swept, pruned, live))
+        })
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+        let other_bytes = self.backends.prune_images(&live).await;
+        if !swept.is_empty() || pruned.layers > 0 || other_bytes > 0 {
+            tracing::info!(
+                fork_images = swept.len(),
+                layers = pruned.layers,
+                layer_bytes = pruned.bytes,
+                other_bytes,
+                "collected image garbage"
+            );
+        }
+        Ok(PruneResult {
+            images: swept,
+            layers: pruned.layers,
+            layer_bytes: pruned.bytes,
+            other_bytes,
+        })
+    }
+
+    /// Runs the image collector forever: this edge's lease on the shared layer store is
+    /// refreshed every [`LEASE_REFRESH`], garbage collected every [`GC_INTERVAL`].
+    pub async fn image_collector(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(LEASE_REFRESH);
+        let mut last_gc = Instant::now();
+        loop {
+            tick.tick().await;
+            let images = self.images.clone();
+            match tokio::task::spawn_blocking(move || images.refresh_lease()).await {
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "cannot refresh this edge's lease on the layer store")
+                }
+                Err(e) => tracing::warn!(error = %e, "lease refresh failed"),
+                Ok(Ok(())) => {}
+            }
+            if last_gc.elapsed() >= GC_INTERVAL {
+                last_gc = Instant::now();
+                if let Err(e) = self.prune_images().await {
+                    tracing::warn!(error = %e.message, "image garbage collection failed");
+                }
+            }
+        }
     }
 }
 
-/// Wraps a running command's output so that the sandbox counts as busy (not idle) until
-/// the command ends or its caller goes away.
+/// How often an edge proves to others sharing its layer store that it is alive.
+const LEASE_REFRESH: Duration = Duration::from_secs(30);
+/// How often image garbage is collected on its own.
+const GC_INTERVAL: Duration = Duration::from_secs(60);
+
+/// Counts a sandbox as busy (not idle, not to be paused) while it lives.
+struct BusyGuard(Arc<Entry>);
+
+impl BusyGuard {
+    fn new(entry: Arc<Entry>) -> BusyGuard {
+        entry.busy.fetch_add(1, Ordering::AcqRel);
+        BusyGuard(entry)
+    }
+}
+
+impl Drop for BusyGuard {
+    fn drop(&mut self) {
+        self.0.touch();
+        self.0.busy.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Wraps a running command's output so that the sandbox counts as busy until the command
+/// ends or its caller goes away, and records how it ended as events.
 struct Busy {
     inner: Box<dyn OutputStream>,
-    entry: Arc<Entry>,
+    busy: BusyGuard,
+    started: Instant,
+    /// Its `command.end` was emitted.
+    ended: bool,
+}
+
+impl Busy {
+    /// Emits `command.end`, and the limit events its status shows.
+    fn ended(&mut self, exit: Option<&crate::backend::ExitStatus>, error: Option<&str>) {
+        self.ended = true;
+        let entry = &self.busy.0;
+        let wall_ms = self.started.elapsed().as_secs_f64() * 1000.0;
+        let Some(exit) = exit else {
+            entry.emit(
+                kind::COMMAND_END,
+                serde_json::json!({
+                    "duration_ms": wall_ms,
+                    "error": error,
+                    "abandoned": error.is_none(),
+                }),
+            );
+            return;
+        };
+        entry.emit(
+            kind::COMMAND_END,
+            serde_json::json!({
+                "exit_code": exit.exit_code,
+                "duration_ms": exit.duration_ms,
+                "timed_out": exit.timed_out,
+                "truncated": exit.truncated,
+                "oom_killed": exit.oom_killed,
+            }),
+        );
+        if exit.truncated {
+            entry.emit(kind::OUTPUT_TRUNCATED, serde_json::json!({"by": "command"}));
+        }
+        if exit.oom_killed {
+            entry.oom_reported.fetch_add(1, Ordering::AcqRel);
+            entry.emit(
+                kind::LIMIT_OOM,
+                serde_json::json!({"by": "command", "memory_mb": entry.info.limits.memory_mb}),
+            );
+        }
+    }
 }
 
 #[async_trait::async_trait]
 impl OutputStream for Busy {
     async fn next(&mut self) -> Option<Result<crate::backend::Output, ApiError>> {
-        self.inner.next().await
+        // init may die while a command runs: the error then says why, as later ones do.
+        let event = match self.inner.next().await {
+            Some(result) => Some(self.busy.0.or_failed(result).await),
+            None => None,
+        };
+        match &event {
+            Some(Ok(crate::backend::Output::Exit(exit))) => self.ended(Some(exit), None),
+            Some(Err(e)) if !self.ended => self.ended(None, Some(&e.message)),
+            _ => {}
+        }
+        event
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        self.entry.touch();
-        self.entry.busy.fetch_sub(1, Ordering::AcqRel);
+        if !self.ended {
+            self.ended(None, None);
+        }
     }
 }
 
-/// The API's view of a stored image.
-pub(crate) fn image_info(image: Image) -> ImageInfo {
-    ImageInfo {
-        name: image.name,
-        id: image.id,
-        size: image.size,
-        layers: image.layers,
-        created_at: image.created_at,
+/// A command as an event shows it: its shell text or argv, cut at 1 KiB.
+fn command_summary(argv: &[String]) -> String {
+    const MAX: usize = 1024;
+    let mut text = match argv {
+        [sh, c, cmd] if sh == "/bin/sh" && c == "-c" => cmd.clone(),
+        _ => serde_json::to_string(argv).unwrap_or_default(),
+    };
+    if text.len() > MAX {
+        let mut cut = MAX;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+        text.push('…');
+    }
+    text
+}
+
+/// A file transfer's places in its sandbox's and the server's limits; the sandbox is busy
+/// while it lasts.
+struct TransferSlot {
+    _sandbox: OwnedSemaphorePermit,
+    _server: OwnedSemaphorePermit,
+    _busy: BusyGuard,
+}
+
+/// The span of one file request: its log lines name the sandbox and the path.
+fn file_span(id: &str, path: &str, op: &'static str) -> tracing::Span {
+    tracing::info_span!("file", sandbox = %id, path = %path, op)
+}
+
+/// A permit of `slots`, waiting for one up to [`FILE_TRANSFER_WAIT`]; a wait is counted
+/// (`dsec_file_limit_hits_total{limit}`), a wait in vain refused and counted as such.
+async fn take_slot(
+    slots: &Arc<Semaphore>,
+    limit: &'static str,
+    refusal: impl FnOnce() -> String,
+) -> Result<OwnedSemaphorePermit, ApiError> {
+    if let Ok(permit) = Arc::clone(slots).try_acquire_owned() {
+        return Ok(permit);
+    }
+    metrics::counter!("dsec_file_limit_hits_total", "limit" => limit).increment(1);
+    tracing::info!(limit, "file transfer waits for a free slot");
+    match tokio::time::timeout(FILE_TRANSFER_WAIT, Arc::clone(slots).acquire_owned()).await {
+        Ok(Ok(permit)) => Ok(permit),
+        _ => {
+            let message = refusal();
+            metrics::counter!("dsec_file_refused_total", "reason" => "busy").increment(1);
+            tracing::warn!(limit, %message, "file request refused");
+            Err(ApiError::unavailable(message))
+        }
+    }
+}
+
+/// A file read in progress, holding its slot until it is dropped (then its `file.read`
+/// event says how much was sent).
+struct Transfer {
+    inner: Box<dyn FileRead>,
+    span: tracing::Span,
+    path: String,
+    sent: u64,
+    slot: TransferSlot,
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        self.slot._busy.0.emit(
+            kind::FILE_READ,
+            serde_json::json!({"path": self.path, "size": self.sent, "complete": self.inner.finished()}),
+        );
+    }
+}
+
+#[async_trait::async_trait]
+impl FileRead for Transfer {
+    async fn next(&mut self) -> Option<Result<axum::body::Bytes, ApiError>> {
+        let chunk = self.inner.next().instrument(self.span.clone()).await;
+        match &chunk {
+            Some(Ok(bytes)) => self.sent += bytes.len() as u64,
+            Some(Err(e)) => {
+                let _entered = self.span.enter();
+                tracing::warn!(error = %e, "file read broke off");
+            }
+            None => {}
+        }
+        chunk
+    }
+
+    fn finished(&self) -> bool {
+        self.inner.finished()
     }
 }
 

@@ -6,7 +6,8 @@ use axum::Json;
 use dsec_api::{ErrorBody, ErrorDetail, ErrorKind};
 use dsec_image::ImageError;
 use dsec_runtime::container::RuntimeError;
-use dsec_runtime::files::FileError;
+use dsec_runtime::files::{FileError, FileOp};
+use dsec_runtime::proto::InitStage;
 use dsec_trajectory::LogError;
 
 /// An error as the API reports it: a kind (the SDK's exception) and a message a user can
@@ -48,6 +49,16 @@ impl ApiError {
         ApiError::new(ErrorKind::Conflict, message)
     }
 
+    /// This edge's budget is promised: another edge, or this one later, may take it.
+    pub fn capacity(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorKind::Capacity, message)
+    }
+
+    /// The sandbox's init is gone.
+    pub fn sandbox_failed(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorKind::SandboxFailed, message)
+    }
+
     /// A host failure or a bug.
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError::new(ErrorKind::Internal, message)
@@ -68,13 +79,23 @@ impl IntoResponse for ApiError {
         }
         let status =
             StatusCode::from_u16(self.kind.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let close = self.kind == ErrorKind::PayloadTooLarge;
         let body = ErrorBody {
             error: ErrorDetail {
                 kind: self.kind,
                 message: self.message,
             },
         };
-        (status, Json(body)).into_response()
+        let mut response = (status, Json(body)).into_response();
+        if close {
+            // The rest of the refused body is never read: the connection cannot carry
+            // another request, and a client must not pool it.
+            response.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+        }
+        response
     }
 }
 
@@ -85,7 +106,7 @@ impl From<ImageError> for ApiError {
             ImageError::InvalidSource { .. } | ImageError::Corrupt { .. } => {
                 ErrorKind::InvalidArgument
             }
-            ImageError::Registry { .. } => ErrorKind::Unavailable,
+            ImageError::Registry { .. } | ImageError::Store { .. } => ErrorKind::Unavailable,
             ImageError::Io { .. } => ErrorKind::Internal,
         };
         let mut message = e.to_string();
@@ -97,12 +118,23 @@ impl From<ImageError> for ApiError {
 }
 
 impl From<FileError> for ApiError {
+    /// Every file failure of every backend becomes an API error here, so this is where a
+    /// refusal or a limit hit is counted (`dsec_file_refused_total{reason}`) and logged —
+    /// inside the request's span, which names the sandbox.
     fn from(e: FileError) -> ApiError {
         let kind = match &e {
-            FileError::NotFound(_) => ErrorKind::NotFound,
+            FileError::NotFound { .. } => ErrorKind::NotFound,
             FileError::Io { .. } => ErrorKind::Internal,
+            FileError::Busy { .. } => ErrorKind::Unavailable,
+            FileError::TooLarge {
+                op: FileOp::Write, ..
+            } => ErrorKind::PayloadTooLarge,
             _ => ErrorKind::InvalidArgument,
         };
+        if let Some(reason) = e.refusal_label() {
+            metrics::counter!("dsec_file_refused_total", "reason" => reason).increment(1);
+            tracing::warn!(path = %e.path(), reason, error = %e, "file request refused");
+        }
         ApiError::new(kind, e.to_string())
     }
 }
@@ -119,12 +151,15 @@ impl From<LogError> for ApiError {
 
 impl From<RuntimeError> for ApiError {
     fn from(e: RuntimeError) -> ApiError {
+        if let RuntimeError::File(file) = e {
+            return file.into();
+        }
         match &e {
-            RuntimeError::Exec(err) if err.stage == "chdir" || err.stage == "spec" => {
+            RuntimeError::Exec(err) if matches!(err.stage, InitStage::Chdir | InitStage::Spec) => {
                 ApiError::invalid(err.message.clone())
             }
             RuntimeError::Gone => {
-                ApiError::conflict("the sandbox's init exited; the sandbox has failed")
+                ApiError::sandbox_failed("the sandbox's init exited; the sandbox has failed")
             }
             _ => ApiError::internal(e.to_string()),
         }

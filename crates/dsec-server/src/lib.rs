@@ -2,27 +2,35 @@
 //!
 //! Start-up happens in two phases because of threads: [`HostSetup::prepare`] runs while the
 //! process is still single-threaded (it locks the state directory, settles the cgroup
-//! layout — on v2 that moves the server into a leaf cgroup — and starts the zygote), and
+//! layout — on v2 that moves the server into a leaf cgroup — and the limits of all
+//! sandboxes together, and starts the zygote), and
 //! [`run`] then starts the async world: cleanup of what an earlier run left, the reaper,
 //! and the HTTP API.
 #![warn(missing_docs)]
 
+pub mod admission;
 pub mod api;
 pub mod backend;
+pub mod e2b;
 pub mod edge;
 pub mod error;
+pub mod events;
+pub mod sandboxfusion;
 mod trajectory;
+pub mod watcher;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use dsec_api::BackendKind;
 use dsec_image::ImageStore;
-use dsec_runtime::cgroup::CgroupLayout;
+use dsec_runtime::cgroup::{CgroupLayout, ParentLimits};
 use dsec_runtime::container::ContainerRuntime;
 use dsec_runtime::zygote::Zygote;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
+use crate::admission::{Admission, AdmissionConfig, Capacity, HostResources};
 use crate::backend::container::ContainerBackend;
 use crate::backend::docker::DockerBackend;
 use crate::backend::fncall::{FnCallBackend, PoolConfig};
@@ -43,14 +51,30 @@ pub struct ServerConfig {
     pub max_upload_bytes: usize,
     /// Defaults and names for the edge.
     pub edge: EdgeConfig,
-    /// Whether each commit of the trajectory log fsyncs (see `dsec_trajectory`).
-    pub trajectory_sync: dsec_trajectory::SyncMode,
+    /// The trajectory log's fsync policy and budgets (see `dsec_trajectory`).
+    pub trajectory: dsec_trajectory::LogConfig,
+    /// Where the trajectory log lives; `None`: `<state-dir>/trajectory.db`.
+    pub trajectory_db: Option<dsec_trajectory::Database>,
     /// Sizing of the fncall worker pools.
     pub fncall: PoolConfig,
-    /// Addresses of sandboxes with a network: (network, prefix length).
-    pub net_pool: (std::net::Ipv4Addr, u8),
+    /// The budget new sandboxes are admitted against.
+    pub admission: AdmissionConfig,
+    /// Addresses of sandboxes with a network: (network, prefix length), used only if no
+    /// host route overlaps it; `None`: the first free /16 of `dsec_net::DEFAULT_RANGE`.
+    pub net_pool: Option<(std::net::Ipv4Addr, u8)>,
     /// The `microvm` and `vm` backends.
     pub vm: VmConfig,
+    /// The E2B control plane and envd endpoint.
+    pub e2b: e2b::E2bConfig,
+    /// Where image layers and metadata live, when not in the state directory: possibly a
+    /// network filesystem shared by many servers.
+    pub layer_store: Option<PathBuf>,
+    /// SandboxFusion's `/run_code`.
+    pub sandboxfusion: sandboxfusion::SandboxFusionConfig,
+    /// How much of the event stream is kept (in `<state-dir>/events/`).
+    pub events: events::EventsConfig,
+    /// The Watcher's rules (`--watcher-config`).
+    pub watcher: watcher::WatcherConfig,
 }
 
 /// Why the server could not start.
@@ -70,6 +94,16 @@ pub enum ServeError {
     /// Another server holds the state directory.
     #[error("another dsec server is using state directory {0}")]
     StateDirLocked(PathBuf),
+    /// The state directory belongs to another user, who could plant what the server trusts.
+    #[error("state directory {path} is owned by uid {owner}, not by the server (uid {server}): its owner could plant files the server trusts; chown it or choose another --state-dir")]
+    StateDirOwner {
+        /// The directory.
+        path: PathBuf,
+        /// Its owner.
+        owner: u32,
+        /// The server's effective uid.
+        server: u32,
+    },
     /// Cgroup set-up failed.
     #[error(transparent)]
     Cgroup(#[from] dsec_runtime::cgroup::CgroupError),
@@ -90,17 +124,45 @@ pub enum ServeError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// E2B's debug mode sends no credentials, so it cannot serve a server with a token.
+    #[error("--e2b-debug-template cannot be combined with --token-file: the e2b SDK's debug mode sends no credentials")]
+    E2bDebugWithToken,
+    /// The event stream's files could not be opened.
+    #[error("events in {path}: {source}")]
+    Events {
+        /// The directory.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
     /// The metrics recorder could not be installed.
     #[error("metrics: {0}")]
     Metrics(String),
+    /// The edge could not join its fleet.
+    #[error("joining the fleet: {0}")]
+    Membership(String),
+}
+
+/// A fleet the edge belongs to (`dsec edge`; crates/dsec-fleet): it registers the edge,
+/// publishes its load while it serves, and leaves when it stops.
+#[async_trait::async_trait]
+pub trait Membership: Send + Sync {
+    /// Joins, before anything is set up on the host: an error fails the start.
+    async fn join(&self) -> Result<(), String>;
+    /// Publishes `edge`'s load until `stop` turns true, then leaves the fleet: called
+    /// once the API listens; on shutdown awaited before the sandboxes stop.
+    async fn serve(&self, edge: Arc<Edge>, stop: tokio::sync::watch::Receiver<bool>);
 }
 
 /// What [`HostSetup::prepare`] made, handed to [`run`].
 pub struct HostSetup {
     _lock: nix::fcntl::Flock<std::fs::File>,
     layout: CgroupLayout,
+    capacity: Capacity,
     zygote: Zygote,
     exe: PathBuf,
+    /// The image store's `nosuid,nodev` mount, held until the server stops.
+    seal: Option<dsec_image::seal::Seal>,
 }
 
 fn state_err(path: &Path) -> impl FnOnce(std::io::Error) -> ServeError + '_ {
@@ -126,29 +188,96 @@ fn state_tag(state_dir: &Path) -> String {
 impl HostSetup {
     /// Single-threaded start-up. `exe` is the binary to re-exec as the zygote.
     pub fn prepare(config: &ServerConfig, exe: &Path) -> Result<HostSetup, ServeError> {
-        if !config.listen.ip().is_loopback() && config.token.is_none() {
-            return Err(ServeError::InsecureListen(config.listen));
+        let listeners = [
+            Some(config.listen),
+            config.e2b.listen,
+            config.e2b.envd_listen,
+        ];
+        for addr in listeners.into_iter().flatten() {
+            if !addr.ip().is_loopback() && config.token.is_none() {
+                return Err(ServeError::InsecureListen(addr));
+            }
+        }
+        if config.e2b.debug_template.is_some() && config.token.is_some() {
+            return Err(ServeError::E2bDebugWithToken);
         }
         let state = &config.state_dir;
+        private_state_dir(state)?;
         std::fs::create_dir_all(state.join("sandboxes")).map_err(state_err(state))?;
         let lock_file = std::fs::File::create(state.join("lock")).map_err(state_err(state))?;
         let lock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusiveNonblock)
             .map_err(|_| ServeError::StateDirLocked(state.clone()))?;
         let canonical = state.canonicalize().map_err(state_err(state))?;
+        let images = state.join("images");
+        std::fs::create_dir_all(&images).map_err(state_err(state))?;
+        let seal = match dsec_image::seal::Seal::apply(&images, &state.join("images.mount")) {
+            Ok(seal) => Some(seal),
+            Err(e) => {
+                tracing::warn!(dir = %images.display(), error = %e, "cannot mount the image store nosuid,nodev; only the state directory's permissions keep its setuid files from host users");
+                None
+            }
+        };
         let layout = CgroupLayout::detect(&state_tag(&canonical))?;
-        layout.prepare()?;
+        let host = HostResources::detect(layout.inherited_limits());
+        let capacity = Capacity::new(&host, &config.admission);
+        layout.prepare(&ParentLimits {
+            memory_bytes: capacity.memory_mb << 20,
+            pids: capacity.pids,
+        })?;
         let zygote = Zygote::spawn(exe)?;
         Ok(HostSetup {
             _lock: lock,
             layout,
+            capacity,
             zygote,
             exe: exe.to_owned(),
+            seal,
         })
     }
 }
 
+/// Creates the state directory `0700`, or tightens it to that: it holds images with the
+/// setuid files and device nodes of sandboxes, their trajectories (commands, outputs) and
+/// VM disks, none of which another host user may reach. A directory owned by someone
+/// else is refused: its owner could rename or plant entries under the server's feet.
+fn private_state_dir(state: &Path) -> Result<(), ServeError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(state)
+        .map_err(state_err(state))?;
+    let meta = std::fs::metadata(state).map_err(state_err(state))?;
+    let server = nix::unistd::geteuid().as_raw();
+    if meta.uid() != server {
+        return Err(ServeError::StateDirOwner {
+            path: state.to_owned(),
+            owner: meta.uid(),
+            server,
+        });
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode != 0o700 {
+        std::fs::set_permissions(state, std::fs::Permissions::from_mode(0o700))
+            .map_err(state_err(state))?;
+        tracing::warn!(dir = %state.display(), was = format!("{mode:04o}"), "state directory was reachable by other users; tightened to 0700");
+    }
+    Ok(())
+}
+
 /// Serves until SIGINT or SIGTERM, then stops every sandbox.
 pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError> {
+    run_with(config, host, None).await
+}
+
+/// [`run`], as a member of a fleet when `membership` is given.
+pub async fn run_with(
+    config: ServerConfig,
+    host: HostSetup,
+    membership: Option<Arc<dyn Membership>>,
+) -> Result<(), ServeError> {
+    // Dropped last: the store stays sealed until every sandbox has stopped.
+    let _seal = host.seal;
     let metrics = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Suffix("_seconds".into()),
@@ -159,7 +288,49 @@ pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError
         .map_err(|e| ServeError::Metrics(e.to_string()))?
         .install_recorder()
         .map_err(|e| ServeError::Metrics(e.to_string()))?;
-    let images = ImageStore::open(&config.state_dir.join("images"))?;
+    if let Some(m) = &membership {
+        m.join().await.map_err(ServeError::Membership)?;
+    }
+    // First: a trajectory database that is unreachable or refuses us fails the start
+    // before anything is set up on the host.
+    let trajectory_db = config.trajectory_db.clone().unwrap_or_else(|| {
+        dsec_trajectory::Database::Sqlite(config.state_dir.join("trajectory.db"))
+    });
+    let log = dsec_trajectory::TrajectoryLog::open_database(
+        &trajectory_db,
+        &config.edge.name,
+        config.trajectory,
+    )
+    .await?;
+    // Containers of this state directory carry its tag, so a restart finds its own.
+    let docker_tag = config
+        .state_dir
+        .canonicalize()
+        .map_or_else(|_| state_tag(&config.state_dir), |p| state_tag(&p));
+    let images = open_images(&config, &docker_tag)?;
+    let admission = Admission::new(host.capacity, config.admission);
+    {
+        let c = admission.capacity();
+        tracing::info!(
+            memory_mb = c.memory_mb,
+            pids = c.pids,
+            memory_overcommit = config.admission.memory_overcommit,
+            pids_overcommit = config.admission.pids_overcommit,
+            "all sandboxes together may use {} MiB ({}) and {} tasks ({}); their limits may \
+             add up to the overcommit times that",
+            c.memory_mb,
+            c.memory_why,
+            c.pids,
+            c.pids_why
+        );
+    }
+    if !dsec_runtime::caps::can_lower_oom_scores() {
+        tracing::warn!(
+            "no CAP_SYS_RESOURCE: sandbox inits cannot leave the OOM killer's reach; they \
+             are kept outside their sandboxes' memory limits instead, so only a host-wide \
+             shortage can choose them"
+        );
+    }
     let runtime = Arc::new(ContainerRuntime::new(
         host.zygote,
         host.layout,
@@ -179,17 +350,15 @@ pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError
     }
     let fncall = FnCallBackend::new(
         Arc::clone(&runtime),
+        Arc::clone(&admission),
         images.clone(),
         config.fncall,
         config.edge.name.clone(),
     );
-    // Containers of this state directory carry its tag, so a restart finds its own.
-    let docker_tag = config
-        .state_dir
-        .canonicalize()
-        .map_or_else(|_| state_tag(&config.state_dir), |p| state_tag(&p));
     // Sandbox networking: the bridge, nftables tables and resolver carry the same tag.
-    let net = Arc::new(dsec_net::Networking::start(&docker_tag, config.net_pool).await);
+    let net = Arc::new(
+        dsec_net::Networking::start(&docker_tag, config.net_pool, &config.state_dir).await,
+    );
     let docker = Arc::new(DockerBackend::new(docker_tag));
     // Before serving, so that a server stopped right after it started still cleans up.
     docker.clean_leftovers().await;
@@ -219,39 +388,98 @@ pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError
             let _ = vm_host.accel().await;
         });
     }
-    let backends = Backends {
-        container: Arc::new(ContainerBackend::new(
-            Arc::clone(&runtime),
-            images.clone(),
-            Arc::clone(&net),
-        )),
-        fncall: Arc::clone(&fncall),
-        docker,
-        microvm: Arc::new(VmBackend::new(
-            Arc::clone(&vm_host),
-            dsec_vm::qemu::Machine::Microvm,
-        )),
-        vm: Arc::new(VmBackend::new(vm_host, dsec_vm::qemu::Machine::Q35)),
+    let backends = Backends::default()
+        .register(BackendKind::Fncall, fncall.clone())
+        .register(
+            BackendKind::Container,
+            Arc::new(ContainerBackend::new(
+                Arc::clone(&runtime),
+                images.clone(),
+                Arc::clone(&net),
+            )),
+        )
+        .register(BackendKind::Docker, docker)
+        .register(
+            BackendKind::Microvm,
+            Arc::new(VmBackend::new(
+                Arc::clone(&vm_host),
+                dsec_vm::qemu::Machine::Microvm,
+            )),
+        )
+        .register(
+            BackendKind::Vm,
+            Arc::new(VmBackend::new(vm_host, dsec_vm::qemu::Machine::Q35)),
+        );
+    let sandboxfusion = Arc::new(sandboxfusion::SandboxFusion::new(
+        Arc::clone(&fncall),
+        images.clone(),
+        config.sandboxfusion.clone(),
+        &config.edge,
+        admission.capacity().memory_mb,
+    ));
+    let events_dir = config.state_dir.join("events");
+    let events = {
+        let (dir, budget) = (events_dir.clone(), config.events.clone());
+        tokio::task::spawn_blocking(move || events::Events::open(&dir, budget))
+            .await
+            .map_err(|e| ServeError::Events {
+                path: events_dir.clone(),
+                source: std::io::Error::other(e),
+            })?
+            .map_err(|source| ServeError::Events {
+                path: events_dir,
+                source,
+            })?
     };
-    let log = dsec_trajectory::TrajectoryLog::open(
-        &config.state_dir.join("trajectory.db"),
-        config.trajectory_sync,
-    )?;
-    let edge = Arc::new(Edge::new(config.edge.clone(), images, backends, log));
+    let edge = Arc::new(Edge::new(
+        config.edge.clone(),
+        admission,
+        images,
+        backends,
+        log.clone(),
+        Arc::clone(&events),
+    ));
     tokio::spawn(Arc::clone(&edge).reaper());
+    tokio::spawn(Arc::clone(&edge).usage_sampler());
+    tokio::spawn(watcher::Watcher::new(config.watcher.rules()).run(Arc::clone(&edge)));
+    tokio::spawn(Arc::clone(&edge).image_collector());
     let state = api::AppState {
         edge: Arc::clone(&edge),
         metrics,
         token: config.token.as_deref().map(Arc::from),
+        sandboxfusion: Arc::clone(&sandboxfusion),
     };
     let app = api::router(state, config.max_upload_bytes);
-    let listener = tokio::net::TcpListener::bind(config.listen)
-        .await
-        .map_err(|source| ServeError::Listen {
-            addr: config.listen,
-            source,
-        })?;
+    let listener = bind(config.listen).await?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let sandboxfusion_server = match config.sandboxfusion.listen {
+        Some(addr) => {
+            let listener = bind(addr).await?;
+            if !addr.ip().is_loopback() {
+                tracing::warn!(listen = %addr, "/run_code takes no credentials (as SandboxFusion): anyone who reaches this address can run programs in graders");
+            }
+            tracing::info!(listen = %addr, image = %config.sandboxfusion.image, "SandboxFusion /run_code serving");
+            Some(sandboxfusion::serve(
+                listener,
+                sandboxfusion,
+                config.max_upload_bytes,
+                stopped.clone(),
+            ))
+        }
+        None => None,
+    };
+    let e2b = Arc::new(e2b::E2b::new(
+        Arc::clone(&edge),
+        config.e2b.clone(),
+        config.token.as_deref().map(Arc::from),
+        config.max_upload_bytes,
+    ));
+    let e2b_servers = e2b::start(e2b, stopped).await?;
     tracing::info!(listen = %config.listen, state_dir = %config.state_dir.display(), "dsec serving");
+    let member = membership.map(|m| {
+        let (edge, stop) = (Arc::clone(&edge), stop.subscribe());
+        tokio::spawn(async move { m.serve(edge, stop).await })
+    });
     // Stop the sandboxes before the HTTP server drains: requests still waiting on a
     // command then end at once instead of holding the shutdown open.
     let stopping = Arc::clone(&edge);
@@ -259,6 +487,11 @@ pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError
         .with_graceful_shutdown(async move {
             shutdown_signal().await;
             tracing::info!("shutting down: stopping all sandboxes");
+            let _ = stop.send(true);
+            // Out of the fleet first, so that no apiserver places another sandbox here.
+            if let Some(member) = member {
+                let _ = member.await;
+            }
             stopping.stop_all().await;
         })
         .await
@@ -266,12 +499,49 @@ pub async fn run(config: ServerConfig, host: HostSetup) -> Result<(), ServeError
             addr: config.listen,
             source,
         })?;
+    if let Some(server) = sandboxfusion_server {
+        let _ = server.await;
+    }
+    futures::future::join_all(e2b_servers).await;
     edge.stop_all().await;
     fncall.shutdown().await;
     net.shutdown().await;
+    // What the stops recorded is committed before the process ends.
+    log.close().await;
+    events.flush().await;
     let runtime_ = Arc::clone(&runtime);
     let _ = tokio::task::spawn_blocking(move || runtime_.release_host()).await;
     Ok(())
+}
+
+/// Opens the image store: layers and metadata in `--layer-store` (else the state
+/// directory's `images/`), staging and mounts in `images/`. The edge is known to others
+/// sharing the store as `<hostname>-<tag>`.
+fn open_images(config: &ServerConfig, tag: &str) -> Result<ImageStore, ServeError> {
+    let local = config.state_dir.join("images");
+    let root = config.layer_store.clone().unwrap_or_else(|| local.clone());
+    if config.layer_store.is_some() {
+        std::fs::create_dir_all(&root).map_err(state_err(&root))?;
+        match dsec_image::seal::is_inert(&root) {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(store = %root.display(), "the layer store is not mounted nosuid,nodev: a staging layer's setuid files are powerless only while its directory stays 0700; mount it with nosuid,nodev")
+            }
+            Err(e) => {
+                tracing::warn!(store = %root.display(), error = %e, "cannot inspect the layer store's mount")
+            }
+        }
+    }
+    let host = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "host".into());
+    Ok(ImageStore::open(&root, &local, &format!("{host}-{tag}"))?)
+}
+
+async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, ServeError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Listen { addr, source })
 }
 
 async fn shutdown_signal() {

@@ -16,7 +16,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use dsec_api::ErrorKind;
-use dsec_trajectory::{Step, StepRequest, StepResult, TrajectoryLog};
+use dsec_trajectory::{OutputCapture, Step, StepRequest, StepResult, TrajectoryLog};
 use tokio::sync::{mpsc, Mutex, OwnedMutexGuard};
 
 use crate::backend::{ExitStatus, Output, OutputStream};
@@ -153,9 +153,9 @@ impl Recorder {
         let detach = self.guard.is_some();
         let recording = Box::new(Recording {
             inner: stream,
+            stdout: self.log.capture(),
+            stderr: self.log.capture(),
             recorder: Some(*self),
-            stdout: Vec::new(),
-            stderr: Vec::new(),
         });
         if detach {
             detached(recording)
@@ -165,11 +165,13 @@ impl Recorder {
     }
 }
 
+/// A command's events on their way to the client, its output captured as the log keeps
+/// it (bounded: the client gets all of it, the log its head and tail).
 struct Recording {
     inner: Box<dyn OutputStream>,
     recorder: Option<Recorder>,
-    stdout: Vec<u8>,
-    stderr: Vec<u8>,
+    stdout: OutputCapture,
+    stderr: OutputCapture,
 }
 
 #[async_trait]
@@ -177,13 +179,13 @@ impl OutputStream for Recording {
     async fn next(&mut self) -> Option<Result<Output, ApiError>> {
         let event = self.inner.next().await?;
         match &event {
-            Ok(Output::Stdout(d)) => self.stdout.extend_from_slice(d),
-            Ok(Output::Stderr(d)) => self.stderr.extend_from_slice(d),
+            Ok(Output::Stdout(d)) => self.stdout.push(d),
+            Ok(Output::Stderr(d)) => self.stderr.push(d),
             Ok(Output::Exit(exit)) => {
                 if let Some(recorder) = self.recorder.take() {
-                    let stdout = std::mem::take(&mut self.stdout);
-                    let stderr = std::mem::take(&mut self.stderr);
-                    if let Err(e) = recorder.record(exit, &stdout, &stderr).await {
+                    let stdout = std::mem::replace(&mut self.stdout, OutputCapture::new(0));
+                    let stderr = std::mem::replace(&mut self.stderr, OutputCapture::new(0));
+                    if let Err(e) = recorder.record(exit, stdout, stderr).await {
                         return Some(Err(e));
                     }
                 }
@@ -200,23 +202,16 @@ impl Recorder {
     async fn record(
         mut self,
         exit: &ExitStatus,
-        stdout: &[u8],
-        stderr: &[u8],
+        stdout: OutputCapture,
+        stderr: OutputCapture,
     ) -> Result<(), ApiError> {
+        let result = StepResult::new(*exit, stdout.finish(), stderr.finish());
         let step = Step {
             step: self.step,
             trajectory_id: self.trajectory_id.take(),
             sandbox_id: std::mem::take(&mut self.sandbox_id),
             request: self.request,
-            result: StepResult {
-                exit_code: exit.exit_code,
-                stdout: String::from_utf8_lossy(stdout).into_owned(),
-                stderr: String::from_utf8_lossy(stderr).into_owned(),
-                timed_out: exit.timed_out,
-                truncated: exit.truncated,
-                oom_killed: exit.oom_killed,
-                duration_ms: exit.duration_ms,
-            },
+            result,
             started_at: self.started_at,
             finished_at: unix_now(),
         };
@@ -271,6 +266,7 @@ pub(crate) struct Replayed(VecDeque<Output>);
 impl Replayed {
     /// The events that reproduce `result`.
     pub(crate) fn new(result: StepResult) -> Replayed {
+        let elided = result.elided();
         let mut events = VecDeque::with_capacity(3);
         if !result.stdout.is_empty() {
             events.push_back(Output::Stdout(result.stdout.into_bytes()));
@@ -278,12 +274,12 @@ impl Replayed {
         if !result.stderr.is_empty() {
             events.push_back(Output::Stderr(result.stderr.into_bytes()));
         }
+        // Output the log did not keep is output discarded beyond a bound, as far as the
+        // client can tell: `truncated` says so (and the log's `*_elided` fields by how much).
+        let exit = result.exit;
         events.push_back(Output::Exit(ExitStatus {
-            exit_code: result.exit_code,
-            timed_out: result.timed_out,
-            truncated: result.truncated,
-            oom_killed: result.oom_killed,
-            duration_ms: result.duration_ms,
+            truncated: exit.truncated || elided,
+            ..exit
         }));
         Replayed(events)
     }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use dsec_runtime::channel::ExecEvent;
-use dsec_runtime::proto::{ExecSpec, FrameKind};
+use dsec_runtime::proto::ExecSpec;
 use dsec_vm::assets::{GuestAssets, KernelSource};
 use dsec_vm::disk::{self, BaseFs};
 use dsec_vm::qemu::{Accel, Disks, GuestIdentity, Hardware, Machine, Start, Vm, BOOT_SNAPSHOT};
@@ -82,7 +82,7 @@ async fn run(vm: &Vm, script: &str) -> (String, i32) {
         cwd: "/".into(),
         timeout_ms: Some(20_000),
         max_output_bytes: 1 << 20,
-        files: Vec::new(),
+        ..ExecSpec::default()
     };
     let mut handle = vm.channel().exec(&spec, b"", &[]).await.unwrap();
     let mut out = String::new();
@@ -92,6 +92,7 @@ async fn run(vm: &Vm, script: &str) -> (String, i32) {
                 out.push_str(&String::from_utf8_lossy(&d))
             }
             ExecEvent::Exit(e) => return (out, e.exit_code.unwrap_or(-1)),
+            other => panic!("a one-step command sent {other:?}"),
         }
     }
 }
@@ -192,12 +193,8 @@ async fn cold_then_restore(machine: Machine) {
             run(&vm, "true").await;
         }
         eprintln!("{machine:?} exec round trip {:?}", t.elapsed() / 20);
-        let listing = vm
-            .channel()
-            .request(FrameKind::ListDir, b"/root")
-            .await
-            .unwrap();
-        assert!(String::from_utf8_lossy(&listing).contains("\"f\""));
+        let listing = vm.channel().list_dir("/root", 100).await.unwrap();
+        assert!(listing.iter().any(|e| e.name == "f"), "{listing:?}");
         vm.pause().await.unwrap();
         vm.resume().await.unwrap();
         vm.kill().await;

@@ -8,15 +8,22 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use dsec_api::{
-    CommandResult, CreateSandboxRequest, ErrorBody, ImageInfo, ImportImageRequest, SandboxInfo,
+    CommandResult, CreateSandboxRequest, ErrorBody, ImageInfo, ImportEvent, ImportImageRequest,
+    PruneResult, SandboxInfo, StoreInfo,
 };
+use dsec_server::admission::AdmissionConfig;
 use dsec_server::backend::fncall::PoolConfig;
 use dsec_server::backend::vm::{AccelChoice, BootMode, VmConfig};
-use dsec_server::edge::EdgeConfig;
+use dsec_server::e2b::E2bConfig;
+use dsec_server::edge::{EdgeConfig, FileLimits};
+use dsec_server::sandboxfusion::SandboxFusionConfig;
 use dsec_server::{HostSetup, ServerConfig};
-use dsec_trajectory::SandboxLog;
+use dsec_trajectory::{Budgets, LogConfig, SandboxLog};
 use dsec_vm::assets::KernelSource;
 use dsec_vm::disk::BaseFs;
+
+mod events;
+mod top;
 
 #[derive(Parser)]
 #[command(
@@ -47,7 +54,19 @@ struct Remote {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the embedded single-node server (apiserver and edge).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
+    /// Run a fleet edge: this host's sandboxes, registered in etcd for apiservers.
+    Edge(Box<EdgeArgs>),
+    /// Run a fleet apiserver: the `/v1` API, forwarded to the edges found in etcd.
+    Apiserver(ApiserverArgs),
+    /// List the fleet's live edges and their load (from an apiserver).
+    Edges {
+        /// Print the edges as JSON (`GET /v1/fleet/edges`).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        remote: Remote,
+    },
     /// Manage images.
     Image {
         #[command(subcommand)]
@@ -80,6 +99,10 @@ enum Cmd {
         #[command(flatten)]
         remote: Remote,
     },
+    /// Print the event stream (lifecycle, commands, files, limits, network, Watcher).
+    Events(events::EventsArgs),
+    /// A refreshing table of the sandboxes' live usage (CPU, memory, pids, disk, flags).
+    Top(top::TopArgs),
     /// Run a command in a sandbox; exits with the command's status.
     Exec {
         /// Sandbox id.
@@ -135,12 +158,22 @@ struct ServeArgs {
     /// File holding the bearer token clients must send (required off loopback).
     #[arg(long)]
     token_file: Option<PathBuf>,
-    /// Largest request body in MiB (uploads, exec files and stdin).
-    #[arg(long, default_value_t = 256)]
+    /// Largest request body in MiB (uploads, exec files and stdin). Given twice, the
+    /// last one counts.
+    #[arg(long, default_value_t = 256, overrides_with = "max_upload_mb")]
     max_upload_mb: usize,
-    /// Prefix of sandbox ids, naming this edge.
-    #[arg(long, default_value = "e0")]
-    edge_name: String,
+    /// Largest file the files API reads or writes, in MiB (a write is also bounded by
+    /// --max-upload-mb).
+    #[arg(long, default_value_t = 1024)]
+    max_file_mb: u64,
+    /// Where image layers and metadata live (default: `<state-dir>/images`). May be a
+    /// network filesystem (NFS, CephFS) shared by many servers, each with its own state
+    /// directory: a layer is written there once and used by all. Mount it `nosuid,nodev`.
+    #[arg(long)]
+    layer_store: Option<PathBuf>,
+    /// Prefix of sandbox ids, naming this edge (default `e0`; `dsec edge`: the host name).
+    #[arg(long, visible_alias = "name")]
+    edge_name: Option<String>,
     /// Default CPU bandwidth per sandbox, in cores.
     #[arg(long, default_value_t = 1.0)]
     default_cpus: f64,
@@ -164,10 +197,58 @@ struct ServeArgs {
     /// surviving power loss, at one fsync per commit.
     #[arg(long, default_value = "normal", value_parser = parse_sync)]
     trajectory_sync: dsec_trajectory::SyncMode,
+    /// Where the trajectory log lives: a SQLite file (default `<state-dir>/trajectory.db`),
+    /// or a PostgreSQL database shared by a fleet, `postgres://USER:PASSWORD@HOST:PORT/DB`
+    /// (each server writes under its --edge-name, which must be its own).
+    #[arg(long, value_parser = parse_trajectory_db)]
+    trajectory_db: Option<dsec_trajectory::Database>,
+    /// Trajectory log: bytes of each command output stream stored whole; a longer one is
+    /// stored as its first and last halves of this, with its full length and digest.
+    #[arg(long, default_value_t = Budgets::default().output_bytes)]
+    trajectory_output_bytes: u64,
+    /// Trajectory log: MiB one sandbox's log may take; its further steps are recorded
+    /// without output (a live sandbox's steps are never pruned).
+    #[arg(long, default_value_t = Budgets::default().sandbox_bytes >> 20)]
+    trajectory_sandbox_mb: u64,
+    /// Trajectory log: MiB the whole log may take on disk (database and WAL); stopped
+    /// sandboxes' logs are pruned, oldest first, to stay under it.
+    #[arg(long, default_value_t = Budgets::default().total_bytes >> 20, value_parser = clap::value_parser!(u64).range(1..))]
+    trajectory_max_mb: u64,
+    /// Events: MiB the kept event stream (<state-dir>/events/) may take on disk.
+    #[arg(long, default_value_t = dsec_server::events::EventsConfig::default().max_bytes >> 20, value_parser = clap::value_parser!(u64).range(1..))]
+    events_max_mb: u64,
+    /// Events: hours an event is kept (and served) for.
+    #[arg(long, default_value_t = 168.0, value_parser = parse_ratio)]
+    events_max_age_h: f64,
+    /// The Watcher's rules, a JSON file (see docs/SDK.md); its safe defaults (which only
+    /// flag) run without one.
+    #[arg(long)]
+    watcher_config: Option<PathBuf>,
     /// Private IPv4 network (a /12 to /28) that sandboxes with a network get their
     /// addresses from; the first address is the bridge's (and dsec's DNS resolver's).
-    #[arg(long, default_value = dsec_net::DEFAULT_POOL, value_parser = dsec_net::parse_pool)]
-    net_pool: (std::net::Ipv4Addr, u8),
+    /// Networking is unavailable if a host route overlaps it. Default: the first /16 of
+    /// 10.208.0.0/12, from 10.209.0.0/16 on, that no host route overlaps.
+    #[arg(long, value_parser = dsec_net::parse_pool)]
+    net_pool: Option<(std::net::Ipv4Addr, u8)>,
+    /// Admission: the memory limits of all sandboxes may add up to this many times the
+    /// memory they may use together (the host's, less --host-reserve-mb). The default
+    /// admits 4 × 21.2 GiB of limits on a 24 GiB host: 169 sandboxes at the default
+    /// 512 MiB; raise it for many mostly idle sandboxes.
+    #[arg(long, default_value_t = 4.0, value_parser = parse_ratio)]
+    memory_overcommit: f64,
+    /// Admission: the pids limits of all sandboxes may add up to this many times the
+    /// tasks they may hold together (pid_max or threads-max, less --host-reserve-pids).
+    #[arg(long, default_value_t = 8.0, value_parser = parse_ratio)]
+    pids_overcommit: f64,
+    /// Memory kept from all sandboxes together for the server and the host, in MiB;
+    /// written as the limit of the sandboxes' parent cgroup. Default: 10% of the host's,
+    /// at least 512 MiB and at most 4 GiB.
+    #[arg(long)]
+    host_reserve_mb: Option<u64>,
+    /// Tasks kept from all sandboxes together for the server and the host. Default: 10%
+    /// of the host's, at least 512 and at most 32768.
+    #[arg(long)]
+    host_reserve_pids: Option<u64>,
     /// fncall: warm workers kept per image (and limits) while it is in use.
     #[arg(long, default_value_t = 2)]
     fncall_min_warm: usize,
@@ -200,6 +281,73 @@ struct ServeArgs {
     /// VM backends: `auto` uses KVM when a probe guest boots under it, else TCG.
     #[arg(long, default_value = "auto", value_parser = parse_accel)]
     vm_accel: AccelChoice,
+    /// Also serve SandboxFusion's `POST /run_code` and `GET /v1/ping` on this address
+    /// (they are on the main listener too). It takes no credentials, as SandboxFusion.
+    #[arg(long)]
+    sandboxfusion_listen: Option<SocketAddr>,
+    /// The image `/run_code` runs programs in (scripts/make-grader-image.sh builds one).
+    #[arg(long, default_value = dsec_server::sandboxfusion::DEFAULT_IMAGE)]
+    sandboxfusion_image: String,
+    /// An image for one language instead, as LANGUAGE=IMAGE (repeatable).
+    #[arg(long = "sandboxfusion-language-image", value_parser = parse_language_image)]
+    sandboxfusion_language_images: Vec<(String, String)>,
+    /// Memory limit, in MiB, of `/run_code` requests that set none (`memory_limit_MB` -1).
+    #[arg(long, default_value_t = dsec_server::sandboxfusion::DEFAULT_MEMORY_MB)]
+    sandboxfusion_memory_mb: u64,
+    /// E2B's control-plane API on this address, for the e2b SDK (`E2B_API_URL`).
+    #[arg(long)]
+    e2b_listen: Option<SocketAddr>,
+    /// One envd-compatible endpoint for every sandbox on this address, routed by the
+    /// E2b-Sandbox-Id header (`E2B_SANDBOX_URL`).
+    #[arg(long)]
+    e2b_envd_listen: Option<SocketAddr>,
+    /// Backend of E2B templates that name none (`templateID` "IMAGE"; "BACKEND+IMAGE"
+    /// picks one).
+    #[arg(long, default_value = "container")]
+    e2b_backend: String,
+    /// The image of the sandbox answering for the e2b SDK's debug mode (E2B_DEBUG=true,
+    /// sandbox id "debug_sandbox_id"), made at its first request; unauthenticated, so
+    /// refused with --token-file.
+    #[arg(long)]
+    e2b_debug_template: Option<String>,
+}
+
+#[derive(Args)]
+struct EdgeArgs {
+    /// etcd endpoints, comma-separated (`http://HOST:2379,...`).
+    #[arg(long, value_delimiter = ',', required = true)]
+    etcd: Vec<String>,
+    /// The URL apiservers reach this edge's API at (default `http://<--listen>`).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Seconds the edge's etcd lease outlives its last keep-alive: how soon apiservers
+    /// notice an edge that died.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(i64).range(2..=60))]
+    lease_ttl: i64,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(Args)]
+struct ApiserverArgs {
+    /// etcd endpoints, comma-separated (`http://HOST:2379,...`).
+    #[arg(long, value_delimiter = ',', required = true)]
+    etcd: Vec<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7700")]
+    listen: SocketAddr,
+    /// File holding the bearer token clients must send (required off loopback).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// File holding the bearer token sent to edges (their --token-file).
+    #[arg(long)]
+    edge_token_file: Option<PathBuf>,
+    /// Placement: edges drawn per create, the least loaded tried first.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=16))]
+    choices: u16,
+    /// Largest request body in MiB.
+    #[arg(long, default_value_t = 256)]
+    max_upload_mb: usize,
 }
 
 #[derive(Subcommand)]
@@ -213,13 +361,23 @@ enum ImageCmd {
         #[arg(long)]
         name: Option<String>,
     },
-    /// List images.
+    /// List images, with the disk their layers take and the store's total.
     Ls,
     /// Delete an image.
     Rm {
         /// Image name.
         name: String,
     },
+    /// Delete what no image or sandbox uses: the images of finished forks, unreferenced
+    /// layers, the VM disks and boot templates of deleted images.
+    Prune,
+}
+
+fn parse_trajectory_db(s: &str) -> Result<dsec_trajectory::Database, String> {
+    if s.is_empty() {
+        return Err("empty: give a SQLite file or a postgres:// URL".into());
+    }
+    Ok(dsec_trajectory::Database::parse(s))
 }
 
 fn parse_sync(s: &str) -> Result<dsec_trajectory::SyncMode, String> {
@@ -227,6 +385,13 @@ fn parse_sync(s: &str) -> Result<dsec_trajectory::SyncMode, String> {
         "full" => Ok(dsec_trajectory::SyncMode::Full),
         "normal" => Ok(dsec_trajectory::SyncMode::Normal),
         _ => Err(format!("{s:?} is not full or normal")),
+    }
+}
+
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+        _ => Err(format!("{s:?} is not a positive number")),
     }
 }
 
@@ -255,6 +420,13 @@ fn parse_accel(s: &str) -> Result<AccelChoice, String> {
     }
 }
 
+fn parse_language_image(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .filter(|(lang, image)| !lang.is_empty() && !image.is_empty())
+        .map(|(lang, image)| (lang.to_owned(), image.to_owned()))
+        .ok_or_else(|| format!("{s:?} must look like LANGUAGE=IMAGE, e.g. julia=julia-grader"))
+}
+
 fn parse_label(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
@@ -262,6 +434,12 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
 }
 
 fn main() {
+    // Before anything else runs (and the zygote is this binary too): nothing the launcher
+    // left open may reach a sandbox.
+    if let Err(e) = dsec_runtime::fds::close_on_exec_above_stdio() {
+        eprintln!("dsec: marking inherited descriptors close-on-exec: {e}");
+        std::process::exit(1);
+    }
     let cli = Cli::parse();
     if let Cmd::Zygote = cli.command {
         dsec_runtime::zygote::serve();
@@ -274,28 +452,67 @@ fn main() {
 
 fn run(cmd: Cmd) -> Result<()> {
     match cmd {
-        Cmd::Serve(args) => serve(args),
+        Cmd::Serve(args) => serve(*args, None),
+        Cmd::Edge(args) => edge(*args),
+        Cmd::Apiserver(args) => apiserver(args),
+        Cmd::Edges { json, remote } => {
+            let client = Client::new(remote)?;
+            let edges: Vec<dsec_fleet::EdgeRecord> = client.json(client.get("/v1/fleet/edges"))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&edges)?);
+                return Ok(());
+            }
+            print_edges(&edges);
+            Ok(())
+        }
         Cmd::Image { command, remote } => {
             let client = Client::new(remote)?;
             match command {
                 ImageCmd::Import { source, name } => {
-                    let image: ImageInfo = client.json(
-                        client
-                            .post("/v1/images")
-                            .json(&ImportImageRequest { source, name }),
-                    )?;
+                    let image = import_with_progress(&client, ImportImageRequest { source, name })?;
                     println!("{} {} {}", image.name, image.id, human_size(image.size));
                 }
                 ImageCmd::Ls => {
                     let images: Vec<ImageInfo> = client.json(client.get("/v1/images"))?;
-                    println!("{:<32} {:<20} {:>10}", "NAME", "ID", "SIZE");
+                    let store: StoreInfo = client.json(client.get("/v1/store"))?;
+                    println!(
+                        "{:<32} {:<14} {:>7} {:>10} {:>10}",
+                        "NAME", "ID", "LAYERS", "SIZE", "DISK"
+                    );
                     for i in images {
                         let short = i.id.trim_start_matches("sha256:").get(..12).unwrap_or("");
-                        println!("{:<32} {:<20} {:>10}", i.name, short, human_size(i.size));
+                        println!(
+                            "{:<32} {:<14} {:>7} {:>10} {:>10}",
+                            i.name,
+                            short,
+                            i.layers.len(),
+                            human_size(i.size),
+                            human_size(i.disk_bytes)
+                        );
                     }
+                    println!(
+                        "store {}: {} images, {} layers, {} on disk (shared layers once), {} mounted here",
+                        store.root,
+                        store.images,
+                        store.layers,
+                        human_size(store.layer_bytes),
+                        store.mounted
+                    );
                 }
                 ImageCmd::Rm { name } => {
                     client.empty(client.delete(&format!("/v1/images/{name}")))?;
+                }
+                ImageCmd::Prune => {
+                    let pruned: PruneResult = client.json(client.post("/v1/store/prune"))?;
+                    for image in &pruned.images {
+                        println!("removed fork image {image}");
+                    }
+                    println!(
+                        "removed {} layers ({}), {} of VM disks and templates",
+                        pruned.layers,
+                        human_size(pruned.layer_bytes),
+                        human_size(pruned.other_bytes)
+                    );
                 }
             }
             Ok(())
@@ -363,10 +580,10 @@ fn run(cmd: Cmd) -> Result<()> {
                 client.json(client.post(&format!("/v1/sandboxes/{id}/exec")).json(&body))?;
             std::io::stdout().write_all(result.stdout.as_bytes())?;
             std::io::stderr().write_all(result.stderr.as_bytes())?;
-            if result.timed_out {
+            if result.exit.timed_out {
                 bail!("command timed out");
             }
-            std::process::exit(result.exit_code.unwrap_or(1));
+            std::process::exit(result.exit.exit_code.unwrap_or(1));
         }
         Cmd::Log { id, json, remote } => {
             let client = Client::new(remote)?;
@@ -396,50 +613,159 @@ fn run(cmd: Cmd) -> Result<()> {
             }
             Ok(())
         }
+        Cmd::Events(args) => events::run(args),
+        Cmd::Top(args) => top::run(args),
         Cmd::Zygote => unreachable!("handled before"),
     }
 }
 
-fn serve(args: ServeArgs) -> Result<()> {
+fn init_logging() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    let token = match &args.token_file {
-        Some(path) => {
-            let token = std::fs::read_to_string(path)
-                .with_context(|| format!("reading token file {}", path.display()))?
-                .trim()
-                .to_owned();
-            if token.is_empty() {
-                bail!("token file {} is empty", path.display());
-            }
-            Some(token)
-        }
-        None => None,
+}
+
+fn read_token(path: Option<&PathBuf>) -> Result<Option<String>> {
+    let Some(path) = path else { return Ok(None) };
+    let token = std::fs::read_to_string(path)
+        .with_context(|| format!("reading token file {}", path.display()))?
+        .trim()
+        .to_owned();
+    if token.is_empty() {
+        bail!("token file {} is empty", path.display());
+    }
+    Ok(Some(token))
+}
+
+fn edge(args: EdgeArgs) -> Result<()> {
+    let name = match &args.serve.edge_name {
+        Some(name) => name.clone(),
+        None => nix_hostname()?,
     };
+    dsec_fleet::check_edge_name(&name)?;
+    let advertise = args
+        .advertise
+        .clone()
+        .unwrap_or_else(|| format!("http://{}", args.serve.listen));
+    if !(advertise.starts_with("http://") || advertise.starts_with("https://")) {
+        bail!("--advertise {advertise:?} must be an http:// or https:// URL");
+    }
+    let membership =
+        dsec_fleet::EdgeMembership::new(args.etcd, name.clone(), advertise, args.lease_ttl);
+    let mut serve_args = args.serve;
+    serve_args.edge_name = Some(name);
+    serve(serve_args, Some(std::sync::Arc::new(membership)))
+}
+
+fn nix_hostname() -> Result<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        bail!("reading the host name: {}", std::io::Error::last_os_error());
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
+}
+
+fn apiserver(args: ApiserverArgs) -> Result<()> {
+    init_logging();
+    let config = dsec_fleet::apiserver::ApiserverConfig {
+        listen: args.listen,
+        token: read_token(args.token_file.as_ref())?,
+        edge_token: read_token(args.edge_token_file.as_ref())?,
+        choices: args.choices.into(),
+        max_upload_bytes: args.max_upload_mb << 20,
+    };
+    let runtime = server_runtime()?;
+    runtime.block_on(async {
+        let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .install_recorder()
+            .context("installing the metrics recorder")?;
+        let table = dsec_fleet::EdgeTable::watch(args.etcd).await?;
+        let fleet = dsec_fleet::apiserver::Fleet::new(table, &config, Some(metrics));
+        dsec_fleet::apiserver::serve(config, fleet).await
+    })
+}
+
+fn print_edges(edges: &[dsec_fleet::EdgeRecord]) {
+    println!(
+        "{:<16} {:<28} {:<36} {:>9} {:>8} {:>15} {:>9} {:>5}",
+        "NAME", "ADDRESS", "BACKENDS", "SANDBOXES", "CREATING", "MEMORY MiB", "FREE MiB", "CPU"
+    );
+    for e in edges {
+        let l = &e.load;
+        println!(
+            "{:<16} {:<28} {:<36} {:>9} {:>8} {:>15} {:>9} {:>5.2}{}",
+            e.name,
+            e.url,
+            l.backends.join(","),
+            l.sandbox_count,
+            l.creating,
+            format!("{}/{}", l.memory_promised_mb, l.memory_budget_mb),
+            l.free_memory_mb,
+            l.cpu_load,
+            if e.ready { "" } else { "  (starting)" }
+        );
+    }
+}
+
+fn serve(
+    args: ServeArgs,
+    membership: Option<std::sync::Arc<dyn dsec_server::Membership>>,
+) -> Result<()> {
+    init_logging();
+    let token = read_token(args.token_file.as_ref())?;
     let config = ServerConfig {
         listen: args.listen,
         state_dir: args.state_dir,
         token,
         max_upload_bytes: args.max_upload_mb << 20,
         edge: EdgeConfig {
-            name: args.edge_name,
+            name: args.edge_name.unwrap_or_else(|| "e0".to_owned()),
             cpus: args.default_cpus,
             memory_mb: args.default_memory_mb,
             pids: args.default_pids,
             disk_mb: args.default_disk_mb,
             timeout_s: args.default_timeout_s,
             max_output_bytes: args.max_output_bytes,
+            files: FileLimits {
+                max_read_bytes: args.max_file_mb << 20,
+                max_write_bytes: (args.max_file_mb << 20).min((args.max_upload_mb as u64) << 20),
+            },
         },
-        trajectory_sync: args.trajectory_sync,
+        trajectory_db: args.trajectory_db,
+        trajectory: LogConfig {
+            sync: args.trajectory_sync,
+            budgets: Budgets {
+                output_bytes: args.trajectory_output_bytes,
+                sandbox_bytes: args.trajectory_sandbox_mb << 20,
+                total_bytes: args.trajectory_max_mb << 20,
+            },
+        },
         net_pool: args.net_pool,
+        watcher: match &args.watcher_config {
+            Some(path) => dsec_server::watcher::WatcherConfig::load(path)?,
+            None => Default::default(),
+        },
+        events: dsec_server::events::EventsConfig {
+            max_bytes: args.events_max_mb << 20,
+            max_age: std::time::Duration::from_secs_f64(args.events_max_age_h * 3600.0),
+            ..Default::default()
+        },
         fncall: PoolConfig {
             min_warm: args.fncall_min_warm,
             max_warm: args.fncall_max_warm.max(1),
             max_total: args.fncall_max_total.max(1),
+        },
+        admission: AdmissionConfig {
+            memory_overcommit: args.memory_overcommit,
+            pids_overcommit: args.pids_overcommit,
+            host_reserve_mb: args.host_reserve_mb,
+            host_reserve_pids: args.host_reserve_pids,
         },
         vm: VmConfig {
             agent: args.vm_agent,
@@ -451,7 +777,23 @@ fn serve(args: ServeArgs) -> Result<()> {
             boot: args.vm_boot,
             accel: args.vm_accel,
         },
+        e2b: E2bConfig {
+            listen: args.e2b_listen,
+            envd_listen: args.e2b_envd_listen,
+            backend: args.e2b_backend,
+            debug_template: args.e2b_debug_template,
+        },
+        layer_store: args.layer_store,
+        sandboxfusion: SandboxFusionConfig {
+            listen: args.sandboxfusion_listen,
+            image: args.sandboxfusion_image,
+            language_images: args.sandboxfusion_language_images.into_iter().collect(),
+            default_memory_mb: args.sandboxfusion_memory_mb,
+        },
     };
+    if let Err(e) = config.sandboxfusion.validate() {
+        bail!("--sandboxfusion-language-image: {e}");
+    }
     // Command output lives in buffers of up to --max-output-bytes per stream. glibc would
     // raise its mmap threshold after the first such buffer is freed and keep the next ones
     // in its heaps for good; a fixed threshold keeps them in mmaps that go back to the OS
@@ -461,38 +803,51 @@ fn serve(args: ServeArgs) -> Result<()> {
     // Still single-threaded here: lock the state dir, settle cgroups, start the zygote.
     let exe = std::env::current_exe().context("locating the dsec binary")?;
     let host = HostSetup::prepare(&config, &exe)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    runtime.block_on(dsec_server::run(config, host))?;
+    let runtime = server_runtime()?;
+    runtime.block_on(dsec_server::run_with(config, host, membership))?;
     Ok(())
 }
 
 fn print_log(log: &SandboxLog) {
     let s = &log.sandbox;
     println!(
-        "sandbox {}  backend {}  image {}  trajectory {}",
+        "sandbox {}  backend {}  image {}  trajectory {}  log {}",
         s.id,
         s.backend,
         s.image,
-        s.trajectory_id.as_deref().unwrap_or("-")
+        s.trajectory_id.as_deref().unwrap_or("-"),
+        human_size(log.bytes)
     );
-    println!("{:>6} {:>6} {:>10}  COMMAND", "STEP", "EXIT", "DURATION");
+    println!(
+        "{:>6} {:>6} {:>10} {:>10}  COMMAND",
+        "STEP", "EXIT", "DURATION", "OUTPUT"
+    );
     for step in &log.steps {
         let r = &step.result;
-        let exit = match (r.exit_code, r.timed_out) {
+        let exit = match (r.exit.exit_code, r.exit.timed_out) {
             (_, true) => "timeout".to_owned(),
             (Some(c), _) => c.to_string(),
             (None, _) => "-".to_owned(),
         };
         println!(
-            "{:>6} {:>6} {:>8.1}ms  {}",
+            "{:>6} {:>6} {:>8.1}ms {:>10}  {}",
             step.step,
             exit,
-            r.duration_ms,
+            r.exit.duration_ms,
+            human_size(r.stdout_bytes + r.stderr_bytes),
             command_text(&step.request.argv)
         );
+        for (name, bytes, elided, sha256) in [
+            ("stdout", r.stdout_bytes, r.stdout_elided, &r.stdout_sha256),
+            ("stderr", r.stderr_bytes, r.stderr_elided, &r.stderr_sha256),
+        ] {
+            if elided > 0 {
+                println!(
+                    "{:>25}  {name}: {bytes} bytes, {elided} not kept by the log ({sha256})",
+                    ""
+                );
+            }
+        }
     }
 }
 
@@ -559,18 +914,43 @@ fn replay_steps(client: &Client, sandbox: &str, steps: &[dsec_trajectory::Step])
         )?;
         let want = &step.result;
         let mut diffs = Vec::new();
-        if got.exit_code != want.exit_code {
+        if got.exit.exit_code != want.exit.exit_code {
             diffs.push(format!(
                 "exit code {:?} (recorded {:?})",
-                got.exit_code, want.exit_code
+                got.exit.exit_code, want.exit.exit_code
             ));
         }
-        for (name, got, want) in [
-            ("stdout", &got.stdout, &want.stdout),
-            ("stderr", &got.stderr, &want.stderr),
+        for (name, got, want, elided, bytes, sha256) in [
+            (
+                "stdout",
+                &got.stdout,
+                &want.stdout,
+                want.stdout_elided,
+                want.stdout_bytes,
+                &want.stdout_sha256,
+            ),
+            (
+                "stderr",
+                &got.stderr,
+                &want.stderr,
+                want.stderr_elided,
+                want.stderr_bytes,
+                &want.stderr_sha256,
+            ),
         ] {
-            if got != want {
-                diffs.push(format!("{name} {got:?} (recorded {want:?})"));
+            if elided == 0 {
+                if got != want {
+                    diffs.push(format!("{name} {got:?} (recorded {want:?})"));
+                }
+                continue;
+            }
+            // The log kept only part of this output: compare the whole by length and digest.
+            let got_sha256 = dsec_trajectory::digest(got.as_bytes());
+            if got.len() as u64 != bytes || &got_sha256 != sha256 {
+                diffs.push(format!(
+                    "{name} {} bytes {got_sha256} (recorded {bytes} bytes {sha256})",
+                    got.len()
+                ));
             }
         }
         if !diffs.is_empty() {
@@ -586,6 +966,57 @@ fn replay_steps(client: &Client, sandbox: &str, steps: &[dsec_trajectory::Step])
     }
     println!("all {} steps match", steps.len());
     Ok(true)
+}
+
+/// `POST /v1/images` with a progress bar of its layers (on a terminal; plain lines
+/// otherwise), from the server's `application/x-ndjson` events.
+fn import_with_progress(client: &Client, req: ImportImageRequest) -> Result<ImageInfo> {
+    use std::io::BufRead;
+    let resp = client.send(
+        client
+            .post("/v1/images")
+            .header(reqwest::header::ACCEPT, "application/x-ndjson")
+            .json(&req),
+    )?;
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} layers {pos}/{len} [{bar:30}] {msg} ({elapsed})",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    let (mut bytes, mut reused) = (0u64, 0usize);
+    for line in std::io::BufReader::new(resp).lines() {
+        let line = line.context("reading the import's progress")?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<ImportEvent>(&line)
+            .with_context(|| format!("unexpected progress line {line:?}"))?
+        {
+            ImportEvent::Layers { total } => bar.set_length(total as u64),
+            ImportEvent::Layer {
+                size,
+                reused: was_stored,
+                ..
+            } => {
+                bytes += size;
+                reused += usize::from(was_stored);
+                bar.set_message(format!("{} ({reused} already stored)", human_size(bytes)));
+                bar.inc(1);
+            }
+            ImportEvent::Done { image } => {
+                bar.finish_and_clear();
+                return Ok(image);
+            }
+            ImportEvent::Error { error } => {
+                bar.abandon();
+                bail!("{} ({})", error.message, error.kind.as_str());
+            }
+        }
+    }
+    bar.abandon();
+    bail!("the server ended the import without a result")
 }
 
 fn human_size(bytes: u64) -> String {
@@ -670,4 +1101,18 @@ impl Client {
         self.send(rb)?;
         Ok(())
     }
+}
+
+/// Stack of each async worker thread. Tokio's 2 MiB default is too little for an
+/// unoptimized build: a VM create's future (boot, agent handshake, inside the edge's and
+/// the handler's) overflowed it. Only touched pages cost memory.
+const WORKER_STACK_BYTES: usize = 8 << 20;
+
+/// The multi-threaded runtime the server roles run on.
+fn server_runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_stack_size(WORKER_STACK_BYTES)
+        .build()
+        .context("starting the async runtime")
 }

@@ -1,20 +1,25 @@
 //! `backend="container"`: dsec's native runtime.
 
-use std::fs::File;
-use std::path::PathBuf;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use dsec_api::{FileInfo, ImageInfo, Usage};
-use dsec_image::{Image, ImageStore};
+use dsec_image::{Image, ImageStore, MountedImage};
 use dsec_net::{Attachment, NetError, Networking, Policy};
 use dsec_runtime::cgroup::CgroupLimits;
-use dsec_runtime::container::{Container, ContainerRuntime, CreateOptions, ExecEvent, ExecHandle};
-use dsec_runtime::proto::{ExecFile, ExecSpec};
+use dsec_runtime::container::{
+    Container, ContainerRuntime, CreateOptions, ExecEvent, ExecHandle, InitExit,
+};
+use dsec_runtime::proto::{ExecExit, ExecFile, ExecSpec};
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 
+use super::files::{list_served, read_served, write_served};
 use super::{
-    file_info, Backend, CommandSpec, Created, ExitStatus, FileWrite, ImageDefaults, Output,
-    OutputStream, Sandbox, SandboxRequest,
+    Backend, CommandSpec, Created, ExitStatus, Failure, FileRead, FileWrite, ImageDefaults, Output,
+    OutputStream, Sandbox, SandboxRequest, Upload,
 };
 use crate::error::ApiError;
 
@@ -37,11 +42,6 @@ impl ContainerBackend {
             net,
         }
     }
-
-    /// Packets refused by sandbox network policies so far (for `/metrics`).
-    pub async fn network_refused(&self) -> u64 {
-        self.net.refused_total().await
-    }
 }
 
 impl From<NetError> for ApiError {
@@ -56,7 +56,9 @@ impl From<NetError> for ApiError {
 
 /// Connects a new or running container to the network: veth, then `/etc/resolv.conf`
 /// naming dsec's resolver and, when asked, the host's CA bundle, all before any command
-/// of the sandbox can use them.
+/// of the sandbox can use them. The files are written by init, with the files API's
+/// checks: whatever the agent planted at those paths (a FIFO, a link to a device) is
+/// refused, never opened.
 async fn plug(
     container: &Arc<Container>,
     attachment: &Attachment,
@@ -64,28 +66,34 @@ async fn plug(
 ) -> Result<(), ApiError> {
     let netns = container.open_netns()?;
     attachment.plug(netns).await?;
-    let c = Arc::clone(container);
-    let resolv = attachment.resolv_conf();
-    tokio::task::spawn_blocking(move || -> Result<(), ApiError> {
-        c.root()
-            .write(dsec_net::RESOLV_CONF, resolv.as_bytes(), 0o644)?;
-        if ca_bundle {
-            match std::fs::read(dsec_net::CA_BUNDLE) {
-                Ok(pem) => c.root().write(dsec_net::CA_BUNDLE, &pem, 0o644)?,
-                Err(e) => tracing::warn!(error = %e, "host CA bundle unreadable; not copied"),
+    let channel = container.channel();
+    let resolv = attachment.resolv_conf().into_bytes();
+    write_served(channel, dsec_net::RESOLV_CONF, 0o644, Upload::whole(resolv)).await?;
+    if ca_bundle {
+        match tokio::fs::read(dsec_net::CA_BUNDLE).await {
+            Ok(pem) => {
+                write_served(channel, dsec_net::CA_BUNDLE, 0o644, Upload::whole(pem)).await?
             }
+            Err(e) => tracing::warn!(error = %e, "host CA bundle unreadable; not copied"),
         }
-        Ok(())
-    })
-    .await
-    .map_err(|e| ApiError::internal(e.to_string()))?
+    }
+    Ok(())
 }
 
 #[async_trait]
 impl Backend for ContainerBackend {
+    fn has_networking(&self) -> bool {
+        true
+    }
+
+    async fn network_refused_total(&self) -> u64 {
+        self.net.refused_total().await
+    }
+
     async fn create(&self, req: SandboxRequest) -> Result<Created, ApiError> {
         let image = self.images.get(&req.image)?;
-        let opts = create_options(&req, self.images.layer_dirs(&image));
+        let layers = self.images.mount(&image).await?;
+        let opts = create_options(&req, layers.dirs.clone());
         // The address and the nftables rules are set up while the container is built.
         let reserve = async {
             match req.network.is_off() {
@@ -127,6 +135,7 @@ impl Backend for ContainerBackend {
         Ok(Created {
             sandbox: Box::new(ContainerSandbox {
                 container,
+                layers,
                 image: image.clone(),
                 images: self.images.clone(),
                 net: Arc::clone(&self.net),
@@ -136,7 +145,6 @@ impl Backend for ContainerBackend {
             image: ImageDefaults {
                 env: image.config.env,
                 workdir: image.config.workdir,
-                layers: image.layers,
             },
         })
     }
@@ -144,6 +152,8 @@ impl Backend for ContainerBackend {
 
 struct ContainerSandbox {
     container: Arc<Container>,
+    /// Its image's layers, held (and mounted) for as long as it exists.
+    layers: MountedImage,
     /// The image it was created from: the base of its snapshots.
     image: Image,
     images: ImageStore,
@@ -167,20 +177,18 @@ impl OutputStream for ContainerOutput {
         Some(match event {
             Ok(ExecEvent::Stdout(data)) => Ok(Output::Stdout(data)),
             Ok(ExecEvent::Stderr(data)) => Ok(Output::Stderr(data)),
-            Ok(ExecEvent::Exit(exit)) => {
-                Ok(Output::Exit(ExitStatus {
-                    exit_code: exit.exit_code,
-                    timed_out: exit.timed_out,
-                    truncated: exit.truncated,
-                    // The killed process may be a child (the shell then exits 137 itself):
-                    // ask the cgroup, not the exit status.
-                    oom_killed: self.container.take_oom_kill(),
-                    duration_ms: exit.duration_us as f64 / 1000.0,
-                }))
-            }
+            Ok(ExecEvent::Exit(exit)) => Ok(Output::Exit(exit_status(&exit, &self.container))),
+            Ok(ExecEvent::StepExit(_) | ExecEvent::Fetched { .. }) => Err(super::not_plain()),
             Err(e) => Err(e.into()),
         })
     }
+}
+
+/// How a command of `container` ended.
+pub(crate) fn exit_status(exit: &ExecExit, container: &Container) -> ExitStatus {
+    // The killed process may be a child (the shell then exits 137 itself): ask the
+    // cgroup, not the exit status.
+    super::exec_exit_status(exit, container.take_oom_kill())
 }
 
 /// The runtime's options for a sandbox request.
@@ -205,18 +213,8 @@ pub(crate) async fn run(
 ) -> Result<ContainerOutput, ApiError> {
     // A fncall worker's command builds a root of its own: its files travel with it and
     // init writes them there. A container's files go straight into its root.
-    let (carried, contents): (Vec<ExecFile>, Vec<Vec<u8>>) = if container.is_worker() {
-        cmd.files
-            .into_iter()
-            .map(|f| {
-                let spec = ExecFile {
-                    path: f.path,
-                    mode: f.mode,
-                    len: f.data.len() as u64,
-                };
-                (spec, f.data)
-            })
-            .unzip()
+    let (carried, contents) = if container.is_worker() {
+        carry(cmd.files)
     } else {
         if !cmd.files.is_empty() {
             write_files(container, cmd.files).await?;
@@ -230,6 +228,7 @@ pub(crate) async fn run(
         timeout_ms: Some(cmd.timeout_ms),
         max_output_bytes: cmd.max_output_bytes,
         files: carried,
+        ..ExecSpec::default()
     };
     let data: Vec<&[u8]> = contents.iter().map(Vec::as_slice).collect();
     let handle = container.exec(&spec, &cmd.stdin, &data).await?;
@@ -239,15 +238,26 @@ pub(crate) async fn run(
     })
 }
 
+/// Files that travel in an exec frame, for init to write in the command's own root: their
+/// headers and their contents, in order.
+pub(crate) fn carry(files: Vec<FileWrite>) -> (Vec<ExecFile>, Vec<Vec<u8>>) {
+    files
+        .into_iter()
+        .map(|f| {
+            let spec = ExecFile {
+                path: f.path,
+                mode: f.mode,
+                len: f.data.len() as u64,
+            };
+            (spec, f.data)
+        })
+        .unzip()
+}
+
 async fn write_files(container: &Arc<Container>, files: Vec<FileWrite>) -> Result<(), ApiError> {
-    let c = Arc::clone(container);
-    tokio::task::spawn_blocking(move || {
-        files
-            .iter()
-            .try_for_each(|f| c.root().write(&f.path, &f.data, f.mode))
-    })
-    .await
-    .map_err(|e| ApiError::internal(e.to_string()))??;
+    for f in files {
+        write_served(container.channel(), &f.path, f.mode, Upload::whole(f.data)).await?;
+    }
     Ok(())
 }
 
@@ -279,21 +289,16 @@ impl Sandbox for ContainerSandbox {
         Ok(Box::new(run(&self.container, cmd).await?))
     }
 
-    async fn read_file(&self, path: &str) -> Result<File, ApiError> {
-        let path = path.to_owned();
-        self.blocking(move |c| Ok(c.root().open_read(&path)?)).await
+    async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Box<dyn FileRead>, ApiError> {
+        read_served(self.container.channel(), path, max_bytes).await
     }
 
-    async fn write_file(&self, path: &str, data: Vec<u8>, mode: u32) -> Result<(), ApiError> {
-        let path = path.to_owned();
-        self.blocking(move |c| Ok(c.root().write(&path, &data, mode)?))
-            .await
+    async fn write_file(&self, path: &str, mode: u32, data: Upload) -> Result<(), ApiError> {
+        write_served(self.container.channel(), path, mode, data).await
     }
 
     async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError> {
-        let path = path.to_owned();
-        self.blocking(move |c| Ok(c.root().list(&path)?.into_iter().map(file_info).collect()))
-            .await
+        list_served(self.container.channel(), path).await
     }
 
     async fn pause(&self) -> Result<(), ApiError> {
@@ -305,24 +310,86 @@ impl Sandbox for ContainerSandbox {
     }
 
     async fn snapshot(&self, name: &str) -> Result<ImageInfo, ApiError> {
+        let upper = self.container.upper_dir()?;
         let image = self
             .images
-            .commit_upper(&self.image, self.container.upper_dir(), name)
+            .commit_upper(&self.image, &upper.path(), name)
             .await?;
-        Ok(crate::edge::image_info(image))
+        Ok(super::image_info(&self.images, image))
     }
 
     fn usage(&self) -> Usage {
-        let u = self.container.cgroup().usage();
+        let cgroup = self.container.cgroup();
+        let u = cgroup.usage();
+        // The writable layer is a tmpfs of its own: its used blocks are the disk used.
+        let disk_bytes = self.container.upper_dir().ok().and_then(|upper| {
+            let st = rustix::fs::statvfs(upper.path()).ok()?;
+            Some(st.f_blocks.saturating_sub(st.f_bfree) * st.f_frsize)
+        });
         Usage {
             memory_bytes: u.memory_bytes,
             pids: u.pids,
             cpu_ms: u.cpu_ns as f64 / 1e6,
+            memory_peak_bytes: u.memory_peak_bytes,
+            pids_limit_hits: u.pids_limit_hits,
+            oom_kills: cgroup.oom_kills(),
+            disk_bytes,
         }
+    }
+
+    fn replaced_image_files(&self, dirs: &[&str]) -> Vec<String> {
+        // An overlay's upper directory holds exactly what the sandbox changed (removals
+        // as whiteouts); those of its entries that an image layer also has are replaced.
+        // The sandbox writes that directory: it is walked without following any link (a
+        // planted `usr -> /` would otherwise list the host's own directories), and only
+        // so far per sample, since the sandbox chooses how many entries there are.
+        let Ok(upper) = self.container.upper_dir() else {
+            return Vec::new();
+        };
+        let mut replaced = Vec::new();
+        for dir in dirs {
+            let rel = dir.trim_matches('/');
+            let Some(names) = changed_files(upper.as_fd(), rel) else {
+                continue;
+            };
+            for name in names {
+                let in_image = self.layers.dirs.iter().any(|layer| {
+                    rustix::fs::open(layer, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())
+                        .is_ok_and(|root| {
+                            rustix::fs::statat(
+                                &root,
+                                Path::new(rel).join(&name),
+                                AtFlags::SYMLINK_NOFOLLOW,
+                            )
+                            .is_ok()
+                        })
+                });
+                if in_image {
+                    replaced.push(format!("/{rel}/{}", name.to_string_lossy()));
+                }
+            }
+        }
+        replaced
     }
 
     fn is_alive(&self) -> bool {
         self.container.is_alive()
+    }
+
+    async fn failure(&self) -> Failure {
+        let c = Arc::clone(&self.container);
+        let exit = tokio::task::spawn_blocking(move || c.exit_reason())
+            .await
+            .unwrap_or(InitExit::Unknown);
+        Failure {
+            cause: match exit {
+                InitExit::OomKilled => "oom",
+                InitExit::Signaled(_) => "signal",
+                InitExit::Exited(_) => "exit",
+                InitExit::Unknown => "unknown",
+            },
+            detail: format!("its init {exit}"),
+        }
     }
 
     async fn set_network(&self, policy: Policy) -> Result<(), ApiError> {
@@ -357,4 +424,31 @@ impl Sandbox for ContainerSandbox {
             a.release().await;
         }
     }
+}
+
+/// The most entries of one directory of a writable layer read per sample.
+const CHANGED_FILES_READ: usize = 4096;
+
+/// The names of the non-directories in `rel` (a relative path) under the writable layer
+/// `upper`, each component opened without following links; `None` when it is missing, a
+/// link, or not a directory.
+fn changed_files(upper: BorrowedFd<'_>, rel: &str) -> Option<Vec<std::ffi::OsString>> {
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let mut fd = rustix::fs::openat(upper, ".", flags, Mode::empty()).ok()?;
+    for component in rel.split('/').filter(|c| !c.is_empty()) {
+        fd = rustix::fs::openat(&fd, component, flags, Mode::empty()).ok()?;
+    }
+    let mut names = Vec::new();
+    for entry in rustix::fs::Dir::read_from(&fd)
+        .ok()?
+        .take(CHANGED_FILES_READ)
+    {
+        let Ok(entry) = entry else { break };
+        let name = entry.file_name().to_bytes();
+        if name == b"." || name == b".." || entry.file_type() == FileType::Directory {
+            continue;
+        }
+        names.push(std::ffi::OsStr::from_bytes(name).to_owned());
+    }
+    Some(names)
 }

@@ -24,7 +24,11 @@
 //!   discarded while the command keeps running; the exit code comes from exec inspect;
 //! - files go through the archive API; each path is resolved component by component the
 //!   way `openat2(RESOLVE_BENEATH)` does for the native backend: `..` above `/`, absolute
-//!   symbolic links and relative ones that climb out are refused;
+//!   symbolic links and relative ones that climb out are refused. The daemon reads and
+//!   writes archives with its own (host) credentials, so the native backend's rules are
+//!   applied before it is asked: nothing under the container's `/proc`, `/sys` or `/dev`,
+//!   nothing but regular files and directories, sizes bounded; archives it sends are
+//!   spooled to disk under a bound, and uploads streamed to it;
 //! - memory, pids and CPU limits are Docker's; OOM kills and usage are read from the
 //!   container's cgroup when the daemon is on this host.
 //!
@@ -44,6 +48,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use axum::body::Bytes;
 use bollard::container::LogOutput;
 use bollard::errors::Error as DockerError;
 use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
@@ -55,13 +60,17 @@ use bollard::query_parameters::{
 };
 use bollard::Docker;
 use dsec_api::{FileInfo, Usage};
-use dsec_runtime::files::{relative, FileError};
+use dsec_runtime::cgroup::CgroupReader;
+use dsec_runtime::files::{relative, FileError, FileOp, Refusal};
+use dsec_runtime::procfs::pid_namespace;
+use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 
+use super::files::{upload_pieces, FILE_CHUNK};
 use super::{
-    Backend, CommandSpec, Created, ExitStatus, ImageDefaults, Output, OutputStream, Sandbox,
-    SandboxRequest,
+    Backend, CommandSpec, Created, ExitStatus, FileRead, ImageDefaults, Output, OutputStream,
+    Sandbox, SandboxRequest, Upload,
 };
 use crate::error::ApiError;
 
@@ -88,6 +97,24 @@ const MAX_LINKS: usize = 40;
 /// Go's `os.FileMode` bits in the archive API's stat header.
 const GO_MODE_DIR: u32 = 1 << 31;
 const GO_MODE_SYMLINK: u32 = 1 << 27;
+const GO_MODE_DEVICE: u32 = 1 << 26;
+const GO_MODE_NAMED_PIPE: u32 = 1 << 25;
+const GO_MODE_SOCKET: u32 = 1 << 24;
+const GO_MODE_CHAR_DEVICE: u32 = 1 << 21;
+const GO_MODE_IRREGULAR: u32 = 1 << 19;
+/// The container's kernel interfaces, never handed to the daemon: (top directory, the
+/// filesystem named in the refusal; none for `/dev`).
+const KERNEL_DIRS: &[(&str, Option<&str>)] = &[
+    ("proc", Some("procfs")),
+    ("sys", Some("sysfs")),
+    ("dev", None),
+];
+/// Bound on the archive of a directory being listed (the daemon sends contents too).
+const MAX_LIST_ARCHIVE: u64 = 1 << 30;
+/// Bound on the archive of a symbolic link.
+const MAX_LINK_ARCHIVE: u64 = 64 << 10;
+/// A file's archive beyond its size: headers, long names, padding.
+const ARCHIVE_OVERHEAD: u64 = 64 << 10;
 
 /// Paths hidden from the sandbox: the native backend's list (Docker's own lacks the kpage*
 /// files).
@@ -219,7 +246,6 @@ impl DockerBackend {
         Ok(ImageDefaults {
             env: config.env.unwrap_or_default(),
             workdir: config.working_dir.filter(|w| !w.is_empty()),
-            layers: Vec::new(),
         })
     }
 
@@ -427,11 +453,9 @@ async fn watch(inner: Arc<Inner>) {
 struct LocalView {
     /// Inode of the container's pid namespace: every process killed must be in it.
     pidns: u64,
-    memory: Option<PathBuf>,
-    pids: Option<PathBuf>,
-    cpuacct: Option<PathBuf>,
-    /// cgroup v2 keeps every controller in one directory.
-    unified: bool,
+    /// Where usage and OOM kills are read; `None` when its memory controller is not
+    /// mounted here.
+    cgroup: Option<CgroupReader>,
     oom_seen: AtomicU64,
 }
 
@@ -444,50 +468,14 @@ impl LocalView {
         if !cgroups.contains(container_id) {
             return None;
         }
-        let pidns = pidns_of(pid)?;
-        if Some(pidns) == pidns_of(std::process::id() as i32) {
+        let pidns = pid_namespace(pid)?;
+        if Some(pidns) == pid_namespace(std::process::id() as i32) {
             return None;
         }
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        let (mut memory, mut pids, mut cpuacct, mut unified) = (None, None, None, false);
-        for line in cgroups.lines() {
-            let mut parts = line.splitn(3, ':');
-            let (_, controllers, path) = match (parts.next(), parts.next(), parts.next()) {
-                (Some(a), Some(b), Some(c)) => (a, b, c),
-                _ => continue,
-            };
-            let path = path.trim_start_matches('/');
-            if controllers.is_empty() {
-                if let Some(mnt) = cgroup_mount(&mounts, None) {
-                    let dir = mnt.join(path);
-                    if memory.is_none() && dir.join("memory.current").exists() {
-                        unified = true;
-                        memory = Some(dir.clone());
-                        pids = Some(dir.clone());
-                        cpuacct = Some(dir);
-                    }
-                }
-                continue;
-            }
-            for ctl in controllers.split(',') {
-                let slot = match ctl {
-                    "memory" => &mut memory,
-                    "pids" => &mut pids,
-                    "cpuacct" => &mut cpuacct,
-                    _ => continue,
-                };
-                if let Some(mnt) = cgroup_mount(&mounts, Some(ctl)) {
-                    *slot = Some(mnt.join(path));
-                    unified = false;
-                }
-            }
-        }
         let view = LocalView {
             pidns,
-            memory,
-            pids,
-            cpuacct,
-            unified,
+            cgroup: CgroupReader::from_proc(&mounts, &cgroups),
             oom_seen: AtomicU64::new(0),
         };
         view.oom_seen.store(view.oom_kills(), Ordering::Relaxed);
@@ -495,16 +483,7 @@ impl LocalView {
     }
 
     fn oom_kills(&self) -> u64 {
-        let Some(dir) = &self.memory else { return 0 };
-        let file = if self.unified {
-            "memory.events"
-        } else {
-            "memory.oom_control"
-        };
-        std::fs::read_to_string(dir.join(file))
-            .ok()
-            .and_then(|s| field(&s, "oom_kill"))
-            .unwrap_or(0)
+        self.cgroup.as_ref().map_or(0, CgroupReader::oom_kills)
     }
 
     /// Whether the memory limit killed something since the last call.
@@ -514,115 +493,20 @@ impl LocalView {
     }
 
     fn usage(&self) -> Usage {
-        let num = |dir: &Option<PathBuf>, file: &str| -> u64 {
-            dir.as_ref()
-                .and_then(|d| std::fs::read_to_string(d.join(file)).ok())
-                .and_then(|s| s.trim().parse().ok())
-                .unwrap_or(0)
-        };
-        let (memory_bytes, cpu_ns) = if self.unified {
-            let cpu_us = self
-                .cpuacct
-                .as_ref()
-                .and_then(|d| std::fs::read_to_string(d.join("cpu.stat")).ok())
-                .and_then(|s| field(&s, "usage_usec"))
-                .unwrap_or(0);
-            (num(&self.memory, "memory.current"), cpu_us * 1000)
-        } else {
-            (
-                num(&self.memory, "memory.usage_in_bytes"),
-                num(&self.cpuacct, "cpuacct.usage"),
-            )
-        };
+        let usage = self
+            .cgroup
+            .as_ref()
+            .map(CgroupReader::usage)
+            .unwrap_or_default();
         Usage {
-            memory_bytes,
-            pids: num(&self.pids, "pids.current"),
-            cpu_ms: cpu_ns as f64 / 1e6,
+            memory_bytes: usage.memory_bytes,
+            pids: usage.pids,
+            cpu_ms: usage.cpu_ns as f64 / 1e6,
+            memory_peak_bytes: usage.memory_peak_bytes,
+            pids_limit_hits: usage.pids_limit_hits,
+            oom_kills: self.oom_kills(),
+            ..Usage::default()
         }
-    }
-}
-
-/// The mount point of the v1 hierarchy holding `controller`, or of cgroup2 for `None`.
-fn cgroup_mount(mountinfo: &str, controller: Option<&str>) -> Option<PathBuf> {
-    mountinfo.lines().find_map(|line| {
-        let (pre, post) = line.split_once(" - ")?;
-        let mount_point = pre.split_whitespace().nth(4)?;
-        let mut post = post.split_whitespace();
-        let fstype = post.next()?;
-        let options = post.nth(1).unwrap_or_default();
-        let found = match controller {
-            None => fstype == "cgroup2",
-            Some(c) => fstype == "cgroup" && options.split(',').any(|o| o == c),
-        };
-        found.then(|| PathBuf::from(mount_point))
-    })
-}
-
-/// `key value` lines, as in `memory.events` or `cpu.stat`.
-fn field(text: &str, key: &str) -> Option<u64> {
-    text.lines().find_map(|l| {
-        let (k, v) = l.split_once(' ')?;
-        (k == key).then(|| v.trim().parse().ok()).flatten()
-    })
-}
-
-fn pidns_of(pid: i32) -> Option<u64> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(format!("/proc/{pid}/ns/pid"))
-        .ok()
-        .map(|m| m.ino())
-}
-
-/// (parent, session) of a process, from `/proc/<pid>/stat`.
-fn parent_and_session(pid: i32) -> Option<(i32, i32)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may hold spaces and parentheses: parse after the last ')'.
-    let mut rest = stat.rsplit_once(')')?.1.split_whitespace();
-    let ppid = rest.nth(1)?.parse().ok()?;
-    let session = rest.nth(1)?.parse().ok()?;
-    Some((ppid, session))
-}
-
-/// Kills an exec's process tree: its main process (host pid `main`), the descendants, and
-/// — when the main process leads its own session — every process still in that session.
-/// Only processes in the container's pid namespace are ever signalled.
-fn kill_exec_tree(main: i32, pidns: u64) {
-    if main <= 0 || pidns_of(main) != Some(pidns) {
-        return;
-    }
-    let own_session = parent_and_session(main).is_some_and(|(_, sid)| sid == main);
-    let mut members = vec![main];
-    for _ in 0..64 {
-        for pid in &members {
-            // SAFETY: kill(2) with integer arguments, on a process of this command.
-            unsafe { libc::kill(*pid, libc::SIGSTOP) };
-        }
-        let before = members.len();
-        let Ok(dir) = std::fs::read_dir("/proc") else {
-            break;
-        };
-        let procs: Vec<(i32, i32, i32)> = dir
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-            .filter_map(|pid| parent_and_session(pid).map(|(pp, sid)| (pid, pp, sid)))
-            .collect();
-        // Children found in one pass let their own children join in the next one.
-        for (pid, ppid, sid) in procs {
-            if members.contains(&pid) {
-                continue;
-            }
-            let related = members.contains(&ppid) || (own_session && sid == main);
-            if related && pidns_of(pid) == Some(pidns) {
-                members.push(pid);
-            }
-        }
-        if members.len() == before {
-            break;
-        }
-    }
-    for pid in &members {
-        // SAFETY: kill(2) with integer arguments, on a process of this command.
-        unsafe { libc::kill(*pid, libc::SIGKILL) };
     }
 }
 
@@ -673,7 +557,8 @@ impl Inner {
             return;
         }
         let (pid, ns) = (info.pid.unwrap_or_default() as i32, local.pidns);
-        let _ = tokio::task::spawn_blocking(move || kill_exec_tree(pid, ns)).await;
+        let _ =
+            tokio::task::spawn_blocking(move || dsec_runtime::tree::kill_tree(pid, Some(ns))).await;
     }
 
     async fn stat(&self, path: &str) -> Result<Option<Stat>, ApiError> {
@@ -686,26 +571,32 @@ impl Inner {
             Ok(s) => Ok(Some(Stat {
                 dir: s.file_mode & GO_MODE_DIR != 0,
                 symlink: s.file_mode & GO_MODE_SYMLINK != 0,
+                go_mode: s.file_mode,
+                size: s.size.max(0) as u64,
             })),
             Err(e) if status(&e) == Some(404) => Ok(None),
             Err(e) => Err(daemon_error(&self.host, "reading the file's status", e)),
         }
     }
 
-    /// The archive of `path` (a resolved path), spooled to an anonymous file.
-    async fn download(&self, path: &str) -> Result<File, ApiError> {
+    /// The archive of `path` (a resolved path), spooled to an anonymous file; `None` when
+    /// it is larger than `limit`.
+    async fn download(&self, path: &str, limit: u64) -> Result<Option<File>, ApiError> {
         let opts = DownloadFromContainerOptionsBuilder::new()
             .path(path)
             .build();
         let stream = self.docker.download_from_container(&self.id, Some(opts));
-        spool(stream)
+        spool(stream, limit)
             .await
             .map_err(|e| daemon_error(&self.host, "reading from the container", e))
     }
 
     /// The raw target of the symbolic link at `path`, read from its one-entry archive.
     async fn link_target(&self, path: &str) -> Result<String, ApiError> {
-        let tar = self.download(path).await?;
+        let tar = self
+            .download(path, MAX_LINK_ARCHIVE)
+            .await?
+            .ok_or_else(|| ApiError::internal("the archive of a symbolic link is too large"))?;
         blocking(move || {
             let mut archive = tar::Archive::new(tar);
             let mut entries = archive.entries().map_err(io_internal)?;
@@ -734,22 +625,19 @@ impl Inner {
             .map(|c| c.as_os_str().to_string_lossy().into_owned())
             .collect();
         let mut done: Vec<String> = Vec::new();
-        let mut last = Stat {
-            dir: true,
-            symlink: false,
-        };
+        let mut last = Stat::DIR;
         let mut links = 0;
         while let Some(comp) = todo.pop_front() {
             match comp.as_str() {
                 "" | "." => continue,
                 ".." => {
                     if done.pop().is_none() {
-                        return Err(FileError::Escapes(path.to_owned()).into());
+                        return Err(FileError::Escapes {
+                            path: path.to_owned(),
+                        }
+                        .into());
                     }
-                    last = Stat {
-                        dir: true,
-                        symlink: false,
-                    };
+                    last = Stat::DIR;
                     continue;
                 }
                 _ => {}
@@ -757,7 +645,7 @@ impl Inner {
             if !last.dir {
                 return Err(FileError::WrongType {
                     path: path.to_owned(),
-                    reason: "a parent is not a directory".into(),
+                    reason: "has a parent that is not a directory".into(),
                 }
                 .into());
             }
@@ -774,7 +662,10 @@ impl Inner {
                 links += 1;
                 let target = self.link_target(&candidate).await?;
                 if links > MAX_LINKS || target.starts_with('/') {
-                    return Err(FileError::Escapes(path.to_owned()).into());
+                    return Err(FileError::Escapes {
+                        path: path.to_owned(),
+                    }
+                    .into());
                 }
                 for c in target.rsplit('/') {
                     todo.push_front(c.to_owned());
@@ -796,12 +687,74 @@ impl Inner {
 struct Stat {
     dir: bool,
     symlink: bool,
+    /// Go's `os.FileMode` of the path.
+    go_mode: u32,
+    size: u64,
+}
+
+impl Stat {
+    /// The root, or a directory reached through `..`.
+    const DIR: Stat = Stat {
+        dir: true,
+        symlink: false,
+        go_mode: GO_MODE_DIR,
+        size: 0,
+    };
+
+    /// Why this is neither a regular file nor a directory, if it is not.
+    fn refusal(&self) -> Option<Refusal> {
+        let m = self.go_mode;
+        Some(if m & GO_MODE_NAMED_PIPE != 0 {
+            Refusal::Fifo
+        } else if m & GO_MODE_SOCKET != 0 {
+            Refusal::Socket
+        } else if m & GO_MODE_CHAR_DEVICE != 0 {
+            Refusal::CharDevice
+        } else if m & GO_MODE_DEVICE != 0 {
+            Refusal::BlockDevice
+        } else if m & GO_MODE_IRREGULAR != 0 {
+            Refusal::Filesystem {
+                name: "an irregular file".into(),
+            }
+        } else {
+            return None;
+        })
+    }
 }
 
 struct Resolved {
     existing: Vec<String>,
     missing: Vec<String>,
     last: Stat,
+}
+
+impl Resolved {
+    /// Refuses a path that is (or would be created) under the container's kernel
+    /// interfaces, or that is neither a regular file nor a directory.
+    fn check(&self, path: &str, op: FileOp) -> Result<(), FileError> {
+        let refused = |refusal| FileError::Refused {
+            path: path.to_owned(),
+            op,
+            refusal,
+            link: None,
+        };
+        let top = self.existing.first().or(self.missing.first());
+        let kernel = KERNEL_DIRS
+            .iter()
+            .find(|(dir, _)| top.is_some_and(|t| t == dir));
+        if let Some((_, fs)) = kernel {
+            return Err(refused(match fs {
+                None => Refusal::SandboxDev,
+                Some(name) => Refusal::Filesystem {
+                    name: (*name).to_owned(),
+                },
+            }));
+        }
+        match self.last.refusal() {
+            Some(r) if self.missing.is_empty() => Err(refused(r)),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// `/a/b` (plus `next`) from components.
@@ -817,6 +770,13 @@ fn join(components: &[String], next: Option<&str>) -> String {
     out
 }
 
+fn not_found(path: &str) -> ApiError {
+    FileError::NotFound {
+        path: path.to_owned(),
+    }
+    .into()
+}
+
 fn io_internal(e: std::io::Error) -> ApiError {
     ApiError::internal(format!("reading the container's archive: {e}"))
 }
@@ -830,21 +790,28 @@ async fn blocking<T: Send + 'static>(
 }
 
 /// Writes a byte stream to an anonymous temporary file, rewound: memory stays bounded
-/// whatever the size.
+/// whatever the size, and the disk by `limit` (`None` beyond it).
 async fn spool<B: AsRef<[u8]>>(
     stream: impl Stream<Item = Result<B, DockerError>>,
-) -> Result<File, DockerError> {
+    limit: u64,
+) -> Result<Option<File>, DockerError> {
     let mut stream = std::pin::pin!(stream);
     let file = tempfile::tempfile().map_err(|err| DockerError::IOError { err })?;
     let mut out = tokio::fs::File::from_std(file);
+    let mut written = 0u64;
     while let Some(chunk) = stream.next().await {
-        out.write_all(chunk?.as_ref())
+        let chunk = chunk?;
+        written += chunk.as_ref().len() as u64;
+        if written > limit {
+            return Ok(None);
+        }
+        out.write_all(chunk.as_ref())
             .await
             .map_err(|err| DockerError::IOError { err })?;
     }
     let mut file = out.into_std().await;
     file.rewind().map_err(|err| DockerError::IOError { err })?;
-    Ok(file)
+    Ok(Some(file))
 }
 
 /// Removes a container and its anonymous volumes; a container already gone is success.
@@ -904,7 +871,8 @@ struct DockerSandbox(Arc<Inner>);
 impl Sandbox for DockerSandbox {
     async fn exec(&self, cmd: CommandSpec) -> Result<Box<dyn OutputStream>, ApiError> {
         for f in cmd.files {
-            self.write_file(&f.path, f.data, f.mode).await?;
+            self.write_file(&f.path, f.mode, Upload::whole(f.data))
+                .await?;
         }
         let inner = &self.0;
         let attach_stdin = !cmd.stdin.is_empty();
@@ -979,11 +947,12 @@ impl Sandbox for DockerSandbox {
         }))
     }
 
-    async fn read_file(&self, path: &str) -> Result<File, ApiError> {
+    async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Box<dyn FileRead>, ApiError> {
         let inner = &self.0;
         let resolved = inner.resolve(path).await?;
+        resolved.check(path, FileOp::Read)?;
         if !resolved.missing.is_empty() {
-            return Err(FileError::NotFound(path.to_owned()).into());
+            return Err(not_found(path));
         }
         if resolved.last.dir {
             return Err(FileError::WrongType {
@@ -992,34 +961,59 @@ impl Sandbox for DockerSandbox {
             }
             .into());
         }
-        let tar = inner.download(&join(&resolved.existing, None)).await?;
+        let too_large = || {
+            ApiError::from(FileError::TooLarge {
+                path: path.to_owned(),
+                op: FileOp::Read,
+                what: format!(
+                    "is over the server's limit of {} MiB for a file read \
+                     (dsec serve --max-file-mb)",
+                    max_bytes >> 20
+                ),
+            })
+        };
+        if resolved.last.size > max_bytes {
+            return Err(too_large());
+        }
+        let tar = inner
+            .download(
+                &join(&resolved.existing, None),
+                max_bytes + ARCHIVE_OVERHEAD,
+            )
+            .await?
+            .ok_or_else(too_large)?;
         let path = path.to_owned();
-        blocking(move || {
-            let mut archive = tar::Archive::new(tar);
-            let mut entries = archive.entries().map_err(io_internal)?;
-            let mut entry = entries
-                .next()
-                .ok_or_else(|| ApiError::internal("the daemon sent an empty archive"))?
-                .map_err(io_internal)?;
-            if !entry.header().entry_type().is_file() {
-                return Err(FileError::WrongType {
-                    path,
-                    reason: "is not a regular file".into(),
+        let (tar, start, size) = blocking(move || {
+            let (start, size) = {
+                let mut archive = tar::Archive::new(&tar);
+                let mut entries = archive.entries().map_err(io_internal)?;
+                let entry = entries
+                    .next()
+                    .ok_or_else(|| ApiError::internal("the daemon sent an empty archive"))?
+                    .map_err(io_internal)?;
+                if !entry.header().entry_type().is_file() {
+                    return Err(FileError::WrongType {
+                        path,
+                        reason: "is not a regular file".into(),
+                    }
+                    .into());
                 }
-                .into());
-            }
-            let mut out = tempfile::tempfile()
-                .map_err(|e| ApiError::internal(format!("temporary file: {e}")))?;
-            std::io::copy(&mut entry, &mut out).map_err(io_internal)?;
-            out.rewind().map_err(io_internal)?;
-            Ok(out)
+                (entry.raw_file_position(), entry.size())
+            };
+            Ok((tar, start, size))
         })
-        .await
+        .await?;
+        let mut file = tokio::fs::File::from_std(tar);
+        file.seek(std::io::SeekFrom::Start(start))
+            .await
+            .map_err(io_internal)?;
+        Ok(Box::new(SpooledRead { file, left: size }))
     }
 
-    async fn write_file(&self, path: &str, data: Vec<u8>, mode: u32) -> Result<(), ApiError> {
+    async fn write_file(&self, path: &str, mode: u32, data: Upload) -> Result<(), ApiError> {
         let inner = &self.0;
         let resolved = inner.resolve(path).await?;
+        resolved.check(path, FileOp::Write)?;
         let (dir, names) = if resolved.missing.is_empty() {
             if resolved.last.dir {
                 return Err(FileError::WrongType {
@@ -1038,32 +1032,58 @@ impl Sandbox for DockerSandbox {
             (resolved.existing, resolved.missing)
         };
         if names.iter().any(|n| n == "." || n == "..") {
-            return Err(FileError::Escapes(path.to_owned()).into());
+            return Err(FileError::Escapes {
+                path: path.to_owned(),
+            }
+            .into());
         }
-        let tar = blocking(move || build_tar(&names, &data, mode)).await?;
+        let (size, contents) = sized(data, path).await?;
+        let head = tar_head(&names, size, mode)?;
+        // The archive is streamed: its head, the contents as they arrive, the padding and
+        // the end. A failure of the contents is kept to answer with, rather than the
+        // daemon's complaint about a cut archive.
+        let failure = Arc::new(std::sync::Mutex::new(None::<ApiError>));
+        let failed = Arc::clone(&failure);
+        let tail = Bytes::from(vec![0u8; tar_padding(size) + 1024]);
+        let contents = contents.map(move |chunk| {
+            chunk.map_err(|e| {
+                let io = std::io::Error::other(e.message.clone());
+                *failed.lock().expect("lock") = Some(e);
+                io
+            })
+        });
+        let archive = futures::stream::once(async { Ok(head) })
+            .chain(contents)
+            .chain(futures::stream::once(async { Ok(tail) }));
         let opts = UploadToContainerOptionsBuilder::new()
             .path(&join(&dir, None))
             .no_overwrite_dir_non_dir("true")
             .build();
-        inner
+        let uploaded = inner
             .docker
-            .upload_to_container(&inner.id, Some(opts), bollard::body_full(tar.into()))
-            .await
-            .map_err(|e| match &e {
-                DockerError::DockerResponseServerError { message, .. }
-                    if message.contains("no space left") || message.contains("quota") =>
-                {
-                    ApiError::from(FileError::NoSpace(path.to_owned()))
-                }
-                _ => daemon_error(&inner.host, &format!("writing {path:?}"), e),
-            })
+            .upload_to_container(&inner.id, Some(opts), bollard::body_try_stream(archive))
+            .await;
+        if let Some(e) = failure.lock().expect("lock").take() {
+            return Err(e);
+        }
+        uploaded.map_err(|e| match &e {
+            DockerError::DockerResponseServerError { message, .. }
+                if message.contains("no space left") || message.contains("quota") =>
+            {
+                ApiError::from(FileError::NoSpace {
+                    path: path.to_owned(),
+                })
+            }
+            _ => daemon_error(&inner.host, &format!("writing {path:?}"), e),
+        })
     }
 
     async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError> {
         let inner = &self.0;
         let resolved = inner.resolve(path).await?;
+        resolved.check(path, FileOp::List)?;
         if !resolved.missing.is_empty() {
-            return Err(FileError::NotFound(path.to_owned()).into());
+            return Err(not_found(path));
         }
         if !resolved.last.dir {
             return Err(FileError::WrongType {
@@ -1075,7 +1095,20 @@ impl Sandbox for DockerSandbox {
         // The archive of a directory is its whole subtree; only the headers are read.
         let dir = join(&resolved.existing, None);
         let archive_path = if dir == "/" { "/.".to_owned() } else { dir };
-        let tar = inner.download(&archive_path).await?;
+        let tar = inner
+            .download(&archive_path, MAX_LIST_ARCHIVE)
+            .await?
+            .ok_or_else(|| {
+                ApiError::from(FileError::TooLarge {
+                    path: path.to_owned(),
+                    op: FileOp::List,
+                    what: format!(
+                        "holds more than {} MiB, the most the Docker daemon's archive of a \
+                         directory may be to list it; list a subdirectory",
+                        MAX_LIST_ARCHIVE >> 20
+                    ),
+                })
+            })?;
         blocking(move || list_tar(tar)).await
     }
 
@@ -1137,11 +1170,11 @@ fn exec_error(inner: &Inner, e: DockerError) -> ApiError {
 }
 
 /// A tar holding the missing parent directories (mode 0755) and the file.
-fn build_tar(names: &[String], data: &[u8], mode: u32) -> Result<Vec<u8>, ApiError> {
+fn tar_head(names: &[String], size: u64, mode: u32) -> Result<Bytes, ApiError> {
     let mtime = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let mut builder = tar::Builder::new(Vec::with_capacity(data.len() + 2048));
+    let mut builder = tar::Builder::new(Vec::with_capacity(4096));
     let err = |e: std::io::Error| ApiError::internal(format!("building the upload: {e}"));
     let (file, dirs) = names
         .split_last()
@@ -1162,10 +1195,74 @@ fn build_tar(names: &[String], data: &[u8], mode: u32) -> Result<Vec<u8>, ApiErr
     let mut h = tar::Header::new_gnu();
     h.set_entry_type(tar::EntryType::Regular);
     h.set_mode(mode & 0o7777);
-    h.set_size(data.len() as u64);
+    h.set_size(size);
     h.set_mtime(mtime);
-    builder.append_data(&mut h, &prefix, data).map_err(err)?;
-    builder.into_inner().map_err(err)
+    // The header (and a long name's extra entry) only: the contents follow as they come.
+    builder
+        .append_data(&mut h, &prefix, std::io::empty())
+        .map_err(err)?;
+    Ok(Bytes::from(std::mem::take(builder.get_mut())))
+}
+
+/// Zero bytes that complete the last 512-byte block of a `size`-byte entry.
+fn tar_padding(size: u64) -> usize {
+    ((512 - size % 512) % 512) as usize
+}
+
+/// A file's contents inside a spooled archive, read a chunk at a time.
+struct SpooledRead {
+    file: tokio::fs::File,
+    left: u64,
+}
+
+#[async_trait]
+impl FileRead for SpooledRead {
+    async fn next(&mut self) -> Option<Result<Bytes, ApiError>> {
+        if self.left == 0 {
+            return None;
+        }
+        let mut chunk = vec![0; self.left.min(FILE_CHUNK as u64) as usize];
+        let read = self.file.read_exact(&mut chunk).await;
+        self.left = match read {
+            Ok(_) => self.left - chunk.len() as u64,
+            Err(_) => 0,
+        };
+        Some(read.map(|_| Bytes::from(chunk)).map_err(io_internal))
+    }
+
+    fn finished(&self) -> bool {
+        self.left == 0
+    }
+}
+
+/// The upload's contents and their exact length, which the archive's header needs first:
+/// as they arrive when the client announced the length, else spooled to an anonymous
+/// file.
+async fn sized(
+    mut data: Upload,
+    path: &str,
+) -> Result<(u64, BoxStream<'static, Result<Bytes, ApiError>>), ApiError> {
+    if let Some(len) = data.declared_len() {
+        return Ok((len, upload_pieces(data, path.to_owned()).boxed()));
+    }
+    let mut spool = tokio::fs::File::from_std(
+        tempfile::tempfile().map_err(|e| ApiError::internal(format!("temporary file: {e}")))?,
+    );
+    let mut size = 0;
+    loop {
+        let (pieces, more) = data.chunk(path).await?;
+        for piece in pieces {
+            size += piece.len() as u64;
+            spool.write_all(&piece).await.map_err(io_internal)?;
+        }
+        if !more {
+            break;
+        }
+    }
+    spool.rewind().await.map_err(io_internal)?;
+    let chunks = tokio_util::io::ReaderStream::with_capacity(spool, FILE_CHUNK)
+        .map(|r| r.map_err(io_internal));
+    Ok((size, chunks.boxed()))
 }
 
 /// The direct children of the archived directory, sorted by name.
@@ -1516,29 +1613,42 @@ mod tests {
 
     #[test]
     fn upload_tar_holds_missing_parents_then_the_file() {
-        let names = ["a".to_owned(), "b".to_owned(), "f.txt".to_owned()];
-        let tar = build_tar(&names, b"hi", 0o640).unwrap();
-        let mut archive = tar::Archive::new(&tar[..]);
-        let entries: Vec<(String, u32, bool)> = archive
-            .entries()
-            .unwrap()
-            .map(|e| {
-                let e = e.unwrap();
-                (
-                    e.path().unwrap().to_string_lossy().into_owned(),
-                    e.header().mode().unwrap(),
-                    e.header().entry_type().is_dir(),
-                )
-            })
-            .collect();
-        assert_eq!(
-            entries,
-            vec![
-                ("a".into(), 0o755, true),
-                ("a/b".into(), 0o755, true),
-                ("a/b/f.txt".into(), 0o640, false),
-            ]
-        );
+        let long = "n".repeat(150);
+        for name in ["f.txt", long.as_str()] {
+            let names = ["a".to_owned(), "b".to_owned(), name.to_owned()];
+            let contents = vec![7u8; 700];
+            // As the upload streams it: the head, the contents, the padding and the end.
+            let mut tar = tar_head(&names, contents.len() as u64, 0o640)
+                .unwrap()
+                .to_vec();
+            tar.extend_from_slice(&contents);
+            tar.resize(tar.len() + tar_padding(contents.len() as u64) + 1024, 0);
+            assert_eq!(tar.len() % 512, 0);
+            let mut archive = tar::Archive::new(&tar[..]);
+            let entries: Vec<(String, u32, bool, Vec<u8>)> = archive
+                .entries()
+                .unwrap()
+                .map(|e| {
+                    let mut e = e.unwrap();
+                    let mut data = Vec::new();
+                    std::io::Read::read_to_end(&mut e, &mut data).unwrap();
+                    (
+                        e.path().unwrap().to_string_lossy().into_owned(),
+                        e.header().mode().unwrap(),
+                        e.header().entry_type().is_dir(),
+                        data,
+                    )
+                })
+                .collect();
+            assert_eq!(
+                entries,
+                vec![
+                    ("a".into(), 0o755, true, vec![]),
+                    ("a/b".into(), 0o755, true, vec![]),
+                    (format!("a/b/{name}"), 0o640, false, contents),
+                ]
+            );
+        }
     }
 
     #[test]
@@ -1574,21 +1684,5 @@ mod tests {
             names,
             vec![("a.txt", 3, false, 0o640), ("sub", 0, true, 0o755)]
         );
-    }
-
-    #[test]
-    fn cgroup_mounts_are_found_by_controller() {
-        let mounts = "30 25 0:26 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n\
-                      31 25 0:27 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n";
-        assert_eq!(
-            cgroup_mount(mounts, Some("memory")),
-            Some(PathBuf::from("/sys/fs/cgroup/memory"))
-        );
-        assert_eq!(
-            cgroup_mount(mounts, None),
-            Some(PathBuf::from("/sys/fs/cgroup/unified"))
-        );
-        assert_eq!(cgroup_mount(mounts, Some("pids")), None);
-        assert_eq!(field("oom 0\noom_kill 3\n", "oom_kill"), Some(3));
     }
 }

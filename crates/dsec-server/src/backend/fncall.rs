@@ -18,26 +18,43 @@
 //!
 //! Each pool keeps `ready + creating` at a target that follows the call rate of the last
 //! second (`rate × REFILL_HORIZON`, between the per-pool minimum and maximum), under a
-//! global cap on warm workers; a pool unused for [`POOL_IDLE`] shrinks to nothing.
+//! global cap on warm workers; a pool unused for [`POOL_IDLE`] shrinks to nothing. Each
+//! worker is a sandbox of the host and takes its limits from the edge's budget
+//! ([`crate::admission`]); when the budget is promised, the pool stops growing and a
+//! call that finds no worker fails at once with `capacity`.
+//!
+//! Calls of one worker share its network namespace, and that is by measurement: a
+//! namespace of their own costs each call ~2.1 ms of kernel work on a 2-core host (its
+//! set-up runs every network subsystem's per-namespace init; its teardown is deferred,
+//! so namespaces pile up under load), against 0.28 ms for the rest of a fork and a
+//! loopback connection; at the 500 calls/s a pool is meant to sustain that is a whole
+//! core. What a call could leave in the shared namespace is its sockets, and those die
+//! with its processes, except TCP connections it closed first, which the kernel keeps in
+//! TIME_WAIT for 60 s: the worker's init sets `net.ipv4.tcp_max_tw_buckets = 0` in its
+//! namespace, so they are closed at once. (Abstract unix sockets are named per network
+//! namespace and die with their processes too.) What remains shared is the namespace's
+//! counters — `lo`'s packet and byte counts, `/proc/net/snmp` — which a call can read
+//! and so learn how much traffic the previous call on the worker made.
 
 use std::collections::{HashMap, VecDeque};
-use std::fs::File;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use dsec_api::{FileInfo, Usage};
+use dsec_api::{ErrorKind, FileInfo, Usage};
 use dsec_image::ImageStore;
-use dsec_runtime::container::{Container, ContainerRuntime};
+use dsec_runtime::container::{Container, ContainerRuntime, ExecEvent};
+use dsec_runtime::proto::{ExecSpec, ExecStep};
 use rand::Rng;
 use tokio::sync::Notify;
 
-use super::container::{create_options, run, ContainerOutput};
+use super::container::{carry, create_options, exit_status, run, ContainerOutput};
 use super::{
-    Backend, CommandSpec, Created, ExitStatus, ImageDefaults, Output, OutputStream, Sandbox,
-    SandboxRequest,
+    Backend, CommandSpec, Created, ExitStatus, FileRead, FileWrite, ImageDefaults, Output,
+    OutputStream, Sandbox, SandboxRequest, Upload,
 };
+use crate::admission::{Admission, Grant};
 use crate::error::ApiError;
 
 /// How far ahead of demand a pool warms workers: enough for this long at the current rate.
@@ -48,6 +65,8 @@ const POOL_IDLE: Duration = Duration::from_secs(60);
 const TICK: Duration = Duration::from_millis(20);
 /// Calls one worker serves before it is replaced (hygiene: bounded page-cache charge).
 const MAX_CALLS_PER_WORKER: u32 = 256;
+/// How long a pool waits after the edge's budget refused it a worker.
+const REFUSED_BACKOFF: Duration = Duration::from_millis(250);
 
 /// Sizing of the worker pools.
 #[derive(Clone, Copy, Debug)]
@@ -75,7 +94,8 @@ struct PoolKey {
 struct Pool {
     key: PoolKey,
     request: SandboxRequest,
-    layers: Vec<std::path::PathBuf>,
+    /// The image's layers, mounted and held while the pool exists.
+    layers: dsec_image::MountedImage,
     ready: Mutex<VecDeque<Worker>>,
     creating: AtomicUsize,
     /// Calls waiting for a worker.
@@ -86,6 +106,8 @@ struct Pool {
     /// Wakes waiting calls (a worker is ready) and the refill task (demand changed).
     ready_changed: Notify,
     demand_changed: Notify,
+    /// The budget's last refusal and when it came, while the pool cannot grow.
+    refused: Mutex<Option<(Instant, ApiError)>>,
 }
 
 impl Pool {
@@ -114,17 +136,40 @@ impl Pool {
         self.ready.lock().expect("lock").push_back(worker);
         self.ready_changed.notify_one();
     }
+
+    /// The budget's refusal, if one came after `since` and no worker is on its way.
+    fn refused_since(&self, since: Instant) -> Option<ApiError> {
+        let refused = self.refused.lock().expect("lock");
+        let (at, error) = refused.as_ref()?;
+        (*at >= since && self.creating.load(Ordering::Acquire) == 0).then(|| error.clone())
+    }
 }
 
-/// A warm container and how many calls it has served.
+/// A warm container, how many calls it has served, and its share of the edge's budget.
 struct Worker {
     container: Arc<Container>,
     calls: u32,
+    grant: Grant,
+}
+
+impl Worker {
+    /// Stops it in the background, then frees its slot under the global cap and its
+    /// budget.
+    fn destroy(self, total: Arc<AtomicUsize>) {
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                self.container.stop().await;
+                total.fetch_sub(1, Ordering::AcqRel);
+                drop(self.grant);
+            });
+        }
+    }
 }
 
 /// The fncall backend: pools of warm workers, keyed by image and limits.
 pub struct FnCallBackend {
     runtime: Arc<ContainerRuntime>,
+    admission: Arc<Admission>,
     images: ImageStore,
     config: PoolConfig,
     edge_name: String,
@@ -137,15 +182,18 @@ pub struct FnCallBackend {
 }
 
 impl FnCallBackend {
-    /// A backend whose workers are native containers from `runtime`.
+    /// A backend whose workers are native containers from `runtime`, admitted against
+    /// `admission`.
     pub fn new(
         runtime: Arc<ContainerRuntime>,
+        admission: Arc<Admission>,
         images: ImageStore,
         config: PoolConfig,
         edge_name: String,
     ) -> Arc<Self> {
         Arc::new_cyclic(|me| FnCallBackend {
             runtime,
+            admission,
             images,
             config,
             edge_name,
@@ -156,7 +204,7 @@ impl FnCallBackend {
         })
     }
 
-    fn pool(&self, req: &SandboxRequest) -> Result<Arc<Pool>, ApiError> {
+    async fn pool(&self, req: &SandboxRequest) -> Result<Arc<Pool>, ApiError> {
         let image = self.images.get(&req.image)?;
         let key = PoolKey {
             image: req.image.clone(),
@@ -166,6 +214,10 @@ impl FnCallBackend {
             pids: req.pids,
             disk_mb: req.disk_mb,
         };
+        if let Some(pool) = self.pools.lock().expect("lock").get(&key) {
+            return Ok(Arc::clone(pool));
+        }
+        let layers = self.images.mount(&image).await?;
         let mut pools = self.pools.lock().expect("lock");
         if let Some(pool) = pools.get(&key) {
             return Ok(Arc::clone(pool));
@@ -173,7 +225,7 @@ impl FnCallBackend {
         let pool = Arc::new(Pool {
             key: key.clone(),
             request: req.clone(),
-            layers: self.images.layer_dirs(&image),
+            layers,
             ready: Mutex::default(),
             creating: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
@@ -181,6 +233,7 @@ impl FnCallBackend {
             last_call: Mutex::new(Instant::now()),
             ready_changed: Notify::new(),
             demand_changed: Notify::new(),
+            refused: Mutex::new(None),
         });
         pools.insert(key, Arc::clone(&pool));
         if let Some(me) = self.me.upgrade() {
@@ -228,20 +281,40 @@ impl FnCallBackend {
                     let n = q.len().saturating_sub(target);
                     q.drain(..n).collect()
                 };
-                self.total.fetch_sub(extra.len(), Ordering::AcqRel);
                 for worker in extra {
-                    tokio::spawn(async move { worker.container.stop().await });
+                    worker.destroy(Arc::clone(&self.total));
                 }
             }
             let mut deficit = target.saturating_sub(ready + creating);
+            let mut refused = false;
             while deficit > 0 && self.reserve_slot() {
-                deficit -= 1;
-                pool.creating.fetch_add(1, Ordering::AcqRel);
-                tokio::spawn(Arc::clone(&self).create_worker(Arc::clone(&pool)));
+                let request = &pool.request;
+                match self
+                    .admission
+                    .admit("fncall", request.memory_mb, request.pids)
+                {
+                    Ok(grant) => {
+                        pool.refused.lock().expect("lock").take();
+                        deficit -= 1;
+                        pool.creating.fetch_add(1, Ordering::AcqRel);
+                        tokio::spawn(Arc::clone(&self).create_worker(Arc::clone(&pool), grant));
+                    }
+                    Err(e) => {
+                        self.total.fetch_sub(1, Ordering::AcqRel);
+                        *pool.refused.lock().expect("lock") = Some((Instant::now(), e));
+                        // Calls waiting for a worker learn that none is coming.
+                        pool.ready_changed.notify_waiters();
+                        refused = true;
+                        break;
+                    }
+                }
             }
+            // Refused: try again when a call asks, or after a while (budget frees as
+            // sandboxes stop), not every tick.
+            let pause = if refused { REFUSED_BACKOFF } else { TICK };
             tokio::select! {
                 _ = pool.demand_changed.notified() => {}
-                _ = tokio::time::sleep(TICK) => {}
+                _ = tokio::time::sleep(pause) => {}
             }
         }
     }
@@ -255,8 +328,8 @@ impl FnCallBackend {
             .is_ok()
     }
 
-    async fn create_worker(self: Arc<Self>, pool: Arc<Pool>) {
-        let mut opts = create_options(&pool.request, pool.layers.clone());
+    async fn create_worker(self: Arc<Self>, pool: Arc<Pool>, grant: Grant) {
+        let mut opts = create_options(&pool.request, pool.layers.dirs.clone());
         opts.id = self.worker_id();
         opts.worker = true;
         let created = self.runtime.create(opts).await;
@@ -266,10 +339,13 @@ impl FnCallBackend {
                 worker.stop().await;
                 self.total.fetch_sub(1, Ordering::AcqRel);
             }
-            Ok(container) => pool.give_back(Worker {
-                container: Arc::new(container),
-                calls: 0,
-            }),
+            Ok(container) => {
+                pool.give_back(Worker {
+                    container: Arc::new(container),
+                    calls: 0,
+                    grant,
+                });
+            }
             Err(e) => {
                 self.total.fetch_sub(1, Ordering::AcqRel);
                 tracing::warn!(image = %pool.key.image, error = %e, "creating a fncall worker");
@@ -293,13 +369,19 @@ impl FnCallBackend {
             workers.extend(pool.ready.lock().expect("lock").drain(..));
         }
         futures::future::join_all(workers.iter().map(|w| w.container.stop())).await;
+        drop(workers);
     }
 }
 
 #[async_trait]
 impl Backend for FnCallBackend {
+    /// Each worker is admitted as the pool makes it; a handle on a call holds nothing.
+    fn admitted_per_sandbox(&self) -> bool {
+        false
+    }
+
     async fn create(&self, req: SandboxRequest) -> Result<Created, ApiError> {
-        let pool = self.pool(&req)?;
+        let pool = self.pool(&req).await?;
         pool.record_call();
         pool.demand_changed.notify_one();
         let image = self.images.get(&req.image)?;
@@ -311,10 +393,172 @@ impl Backend for FnCallBackend {
             image: ImageDefaults {
                 env: image.config.env,
                 workdir: image.config.workdir,
-                layers: image.layers,
             },
         })
     }
+}
+
+/// One command of a [`StepCall`].
+#[derive(Clone, Debug)]
+pub struct Step {
+    /// Program and arguments.
+    pub argv: Vec<String>,
+    /// Its tree is killed this long after the step started.
+    pub timeout: Duration,
+}
+
+/// A call of several commands in one fresh root — compile, then run what was compiled —
+/// each run only if the one before it exited 0, each with a wall-clock timeout of its own
+/// counted from its own start (waiting for a worker is not counted), each with its whole
+/// process tree killed when it ends; then files read back from that root. Every step
+/// reads `stdin` from its beginning.
+#[derive(Clone, Debug)]
+pub struct StepCall {
+    /// The commands, first to last.
+    pub steps: Vec<Step>,
+    /// The complete environment, `K=V`.
+    pub env: Vec<String>,
+    /// Absolute working directory of every step.
+    pub cwd: String,
+    /// What every step reads on its standard input.
+    pub stdin: Vec<u8>,
+    /// Files written before the first step.
+    pub files: Vec<FileWrite>,
+    /// Files read back after the last step that ran (absolute, or relative to `cwd`);
+    /// missing ones are left out.
+    pub fetch: Vec<String>,
+    /// Bound on each step's stdout and stderr.
+    pub max_output_bytes: u64,
+    /// Bound on the fetched files together (see `ExecSpec::fetch_max_bytes`).
+    pub fetch_max_bytes: u64,
+    /// How long the call may wait for a worker; it waits through the edge's budget
+    /// refusing the pool one (others' sandboxes may stop meanwhile) rather than failing
+    /// at once, as a plain call does.
+    pub queue_timeout: Duration,
+}
+
+/// How one step of a [`StepCall`] ended, with its output.
+#[derive(Debug, Default)]
+pub struct StepOutcome {
+    /// Its end.
+    pub exit: ExitStatus,
+    /// The signal that killed its main process, if one did.
+    pub signal: Option<i32>,
+    /// Its standard output, up to the bound.
+    pub stdout: Vec<u8>,
+    /// Its standard error, up to the bound.
+    pub stderr: Vec<u8>,
+}
+
+/// A file read back after a [`StepCall`].
+#[derive(Debug)]
+pub struct Fetched {
+    /// The path as the call asked for it.
+    pub path: String,
+    /// Its contents, up to the bound.
+    pub data: Vec<u8>,
+    /// The file was longer than the bound.
+    pub truncated: bool,
+}
+
+/// What a [`StepCall`] did.
+#[derive(Debug, Default)]
+pub struct StepCallOutcome {
+    /// The steps that ran, in order: all of them, or up to the first that failed.
+    pub steps: Vec<StepOutcome>,
+    /// The files read back.
+    pub fetched: Vec<Fetched>,
+}
+
+impl FnCallBackend {
+    /// Runs a [`StepCall`] in a worker of the pool for `req`'s image and limits.
+    pub async fn call_steps(
+        &self,
+        req: &SandboxRequest,
+        call: StepCall,
+    ) -> Result<StepCallOutcome, ApiError> {
+        let Some((first, later)) = call.steps.split_first() else {
+            return Err(ApiError::invalid("a stepped call needs a step"));
+        };
+        let handle = FnCallSandbox {
+            total: Arc::clone(&self.total),
+            pool: self.pool(req).await?,
+        };
+        let mut lease = handle.lease(call.queue_timeout, Refusal::Wait).await?;
+        let (files, contents) = carry(call.files);
+        let spec = ExecSpec {
+            argv: first.argv.clone(),
+            env: call.env,
+            cwd: call.cwd,
+            timeout_ms: Some(millis(first.timeout)),
+            max_output_bytes: call.max_output_bytes,
+            files,
+            then: later
+                .iter()
+                .map(|s| ExecStep {
+                    argv: s.argv.clone(),
+                    timeout_ms: Some(millis(s.timeout)),
+                })
+                .collect(),
+            fetch: call.fetch,
+            fetch_max_bytes: call.fetch_max_bytes,
+        };
+        let data: Vec<&[u8]> = contents.iter().map(Vec::as_slice).collect();
+        let mut events = lease
+            .container()
+            .exec(&spec, &call.stdin, &data)
+            .await
+            .map_err(|e| lease.failed(e.into()))?;
+        let mut outcome = StepCallOutcome::default();
+        let mut step = StepOutcome::default();
+        loop {
+            match events.next().await {
+                Some(Ok(ExecEvent::Stdout(d))) => step.stdout.extend_from_slice(&d),
+                Some(Ok(ExecEvent::Stderr(d))) => step.stderr.extend_from_slice(&d),
+                Some(Ok(ExecEvent::StepExit(exit))) => {
+                    (step.exit, step.signal) = (exit_status(&exit, lease.container()), exit.signal);
+                    outcome.steps.push(std::mem::take(&mut step));
+                }
+                Some(Ok(ExecEvent::Fetched {
+                    path,
+                    data,
+                    truncated,
+                })) => outcome.fetched.push(Fetched {
+                    path,
+                    data,
+                    truncated,
+                }),
+                Some(Ok(ExecEvent::Exit(exit))) => {
+                    (step.exit, step.signal) = (exit_status(&exit, lease.container()), exit.signal);
+                    break;
+                }
+                Some(Err(e)) => match lease.died_at_memory_limit() {
+                    Some(exit) => {
+                        (step.exit, step.signal) = (exit, Some(libc::SIGKILL));
+                        break;
+                    }
+                    None => return Err(lease.failed(e.into())),
+                },
+                None => return Err(ApiError::internal("a stepped call's events ended early")),
+            }
+        }
+        outcome.steps.push(step);
+        lease.ended(outcome.steps.iter().map(|s| &s.exit));
+        Ok(outcome)
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    d.as_millis().try_into().unwrap_or(u64::MAX)
+}
+
+/// What a call that finds no worker does when the edge's budget refuses its pool one.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    /// Fails at once with the refusal (`capacity`): the caller may try another edge.
+    Fail,
+    /// Waits on, until its deadline, for a worker to come back or the budget to free.
+    Wait,
 }
 
 /// A handle on a pool: each command runs in a worker of its own.
@@ -324,13 +568,29 @@ struct FnCallSandbox {
 }
 
 impl FnCallSandbox {
+    /// A worker for one call, waiting up to `wait` for one when the pool is empty.
+    async fn lease(&self, wait: Duration, refusal: Refusal) -> Result<Lease, ApiError> {
+        self.pool.record_call();
+        let started = Instant::now();
+        let worker = self.worker(started + wait, refusal).await?;
+        // Replacement starts now, not when the old worker is gone.
+        self.pool.demand_changed.notify_one();
+        Ok(Lease {
+            worker: Some(worker),
+            reusable: false,
+            pool: Arc::clone(&self.pool),
+            total: Arc::clone(&self.total),
+            started,
+        })
+    }
+
     /// A warm worker, waiting for one until `deadline` when the pool is empty.
-    async fn worker(&self, deadline: Instant) -> Option<Worker> {
+    async fn worker(&self, deadline: Instant, on_refusal: Refusal) -> Result<Worker, ApiError> {
         let started = Instant::now();
         let image = self.pool.key.image.clone();
         if let Some(w) = self.pool.take() {
             metrics::counter!("dsec_fncall_pool_hits_total", "image" => image).increment(1);
-            return Some(w);
+            return Ok(w);
         }
         metrics::counter!("dsec_fncall_pool_misses_total", "image" => image.clone()).increment(1);
         self.pool.waiting.fetch_add(1, Ordering::AcqRel);
@@ -338,13 +598,25 @@ impl FnCallSandbox {
         let worker = loop {
             let ready = self.pool.ready_changed.notified();
             if let Some(w) = self.pool.take() {
-                break Some(w);
+                break Ok(w);
+            }
+            let refused = self.pool.refused_since(started);
+            if on_refusal == Refusal::Fail {
+                if let Some(refusal) = refused {
+                    break Err(refusal);
+                }
             }
             if tokio::time::timeout_at(deadline.into(), ready)
                 .await
                 .is_err()
             {
-                break self.pool.take();
+                break self.pool.take().ok_or_else(|| match refused {
+                    Some(refusal) => refusal,
+                    None => ApiError::unavailable(format!(
+                        "no fncall worker for image {image:?} became ready within {:.1} s",
+                        (deadline - started).as_secs_f64()
+                    )),
+                });
             }
         };
         self.pool.waiting.fetch_sub(1, Ordering::AcqRel);
@@ -354,10 +626,10 @@ impl FnCallSandbox {
     }
 }
 
-/// A call's output; when the call ends the worker goes back to its pool, or is destroyed
-/// if the call timed out, hit its memory limit or was abandoned by its caller.
-struct CallOutput {
-    inner: ContainerOutput,
+/// A worker taken for one call: when the call ends it goes back to its pool, or is
+/// destroyed if the call timed out, hit its memory limit, failed or was abandoned by its
+/// caller.
+struct Lease {
     worker: Option<Worker>,
     /// The call ended cleanly: its worker may serve another.
     reusable: bool,
@@ -366,34 +638,54 @@ struct CallOutput {
     started: Instant,
 }
 
-#[async_trait]
-impl OutputStream for CallOutput {
-    async fn next(&mut self) -> Option<Result<Output, ApiError>> {
-        let mut event = self.inner.next().await;
-        // The worker's cgroup is the call's cgroup: if the worker died while the memory
-        // limit was firing, the call hit its limit, and that is its result.
-        if matches!(event, Some(Err(_))) {
-            let worker = self.worker.as_ref().map(|w| &w.container);
-            if worker.is_some_and(|c| !c.is_alive() && c.take_oom_kill()) {
-                tracing::warn!(image = %self.pool.key.image, "fncall worker died at its memory limit");
-                event = Some(Ok(Output::Exit(ExitStatus {
-                    exit_code: Some(128 + libc::SIGKILL),
-                    oom_killed: true,
-                    duration_ms: self.started.elapsed().as_secs_f64() * 1000.0,
-                    ..ExitStatus::default()
-                })));
-            }
+impl Lease {
+    fn container(&self) -> &Arc<Container> {
+        &self
+            .worker
+            .as_ref()
+            .expect("a lease holds its worker")
+            .container
+    }
+
+    /// The worker's cgroup is the call's cgroup: if the worker died while the memory limit
+    /// was firing, the call hit its limit, and that is its result.
+    fn died_at_memory_limit(&self) -> Option<ExitStatus> {
+        let c = self.container();
+        if c.is_alive() || !c.take_oom_kill() {
+            return None;
         }
-        if let Some(Ok(Output::Exit(exit))) = &event {
-            self.reusable = !exit.timed_out && !exit.oom_killed;
-            metrics::histogram!("dsec_fncall_call_seconds", "image" => self.pool.key.image.clone())
-                .record(self.started.elapsed().as_secs_f64());
+        tracing::warn!(image = %self.pool.key.image, "fncall worker died at its memory limit");
+        Some(ExitStatus {
+            exit_code: Some(128 + libc::SIGKILL),
+            oom_killed: true,
+            duration_ms: self.started.elapsed().as_secs_f64() * 1000.0,
+            ..ExitStatus::default()
+        })
+    }
+
+    /// The error a call reports for `e`: the worker is gone, not the handle, so a worker
+    /// that died makes a call that can be retried (another call gets another worker).
+    fn failed(&self, e: ApiError) -> ApiError {
+        match e.kind {
+            ErrorKind::SandboxFailed => ApiError::unavailable(format!(
+                "the fncall worker (image {:?}) serving this call died; the call can be \
+                 retried",
+                self.pool.key.image
+            )),
+            _ => e,
         }
-        event
+    }
+
+    /// Records the call's end: its worker may serve another if none of `exits` timed out
+    /// or hit the memory limit.
+    fn ended<'a>(&mut self, exits: impl IntoIterator<Item = &'a ExitStatus>) {
+        self.reusable = exits.into_iter().all(|e| !e.timed_out && !e.oom_killed);
+        metrics::histogram!("dsec_fncall_call_seconds", "image" => self.pool.key.image.clone())
+            .record(self.started.elapsed().as_secs_f64());
     }
 }
 
-impl Drop for CallOutput {
+impl Drop for Lease {
     fn drop(&mut self) {
         let Some(mut worker) = self.worker.take() else {
             return;
@@ -403,17 +695,30 @@ impl Drop for CallOutput {
             self.pool.give_back(worker);
             return;
         }
-        destroy(worker.container, Arc::clone(&self.total));
+        worker.destroy(Arc::clone(&self.total));
     }
 }
 
-/// Stops a worker in the background and frees its slot under the global cap.
-fn destroy(container: Arc<Container>, total: Arc<AtomicUsize>) {
-    if let Ok(handle) = tokio::runtime::Handle::try_current() {
-        handle.spawn(async move {
-            container.stop().await;
-            total.fetch_sub(1, Ordering::AcqRel);
-        });
+/// A call's output; its worker's lease ends with it.
+struct CallOutput {
+    inner: ContainerOutput,
+    lease: Lease,
+}
+
+#[async_trait]
+impl OutputStream for CallOutput {
+    async fn next(&mut self) -> Option<Result<Output, ApiError>> {
+        let mut event = self.inner.next().await;
+        if let Some(Err(e)) = event {
+            event = Some(match self.lease.died_at_memory_limit() {
+                Some(exit) => Ok(Output::Exit(exit)),
+                None => Err(self.lease.failed(e)),
+            });
+        }
+        if let Some(Ok(Output::Exit(exit))) = &event {
+            self.lease.ended([exit]);
+        }
+        event
     }
 }
 
@@ -427,41 +732,20 @@ fn stateless(what: &str) -> ApiError {
 #[async_trait]
 impl Sandbox for FnCallSandbox {
     async fn exec(&self, cmd: CommandSpec) -> Result<Box<dyn OutputStream>, ApiError> {
-        self.pool.record_call();
-        let started = Instant::now();
-        let deadline = started + Duration::from_millis(cmd.timeout_ms);
-        let Some(worker) = self.worker(deadline).await else {
-            return Err(ApiError::unavailable(format!(
-                "no fncall worker for image {:?} became ready within the call's timeout",
-                self.pool.key.image
-            )));
-        };
-        let total = Arc::clone(&self.total);
-        let inner = match run(&worker.container, cmd).await {
-            Ok(inner) => inner,
-            Err(e) => {
-                destroy(worker.container, total);
-                return Err(e);
-            }
-        };
-        let output = CallOutput {
-            inner,
-            worker: Some(worker),
-            reusable: false,
-            pool: Arc::clone(&self.pool),
-            total,
-            started,
-        };
-        // Replacement starts now, not when the old worker is gone.
-        self.pool.demand_changed.notify_one();
-        Ok(Box::new(output))
+        let lease = self
+            .lease(Duration::from_millis(cmd.timeout_ms), Refusal::Fail)
+            .await?;
+        let inner = run(lease.container(), cmd)
+            .await
+            .map_err(|e| lease.failed(e))?;
+        Ok(Box::new(CallOutput { inner, lease }))
     }
 
-    async fn read_file(&self, _path: &str) -> Result<File, ApiError> {
+    async fn read_file(&self, _path: &str, _max: u64) -> Result<Box<dyn FileRead>, ApiError> {
         Err(stateless("read_file"))
     }
 
-    async fn write_file(&self, _path: &str, _data: Vec<u8>, _mode: u32) -> Result<(), ApiError> {
+    async fn write_file(&self, _path: &str, _mode: u32, _data: Upload) -> Result<(), ApiError> {
         Err(stateless("write_file"))
     }
 

@@ -2,21 +2,25 @@
 //!
 //! The edge validates a request, fills in defaults and resolves the image; a [`Backend`]
 //! turns that into a running [`Sandbox`]. Everything the API offers on a sandbox (exec,
-//! streamed exec, files, usage, stop) is a method here, so a new backend is one module
-//! implementing these two traits and one arm in [`Backends::get`].
+//! streamed exec, files, usage, stop) is a method here, and what a backend can do (a
+//! network, how it is admitted) is asked of it, never decided by its name: a new backend
+//! is one module implementing these two traits and one [`Backends::register`] line.
 
 pub mod container;
 pub mod docker;
+pub mod files;
 pub mod fncall;
 pub mod vm;
 
-use std::fs::File;
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use dsec_api::{FileInfo, ImageInfo, Usage};
+use dsec_api::{BackendKind, FileInfo, ImageInfo, Usage};
+use dsec_image::{Image, ImageStore};
 use dsec_runtime::files::Entry;
 
+pub use self::files::{FileRead, Upload};
 use crate::error::ApiError;
 
 /// A validated request for a new sandbox, defaults filled in.
@@ -48,9 +52,6 @@ pub struct ImageDefaults {
     pub env: Vec<String>,
     /// The image's working directory, if it sets one.
     pub workdir: Option<String>,
-    /// Layer digests in dsec's store that must outlive the sandbox (empty for images the
-    /// store does not hold).
-    pub layers: Vec<String>,
 }
 
 /// A sandbox a backend made, with its image's defaults.
@@ -103,19 +104,30 @@ pub enum Output {
     Exit(ExitStatus),
 }
 
-/// How a command ended.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct ExitStatus {
-    /// Exit code, `128 + signal`, or `None` after a timeout.
-    pub exit_code: Option<i32>,
-    /// The timeout fired.
-    pub timed_out: bool,
-    /// Output was discarded beyond the bound.
-    pub truncated: bool,
-    /// The memory limit killed a process of this command.
-    pub oom_killed: bool,
-    /// Wall time of the command.
-    pub duration_ms: f64,
+pub use dsec_api::ExitStatus;
+
+/// How a command that init (or a VM guest's agent) ran ended, as the API says it;
+/// `oom_killed` is the backend's to know (a container's cgroup, a guest's own count).
+pub(crate) fn exec_exit_status(
+    exit: &dsec_runtime::proto::ExecExit,
+    oom_killed: bool,
+) -> ExitStatus {
+    ExitStatus {
+        exit_code: exit.exit_code,
+        timed_out: exit.timed_out,
+        truncated: exit.truncated,
+        oom_killed,
+        duration_ms: exit.duration_us as f64 / 1000.0,
+    }
+}
+
+/// How a sandbox died on its own.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    /// A metric label: `oom`, `signal`, `exit` or `unknown`.
+    pub cause: &'static str,
+    /// What happened, for its users ("its init was killed by SIGKILL").
+    pub detail: String,
 }
 
 /// The events of one running command. Dropping it before the end kills the command.
@@ -130,10 +142,11 @@ pub trait OutputStream: Send {
 pub trait Sandbox: Send + Sync {
     /// Starts a command.
     async fn exec(&self, cmd: CommandSpec) -> Result<Box<dyn OutputStream>, ApiError>;
-    /// Opens a file for reading.
-    async fn read_file(&self, path: &str) -> Result<File, ApiError>;
-    /// Writes a file, creating parent directories.
-    async fn write_file(&self, path: &str, data: Vec<u8>, mode: u32) -> Result<(), ApiError>;
+    /// Opens a regular file for reading; refuses one larger than `max_bytes`.
+    async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Box<dyn FileRead>, ApiError>;
+    /// Writes a regular file (created with `mode`, or truncated) from `data`, creating
+    /// parent directories.
+    async fn write_file(&self, path: &str, mode: u32, data: Upload) -> Result<(), ApiError>;
     /// Lists a directory.
     async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError>;
     /// Freezes every process of the sandbox.
@@ -167,12 +180,26 @@ pub trait Sandbox: Send + Sync {
     }
     /// Resource usage now.
     fn usage(&self) -> Usage;
+    /// The image's own files directly in `dirs` (absolute, e.g. `/usr/bin`) that the
+    /// sandbox overwrote or removed, where the backend can tell from its writable layer
+    /// (the Watcher's `binary-overwrite`); files it added are not listed. Empty elsewhere.
+    fn replaced_image_files(&self, _dirs: &[&str]) -> Vec<String> {
+        Vec::new()
+    }
     /// The hardware accelerator a VM sandbox runs on (`kvm`, `tcg`); `None` elsewhere.
     fn accelerator(&self) -> Option<&'static str> {
         None
     }
     /// False once the sandbox died on its own.
     fn is_alive(&self) -> bool;
+    /// How it died, asked once [`is_alive`](Self::is_alive) is false and before
+    /// [`stop`](Self::stop).
+    async fn failure(&self) -> Failure {
+        Failure {
+            cause: "unknown",
+            detail: "it exited on its own".to_owned(),
+        }
+    }
     /// Kills it and removes everything it made; idempotent.
     async fn stop(&self);
 }
@@ -187,41 +214,114 @@ pub(crate) fn file_info(e: Entry) -> FileInfo {
     }
 }
 
+/// What a plain command's stream answers if its sandbox reports steps of a stepped call
+/// (only fncall's stepped calls ask for them).
+pub(crate) fn not_plain() -> ApiError {
+    ApiError::internal("the sandbox reported steps or fetched files for a plain command")
+}
+
 /// A way of making sandboxes.
+///
+/// A backend holds what its sandboxes need of dsec's image store (mounted layers, layer
+/// blobs) for as long as each sandbox lives, so image garbage collection never removes
+/// them from under it.
 #[async_trait]
 pub trait Backend: Send + Sync {
     /// Creates and starts a sandbox.
     async fn create(&self, req: SandboxRequest) -> Result<Created, ApiError>;
+    /// Deletes what the backend keeps of images that no longer exist (`live`: the ids of
+    /// those that do), such as VM disks and boot templates; returns the bytes freed.
+    async fn prune_images(&self, live: &HashSet<String>) -> u64 {
+        let _ = live;
+        0
+    }
+    /// Whether its sandboxes can have a network (`network=True`, allow-lists).
+    fn has_networking(&self) -> bool {
+        false
+    }
+    /// Whether the edge admits each sandbox against its budget: `false` for a backend
+    /// that admits the processes it makes itself (fncall's pool, worker by worker).
+    fn admitted_per_sandbox(&self) -> bool {
+        true
+    }
+    /// Tasks on this host a sandbox with a `pids` limit may take (its processes; a VM's
+    /// are inside the guest, its QEMU's threads on the host).
+    fn host_tasks(&self, pids: u64) -> u64 {
+        pids
+    }
+    /// Packets the egress policies of its sandboxes refused so far (for `/metrics`).
+    async fn network_refused_total(&self) -> u64 {
+        0
+    }
 }
 
-/// The backends this server can run, by name.
+/// The backends this server runs, by kind.
+#[derive(Default)]
 pub struct Backends {
-    /// The native container runtime.
-    pub container: Arc<container::ContainerBackend>,
-    /// Stateless calls on pools of warm native containers.
-    pub fncall: Arc<fncall::FnCallBackend>,
-    /// Containers of a Docker Engine.
-    pub docker: Arc<docker::DockerBackend>,
-    /// QEMU microvm guests.
-    pub microvm: Arc<vm::VmBackend>,
-    /// QEMU q35 guests.
-    pub vm: Arc<vm::VmBackend>,
+    registered: Vec<(BackendKind, Arc<dyn Backend>)>,
 }
 
 impl Backends {
-    /// The backend called `name`: `InvalidArgument` for names dsec does not know,
-    /// `Unavailable` (with the reason) for known ones this server cannot run.
-    pub fn get(&self, name: &str) -> Result<Arc<dyn Backend>, ApiError> {
-        match name {
-            "container" => Ok(self.container.clone()),
-            "fncall" => Ok(self.fncall.clone()),
-            "docker" => Ok(self.docker.clone()),
-            "microvm" => Ok(self.microvm.clone()),
-            "vm" => Ok(self.vm.clone()),
-            _ => Err(ApiError::invalid(format!(
-                "unknown backend {name:?}; valid backends are: {}",
-                dsec_api::BACKENDS.join(", ")
-            ))),
+    /// Adds the backend of `kind`.
+    pub fn register(mut self, kind: BackendKind, backend: Arc<dyn Backend>) -> Backends {
+        self.registered.push((kind, backend));
+        self
+    }
+
+    /// The names of the registered backends.
+    pub fn names(&self) -> Vec<String> {
+        self.registered
+            .iter()
+            .map(|(k, _)| k.name().to_owned())
+            .collect()
+    }
+
+    /// Every registered backend.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<dyn Backend>> {
+        self.registered.iter().map(|(_, b)| b)
+    }
+
+    /// Lets every backend drop what it keeps of deleted images; returns the bytes freed.
+    pub async fn prune_images(&self, live: &HashSet<String>) -> u64 {
+        let mut freed = 0;
+        for backend in self.all() {
+            freed += backend.prune_images(live).await;
         }
+        freed
+    }
+
+    /// Refused packets of every backend's sandboxes (for `/metrics`).
+    pub async fn network_refused_total(&self) -> u64 {
+        let mut total = 0;
+        for backend in self.all() {
+            total += backend.network_refused_total().await;
+        }
+        total
+    }
+
+    /// The backend called `name`: `InvalidArgument` for names dsec does not know,
+    /// `Unavailable` for a known one this server does not run.
+    pub fn get(&self, name: &str) -> Result<(BackendKind, Arc<dyn Backend>), ApiError> {
+        let kind = BackendKind::parse(name).map_err(ApiError::invalid)?;
+        self.registered
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(k, b)| (*k, Arc::clone(b)))
+            .ok_or_else(|| {
+                ApiError::unavailable(format!("backend {name:?} is not run by this server"))
+            })
+    }
+}
+
+/// The API's view of a stored image.
+pub(crate) fn image_info(images: &ImageStore, image: Image) -> ImageInfo {
+    ImageInfo {
+        disk_bytes: images.disk_bytes(&image),
+        fork_of: image.fork.map(|f| f.parent),
+        name: image.name,
+        id: image.id,
+        size: image.size,
+        layers: image.layers,
+        created_at: image.created_at,
     }
 }

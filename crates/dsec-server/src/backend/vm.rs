@@ -12,20 +12,17 @@
 //! its records name (checking each one's start time, so a recycled pid is never hit)
 //! and removes the directories.
 
-use std::collections::HashMap;
-use std::fs::File;
+use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
-use std::io::{Seek, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use dsec_api::{FileInfo, Usage};
-use dsec_image::{Image, ImageStore};
+use dsec_image::{HeldBlobs, Image, ImageStore};
 use dsec_runtime::channel::{ExecEvent, ExecHandle};
-use dsec_runtime::container::RuntimeError;
-use dsec_runtime::files::{relative, Entry, FileError};
-use dsec_runtime::proto::{self, ExecSpec, FrameKind};
+use dsec_runtime::procfs::{self, Stat};
+use dsec_runtime::proto::ExecSpec;
 use dsec_vm::assets::{GuestAssets, KernelSource};
 use dsec_vm::disk::{self, BaseFs};
 use dsec_vm::qemu::{
@@ -35,9 +32,10 @@ use dsec_vm::VmError;
 use serde::{Deserialize, Serialize};
 use tokio::sync::OnceCell;
 
+use super::files::{list_served, read_served, write_served};
 use super::{
-    file_info, Backend, CommandSpec, Created, ExitStatus, ImageDefaults, Output, OutputStream,
-    Sandbox, SandboxRequest,
+    Backend, CommandSpec, Created, FileRead, ImageDefaults, Output, OutputStream, Sandbox,
+    SandboxRequest, Upload,
 };
 use crate::error::ApiError;
 
@@ -113,16 +111,6 @@ struct Record {
     qemu_pid: i32,
     /// `/proc/<pid>/stat` start time of that QEMU: a recycled pid has another.
     start_ticks: u64,
-}
-
-fn start_ticks(pid: i32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?
-        .1
-        .split_whitespace()
-        .nth(19)?
-        .parse()
-        .ok()
 }
 
 fn vm_error(e: VmError) -> ApiError {
@@ -239,24 +227,80 @@ impl VmHost {
             .await)
     }
 
-    async fn image_disk(&self, image: &Image) -> Result<PathBuf, ApiError> {
+    /// The image's read-only disk and its filesystem. A single-layer image's disk is its
+    /// layer's EROFS blob, as the store keeps it (no copy); a deeper image gets one
+    /// merged disk, built once from its mounted layers, since a guest stacks one disk.
+    async fn image_disk(&self, image: &Image) -> Result<(PathBuf, BaseFs), ApiError> {
+        if let [_] = image.layers.as_slice() {
+            let held = self.images.blobs(image)?;
+            return Ok((held.blobs[0].clone(), BaseFs::Erofs));
+        }
         let fs = self.config.base_fs;
         let target =
             self.dir
                 .join("disks")
                 .join(format!("{}.{}", image.id.replace(':', "-"), fs.name()));
-        let layers = self.images.layer_dirs(image);
-        once(&self.image_disks, image.id.clone(), || async move {
+        let images = self.images.clone();
+        let disk = once(&self.image_disks, image.id.clone(), || async move {
             if !target.exists() {
+                let mounted = images.mount(image).await?;
                 let t = target.clone();
-                tokio::task::spawn_blocking(move || disk::build_image_disk(&layers, fs, &t))
+                tokio::task::spawn_blocking(move || disk::build_image_disk(&mounted.dirs, fs, &t))
                     .await
                     .map_err(blocking_error)?
                     .map_err(vm_error)?;
             }
             Ok(target)
         })
-        .await
+        .await?;
+        Ok((disk, fs))
+    }
+
+    /// Removes the merged disks and boot templates of images that no longer exist
+    /// (`live`: the ids of those that do); returns the bytes freed.
+    pub fn prune_images(&self, live: &HashSet<String>) -> u64 {
+        let mut freed = 0;
+        let disk_id = |name: &str| {
+            name.rsplit_once('.')
+                .map(|(id, _)| id.replacen('-', ":", 1))
+        };
+        for entry in std::fs::read_dir(self.dir.join("disks"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(id) = disk_id(&name) else { continue };
+            if name.contains(".tmp-") || live.contains(&id) {
+                continue;
+            }
+            freed += entry.metadata().map_or(0, |m| m.len());
+            if std::fs::remove_file(entry.path()).is_ok() {
+                tracing::info!(image = %id, "removed the VM disk of a deleted image");
+            }
+            self.image_disks.lock().expect("lock").remove(&id);
+        }
+        for entry in std::fs::read_dir(self.dir.join("templates"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let Ok(id) = std::fs::read_to_string(entry.path().join("image")) else {
+                continue;
+            };
+            if live.contains(&id) {
+                continue;
+            }
+            freed += dir_bytes(&entry.path());
+            if std::fs::remove_dir_all(entry.path()).is_ok() {
+                tracing::info!(image = %id, "removed a VM boot template of a deleted image");
+            }
+        }
+        self.templates
+            .lock()
+            .expect("lock")
+            .retain(|key, _| live.contains(&key.image_id));
+        freed
     }
 
     async fn scratch_base(&self, disk_mb: u64) -> Result<PathBuf, ApiError> {
@@ -289,6 +333,7 @@ impl VmHost {
             .join("templates")
             .join(format!("{:016x}", hasher.finish()));
         let hw = key.hardware.clone();
+        let image_id = key.image_id.clone();
         once(&self.templates, key, || async move {
             let snapshot = dir.join("scratch.qcow2");
             if dir.join("ready").exists() {
@@ -296,6 +341,7 @@ impl VmHost {
             }
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir)
+                .and_then(|()| std::fs::write(dir.join("image"), &image_id))
                 .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
             let built = async {
                 create_scratch(&disks.scratch, &snapshot).await?;
@@ -337,7 +383,7 @@ impl VmHost {
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok());
             if let Some(r) = record {
-                if start_ticks(r.qemu_pid) == Some(r.start_ticks) {
+                if Stat::read(r.qemu_pid).map(|s| s.start_ticks) == Some(r.start_ticks) {
                     // SAFETY: kill(2) with integer arguments, on the QEMU our record names,
                     // whose start time still matches.
                     unsafe { libc::kill(r.qemu_pid, libc::SIGKILL) };
@@ -373,6 +419,22 @@ impl VmHost {
     }
 }
 
+/// Bytes of the files under `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut pending = vec![dir.to_owned()];
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            match entry.metadata() {
+                Ok(m) if m.is_dir() => pending.push(entry.path()),
+                Ok(m) => total += m.len(),
+                Err(_) => {}
+            }
+        }
+    }
+    total
+}
+
 /// `backend="microvm"` or `backend="vm"`.
 pub struct VmBackend {
     host: Arc<VmHost>,
@@ -388,6 +450,17 @@ impl VmBackend {
 
 #[async_trait]
 impl Backend for VmBackend {
+    fn host_tasks(&self, _pids: u64) -> u64 {
+        crate::admission::VM_HOST_TASKS
+    }
+
+    async fn prune_images(&self, live: &HashSet<String>) -> u64 {
+        let (host, live) = (Arc::clone(&self.host), live.clone());
+        tokio::task::spawn_blocking(move || host.prune_images(&live))
+            .await
+            .unwrap_or_default()
+    }
+
     async fn create(&self, req: SandboxRequest) -> Result<Created, ApiError> {
         if req.memory_mb < MIN_VM_MEMORY_MB {
             return Err(ApiError::invalid(format!(
@@ -406,11 +479,12 @@ impl Backend for VmBackend {
             vcpus: req.cpus.ceil().max(1.0) as u32,
             memory_mb: req.memory_mb,
         };
-        let (base, scratch_base) =
+        let held = host.images.blobs(&image)?;
+        let ((base, base_fs), scratch_base) =
             tokio::try_join!(host.image_disk(&image), host.scratch_base(req.disk_mb))?;
         let template_disks = Disks {
             base,
-            base_fs: host.config.base_fs,
+            base_fs,
             scratch: scratch_base.clone(),
         };
         let dir = host.dir.join("sandboxes").join(&req.id);
@@ -453,7 +527,7 @@ impl Backend for VmBackend {
                 .map_err(vm_error)?;
             let record = Record {
                 qemu_pid: vm.pid(),
-                start_ticks: start_ticks(vm.pid()).unwrap_or_default(),
+                start_ticks: Stat::read(vm.pid()).map_or(0, |s| s.start_ticks),
             };
             if let Err(e) = std::fs::write(
                 dir.join("record.json"),
@@ -475,6 +549,7 @@ impl Backend for VmBackend {
         };
         Ok(Created {
             sandbox: Box::new(VmSandbox {
+                _layers: held,
                 vm: Arc::new(vm),
                 dir,
                 accel: hardware.accel,
@@ -482,13 +557,14 @@ impl Backend for VmBackend {
             image: ImageDefaults {
                 env: image.config.env,
                 workdir: image.config.workdir,
-                layers: image.layers,
             },
         })
     }
 }
 
 struct VmSandbox {
+    /// Its image's layers, held for as long as it runs (its disk may be one of them).
+    _layers: HeldBlobs,
     vm: Arc<Vm>,
     dir: PathBuf,
     accel: Accel,
@@ -506,50 +582,21 @@ impl OutputStream for VmOutput {
         Some(match event {
             Ok(ExecEvent::Stdout(data)) => Ok(Output::Stdout(data)),
             Ok(ExecEvent::Stderr(data)) => Ok(Output::Stderr(data)),
-            Ok(ExecEvent::Exit(exit)) => Ok(Output::Exit(ExitStatus {
-                exit_code: exit.exit_code,
-                timed_out: exit.timed_out,
-                truncated: exit.truncated,
-                oom_killed: exit.oom_killed,
-                duration_ms: exit.duration_us as f64 / 1000.0,
-            })),
+            Ok(ExecEvent::Exit(exit)) => Ok(Output::Exit(super::exec_exit_status(
+                &exit,
+                exit.oom_killed,
+            ))),
+            Ok(ExecEvent::StepExit(_) | ExecEvent::Fetched { .. }) => Err(super::not_plain()),
             Err(e) => Err(e.into()),
         })
-    }
-}
-
-/// A file request's failure, answered exactly as the container backend answers it.
-fn file_error(path: &str, e: RuntimeError) -> ApiError {
-    match e {
-        RuntimeError::Exec(err) => match err.file {
-            Some(fault) => FileError::from_fault(path, fault).into(),
-            None => ApiError::internal(err.message),
-        },
-        other => other.into(),
-    }
-}
-
-impl VmSandbox {
-    async fn file_request(
-        &self,
-        kind: FrameKind,
-        path: &str,
-        payload: &[u8],
-    ) -> Result<Vec<u8>, ApiError> {
-        relative(path)?;
-        self.vm
-            .channel()
-            .request(kind, payload)
-            .await
-            .map_err(|e| file_error(path, e))
     }
 }
 
 #[async_trait]
 impl Sandbox for VmSandbox {
     async fn exec(&self, cmd: CommandSpec) -> Result<Box<dyn OutputStream>, ApiError> {
-        for f in &cmd.files {
-            self.write_file(&f.path, f.data.clone(), f.mode).await?;
+        for f in cmd.files {
+            write_served(self.vm.channel(), &f.path, f.mode, Upload::whole(f.data)).await?;
         }
         let spec = ExecSpec {
             argv: cmd.argv,
@@ -557,45 +604,22 @@ impl Sandbox for VmSandbox {
             cwd: cmd.cwd,
             timeout_ms: Some(cmd.timeout_ms),
             max_output_bytes: cmd.max_output_bytes,
-            files: Vec::new(),
+            ..ExecSpec::default()
         };
         let handle = self.vm.channel().exec(&spec, &cmd.stdin, &[]).await?;
         Ok(Box::new(VmOutput { handle }))
     }
 
-    async fn read_file(&self, path: &str) -> Result<File, ApiError> {
-        let data = self
-            .file_request(FrameKind::ReadFile, path, path.as_bytes())
-            .await?;
-        tokio::task::spawn_blocking(move || -> std::io::Result<File> {
-            let mut file = tempfile::tempfile()?;
-            file.write_all(&data)?;
-            file.rewind()?;
-            Ok(file)
-        })
-        .await
-        .map_err(blocking_error)?
-        .map_err(|e| ApiError::internal(format!("buffering the file: {e}")))
+    async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Box<dyn FileRead>, ApiError> {
+        read_served(self.vm.channel(), path, max_bytes).await
     }
 
-    async fn write_file(&self, path: &str, data: Vec<u8>, mode: u32) -> Result<(), ApiError> {
-        let header = proto::WriteFile {
-            path: path.to_owned(),
-            mode,
-        };
-        let payload = proto::encode_with_header(&header, &data);
-        self.file_request(FrameKind::WriteFile, path, &payload)
-            .await
-            .map(drop)
+    async fn write_file(&self, path: &str, mode: u32, data: Upload) -> Result<(), ApiError> {
+        write_served(self.vm.channel(), path, mode, data).await
     }
 
     async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError> {
-        let answer = self
-            .file_request(FrameKind::ListDir, path, path.as_bytes())
-            .await?;
-        let entries: Vec<Entry> = serde_json::from_slice(&answer)
-            .map_err(|e| ApiError::internal(format!("the guest's listing: {e}")))?;
-        Ok(entries.into_iter().map(file_info).collect())
+        list_served(self.vm.channel(), path).await
     }
 
     async fn pause(&self) -> Result<(), ApiError> {
@@ -608,30 +632,12 @@ impl Sandbox for VmSandbox {
 
     fn usage(&self) -> Usage {
         let pid = self.vm.pid();
-        let rss_kib: u64 = std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("VmRSS:"))?
-                    .split_whitespace()
-                    .nth(1)?
-                    .parse()
-                    .ok()
-            })
-            .unwrap_or(0);
-        let cpu_ticks: u64 = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|s| {
-                let fields: Vec<&str> = s.rsplit_once(')')?.1.split_whitespace().collect();
-                Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
-            })
-            .unwrap_or(0);
-        // SAFETY: sysconf with a constant argument.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        let cpu_ms = Stat::read(pid).map_or(0.0, |s| s.cpu_ms());
         Usage {
-            memory_bytes: rss_kib * 1024,
+            memory_bytes: procfs::status_bytes(pid, "VmRSS").unwrap_or(0),
             pids: 0,
-            cpu_ms: cpu_ticks as f64 * 1000.0 / hz,
+            cpu_ms,
+            ..Usage::default()
         }
     }
 

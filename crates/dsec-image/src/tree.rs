@@ -1,4 +1,5 @@
-//! Turning a rootfs directory into one layer.
+//! A directory tree as one layer: a rootfs directory being imported, or a sandbox's
+//! writable layer being snapshotted.
 //!
 //! The directory is serialised as a tar stream in a fixed order (names sorted
 //! bytewise, no access or change times) and fed straight into the layer
@@ -19,12 +20,16 @@ use tar::{EntryType, Header};
 use crate::error::Fault;
 use crate::unpack::{unpack_layer, Unpacked};
 
-/// Unpacks the tree at `dir` into a staging layer, leaving out the directory
-/// `skip` (the store itself, should `dir` contain it).
-pub(crate) fn unpack_tree(staging: &Path, dir: &Path, skip: &Path) -> Result<Unpacked, Fault> {
-    let skip =
-        fs::metadata(skip).map_err(Fault::io(format!("cannot inspect {}", skip.display())))?;
-    unpack_walk(staging, dir, Some((skip.dev(), skip.ino())), false)
+/// Unpacks the tree at `dir` into a staging layer, leaving out the directories
+/// `skip` (the store itself and its staging area, should `dir` contain them).
+pub(crate) fn unpack_tree(staging: &Path, dir: &Path, skip: &[&Path]) -> Result<Unpacked, Fault> {
+    let mut skipped = Vec::with_capacity(skip.len());
+    for path in skip {
+        let meta =
+            fs::metadata(path).map_err(Fault::io(format!("cannot inspect {}", path.display())))?;
+        skipped.push((meta.dev(), meta.ino()));
+    }
+    unpack_walk(staging, dir, &skipped, false)
 }
 
 /// Unpacks an overlayfs upper directory (a sandbox's writable layer) as a layer. Its
@@ -32,13 +37,13 @@ pub(crate) fn unpack_tree(staging: &Path, dir: &Path, skip: &Path) -> Result<Unp
 /// go into the stream as OCI whiteout entries, which the unpacker turns back into
 /// overlayfs form: the layer is exactly the diff the sandbox made.
 pub(crate) fn unpack_upper(staging: &Path, upper: &Path) -> Result<Unpacked, Fault> {
-    unpack_walk(staging, upper, None, true)
+    unpack_walk(staging, upper, &[], true)
 }
 
 fn unpack_walk(
     staging: &Path,
     dir: &Path,
-    skip: Option<(u64, u64)>,
+    skip: &[(u64, u64)],
     upper: bool,
 ) -> Result<Unpacked, Fault> {
     let (reader, writer) = rustix::pipe::pipe_with(PipeFlags::CLOEXEC)
@@ -61,14 +66,9 @@ fn unpack_walk(
 }
 
 /// Writes the tree under `root` (not `root` itself) as a tar stream, leaving
-/// out the directory whose (device, inode) is `skip`; `upper` converts overlayfs
+/// out the directories whose (device, inode) are in `skip`; `upper` converts overlayfs
 /// whiteouts to OCI ones.
-fn write_tree(
-    root: &Path,
-    skip: Option<(u64, u64)>,
-    upper: bool,
-    out: impl Write,
-) -> io::Result<()> {
+fn write_tree(root: &Path, skip: &[(u64, u64)], upper: bool, out: impl Write) -> io::Result<()> {
     let mut builder = tar::Builder::new(out);
     let mut walker = Walker {
         root,
@@ -82,7 +82,7 @@ fn write_tree(
 
 struct Walker<'a> {
     root: &'a Path,
-    skip: Option<(u64, u64)>,
+    skip: &'a [(u64, u64)],
     /// Converting an overlayfs upper directory.
     upper: bool,
     /// First path seen of each multiply linked file, keyed by (device, inode).
@@ -99,7 +99,7 @@ impl Walker<'_> {
             let rel = rel.join(name);
             let path = self.root.join(&rel);
             let meta = fs::symlink_metadata(&path)?;
-            if meta.is_dir() && Some((meta.dev(), meta.ino())) == self.skip {
+            if meta.is_dir() && self.skip.contains(&(meta.dev(), meta.ino())) {
                 continue;
             }
             if self.upper && meta.file_type().is_char_device() && meta.rdev() == 0 {

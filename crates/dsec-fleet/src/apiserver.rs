@@ -1,0 +1,617 @@
+//! `dsec apiserver`: the `/v1` API the SDK speaks, for a whole fleet. Stateless: it keeps
+//! only the edge table (watched from etcd) and forwards every request to the edge that
+//! owns the sandbox, named by the sandbox id. Authentication happens here.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{RawQuery, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use axum::{Json, Router};
+use dsec_api::{BackendKind, ErrorBody, ErrorKind};
+use dsec_server::api::{check_bearer, idempotency_key, IDEMPOTENCY_KEY};
+use dsec_server::error::ApiError;
+use futures::future::join_all;
+use metrics_exporter_prometheus::PrometheusHandle;
+
+use crate::membership::{EdgeRecord, EdgeTable, Member};
+use crate::placement::{place, NoPlacement};
+
+/// Everything `dsec apiserver` is configured with.
+#[derive(Clone, Debug)]
+pub struct ApiserverConfig {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Bearer token clients must send.
+    pub token: Option<String>,
+    /// Bearer token sent to edges (their `--token-file`).
+    pub edge_token: Option<String>,
+    /// Choices per placement.
+    pub choices: usize,
+    /// Largest request body.
+    pub max_upload_bytes: usize,
+}
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct Fleet {
+    table: Arc<EdgeTable>,
+    http: reqwest::Client,
+    token: Option<Arc<str>>,
+    edge_token: Option<Arc<str>>,
+    choices: usize,
+    metrics: Option<PrometheusHandle>,
+}
+
+/// Headers a forwarded request keeps; everything else (hop-by-hop, the client's token)
+/// stays here.
+const FORWARDED_HEADERS: [header::HeaderName; 4] = [
+    header::CONTENT_TYPE,
+    header::CONTENT_LENGTH,
+    header::ACCEPT,
+    header::HeaderName::from_static(IDEMPOTENCY_KEY),
+];
+
+/// Headers of an edge's answer passed back to the client.
+const ANSWER_HEADERS: [header::HeaderName; 3] = [
+    header::CONTENT_TYPE,
+    header::CONTENT_LENGTH,
+    header::CACHE_CONTROL,
+];
+
+impl Fleet {
+    /// A fleet front over `table`.
+    pub fn new(
+        table: Arc<EdgeTable>,
+        config: &ApiserverConfig,
+        metrics: Option<PrometheusHandle>,
+    ) -> Fleet {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(2))
+            .pool_idle_timeout(Duration::from_secs(60))
+            .tcp_nodelay(true)
+            .build()
+            .expect("an HTTP client builds");
+        Fleet {
+            table,
+            http,
+            token: config.token.as_deref().map(Arc::from),
+            edge_token: config.edge_token.as_deref().map(Arc::from),
+            choices: config.choices.max(1),
+            metrics,
+        }
+    }
+
+    /// Sends a request to `member` and passes its answer back as a stream.
+    async fn forward(
+        &self,
+        member: &Member,
+        method: Method,
+        path_and_query: &str,
+        headers: &HeaderMap,
+        body: reqwest::Body,
+    ) -> Result<Response, ApiError> {
+        let started = Instant::now();
+        let url = format!(
+            "{}{path_and_query}",
+            member.record.url.trim_end_matches('/')
+        );
+        let mut request = self.http.request(method, &url).body(body);
+        for name in &FORWARDED_HEADERS {
+            if let Some(v) = headers.get(name) {
+                request = request.header(name, v);
+            }
+        }
+        if let Some(token) = &self.edge_token {
+            request = request.bearer_auth(token);
+        }
+        let answer = request.send().await.map_err(|e| {
+            metrics::counter!("dsec_fleet_edge_unreachable_total").increment(1);
+            ApiError::unavailable(format!(
+                "edge {:?} at {} is unreachable: {e}",
+                member.record.name, member.record.url
+            ))
+        })?;
+        metrics::histogram!("dsec_fleet_forward_seconds").record(started.elapsed().as_secs_f64());
+        let mut response = Response::builder().status(answer.status().as_u16());
+        for name in &ANSWER_HEADERS {
+            if let Some(v) = answer.headers().get(name) {
+                response = response.header(name, v);
+            }
+        }
+        Ok(response
+            .body(Body::from_stream(answer.bytes_stream()))
+            .expect("a response builds"))
+    }
+
+    /// The live edge called `name`, or why a request for its sandbox cannot be served.
+    fn member(&self, name: &str, sandbox: &str) -> Result<Arc<Member>, ApiError> {
+        if let Some(m) = self.table.members().get(name) {
+            return Ok(Arc::clone(m));
+        }
+        let why = if self.table.departed(name) {
+            "has left the fleet (its etcd lease expired or it stopped)"
+        } else {
+            "is not in the fleet (it left, or never joined)"
+        };
+        Err(ApiError::unavailable(format!(
+            "sandbox {sandbox:?} is on edge {name:?}, which {why}: the sandbox is lost"
+        )))
+    }
+
+    fn ready_members(&self) -> Vec<Arc<Member>> {
+        self.table
+            .members()
+            .list
+            .iter()
+            .filter(|m| m.record.ready)
+            .cloned()
+            .collect()
+    }
+
+    fn no_edges(&self) -> ApiError {
+        ApiError::unavailable(format!(
+            "no edges in the fleet: none is registered in etcd at {} (start `dsec edge --etcd {}` on each host)",
+            self.table.endpoints, self.table.endpoints
+        ))
+    }
+}
+
+/// Serves the fleet's API until SIGINT or SIGTERM.
+pub async fn serve(config: ApiserverConfig, fleet: Fleet) -> anyhow::Result<()> {
+    if !config.listen.ip().is_loopback() && config.token.is_none() {
+        anyhow::bail!(
+            "refusing to listen on {} without --token-file: anyone who can reach it could run commands as root in sandboxes; pass --token-file or listen on 127.0.0.1",
+            config.listen
+        );
+    }
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("listening on {}: {e}", config.listen))?;
+    tracing::info!(listen = %config.listen, etcd = %fleet.table.endpoints, "dsec apiserver serving");
+    axum::serve(listener, router(fleet, config.max_upload_bytes))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// Builds the router.
+pub fn router(fleet: Fleet, max_upload_bytes: usize) -> Router {
+    // Full paths, not a nested `/v1` router: handlers forward the URI they got, which a
+    // nested router would have stripped of its prefix.
+    Router::new()
+        .route("/v1/sandboxes", post(create).get(list))
+        .route("/v1/sandboxes/{id}", any(by_id))
+        .route("/v1/sandboxes/{id}/{*rest}", any(by_id))
+        .route("/v1/images", post(broadcast).get(from_any))
+        .route("/v1/images/{*name}", get(from_any).delete(broadcast))
+        .route("/v1/store", get(from_any))
+        .route("/v1/store/prune", post(broadcast))
+        .route("/v1/calls", post(call))
+        .route("/v1/calls/stream", post(call))
+        .route("/v1/fleet/edges", get(edges))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .fallback(|| async { ApiError::not_found("no such API route") })
+        .layer(middleware::from_fn_with_state(fleet.clone(), authenticate))
+        .route("/healthz", get(healthz))
+        .layer(axum::extract::DefaultBodyLimit::max(max_upload_bytes))
+        .with_state(fleet)
+}
+
+async fn authenticate(
+    State(fleet): State<Fleet>,
+    headers: HeaderMap,
+    request: Request,
+    next: Next,
+) -> Response {
+    if let Err(e) = check_bearer(fleet.token.as_deref(), &headers) {
+        return e.into_response();
+    }
+    next.run(request).await
+}
+
+async fn healthz(State(fleet): State<Fleet>) -> Json<serde_json::Value> {
+    Json(serde_json::json!({
+        "status": "ok",
+        "role": "apiserver",
+        "edges": fleet.table.members().list.len(),
+    }))
+}
+
+async fn metrics(State(fleet): State<Fleet>) -> Response {
+    metrics::gauge!("dsec_fleet_edges").set(fleet.table.members().list.len() as f64);
+    let text = fleet
+        .metrics
+        .as_ref()
+        .map(|m| m.render())
+        .unwrap_or_default();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+async fn openapi() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        dsec_server::api::openapi_json(),
+    )
+        .into_response()
+}
+
+/// The edges as this apiserver sees them (`dsec edges`).
+async fn edges(State(fleet): State<Fleet>) -> Json<Vec<EdgeRecord>> {
+    Json(
+        fleet
+            .table
+            .members()
+            .list
+            .iter()
+            .map(|m| m.record.clone())
+            .collect(),
+    )
+}
+
+fn path_and_query(request: &Request) -> String {
+    request.uri().path_and_query().map_or_else(
+        || request.uri().path().to_owned(),
+        |p| p.as_str().to_owned(),
+    )
+}
+
+/// Every request about one sandbox: to the edge its id names, streamed both ways.
+async fn by_id(State(fleet): State<Fleet>, request: Request) -> Result<Response, ApiError> {
+    let target = path_and_query(&request);
+    let id = request
+        .uri()
+        .path()
+        .trim_start_matches("/v1/sandboxes/")
+        .split('/')
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    let edge = crate::edge_of(&id).ok_or_else(|| {
+        ApiError::not_found(format!(
+            "sandbox {id:?} not found: a sandbox id is <edge>-<12 hex digits>"
+        ))
+    })?;
+    let member = fleet.member(edge, &id)?;
+    let (parts, body) = request.into_parts();
+    let body = reqwest::Body::wrap_stream(body.into_data_stream());
+    fleet
+        .forward(&member, parts.method, &target, &parts.headers, body)
+        .await
+        .map_err(|e| {
+            ApiError::unavailable(format!("sandbox {id:?} cannot be reached: {}", e.message))
+        })
+}
+
+/// The backend a create or call asks for, checked here so a typo is a 400, not a 503.
+fn requested_backend(body: &Bytes, default: &str) -> Result<String, ApiError> {
+    let value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("request body is not valid JSON: {e}")))?;
+    let backend = match value.get("backend") {
+        None | Some(serde_json::Value::Null) => default.to_owned(),
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(other) => {
+            return Err(ApiError::invalid(format!(
+                "backend must be a string, got {other}"
+            )))
+        }
+    };
+    BackendKind::parse(&backend).map_err(ApiError::invalid)?;
+    Ok(backend)
+}
+
+/// Percent-encodes a key for a URL path segment.
+fn path_segment(key: &str) -> String {
+    key.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// An edge's refusal that another edge may not share: at capacity, or the backend cannot
+/// run on that host.
+async fn refusal(response: Response) -> Result<ApiError, Response> {
+    if response.status() != StatusCode::SERVICE_UNAVAILABLE {
+        return Err(response);
+    }
+    let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .unwrap_or_default();
+    Ok(match serde_json::from_slice::<ErrorBody>(&body) {
+        Ok(b) => ApiError::new(b.error.kind, b.error.message),
+        Err(_) => ApiError::unavailable(String::from_utf8_lossy(&body).into_owned()),
+    })
+}
+
+/// Places a create (or a call) of `backend`: the drawn edges first, then the others; an
+/// edge that vetoes (capacity), cannot run the backend or cannot be reached hands the
+/// request on. A keyed create first asks the drawn edges whether it was made already.
+async fn placed(
+    fleet: &Fleet,
+    backend: &str,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+    key: Option<&str>,
+) -> Result<Response, ApiError> {
+    let members = fleet.table.members();
+    let placement = place(&members, backend, fleet.choices, key, &mut rand::rng()).map_err(
+        |why| match why {
+            NoPlacement::NoEdges => fleet.no_edges(),
+            NoPlacement::NoEdgeOffers => ApiError::unavailable(format!(
+                "no live edge runs backend {backend:?} (edges: {})",
+                members
+                    .list
+                    .iter()
+                    .map(|m| format!("{} [{}]", m.record.name, m.record.load.backends.join(",")))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            )),
+        },
+    )?;
+    if let Some(key) = key {
+        let lookup = format!("/v1/idempotency/{}", path_segment(key));
+        let no_headers = HeaderMap::new();
+        let found = join_all(placement.order[..placement.drawn].iter().map(|m| {
+            fleet.forward(
+                m,
+                Method::GET,
+                &lookup,
+                &no_headers,
+                reqwest::Body::from(""),
+            )
+        }))
+        .await;
+        if let Some(existing) = found
+            .into_iter()
+            .flatten()
+            .find(|r| r.status() == StatusCode::OK)
+        {
+            return Ok(existing);
+        }
+    }
+    let mut refusals = Vec::new();
+    let mut all_full = true;
+    for member in &placement.order {
+        let answer = fleet
+            .forward(
+                member,
+                Method::POST,
+                path,
+                headers,
+                reqwest::Body::from(body.clone()),
+            )
+            .await;
+        let refused = match answer {
+            Ok(response) => match refusal(response).await {
+                Err(response) => return Ok(response),
+                Ok(refused) => refused,
+            },
+            Err(unreachable) => unreachable,
+        };
+        metrics::counter!("dsec_fleet_placement_refused_total", "kind" => refused.kind.as_str())
+            .increment(1);
+        tracing::debug!(edge = %member.record.name, refused = %refused, "placement: next candidate");
+        all_full &= refused.kind == ErrorKind::Capacity;
+        refusals.push(format!("{}: {}", member.record.name, refused.message));
+    }
+    let message = format!(
+        "no edge could take a {backend:?} sandbox ({} tried): {}",
+        placement.order.len(),
+        refusals.join("; ")
+    );
+    Err(if all_full {
+        ApiError::capacity(message)
+    } else {
+        ApiError::unavailable(message)
+    })
+}
+
+async fn create(
+    State(fleet): State<Fleet>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let backend = requested_backend(&body, "container")?;
+    let key = idempotency_key(&headers)?.map(str::to_owned);
+    metrics::counter!("dsec_fleet_creates_total", "backend" => backend.clone()).increment(1);
+    placed(
+        &fleet,
+        &backend,
+        "/v1/sandboxes",
+        &headers,
+        body,
+        key.as_deref(),
+    )
+    .await
+}
+
+/// `POST /v1/calls[/stream]`: a one-shot fncall, placed like a create.
+async fn call(
+    State(fleet): State<Fleet>,
+    headers: HeaderMap,
+    request: Request,
+) -> Result<Response, ApiError> {
+    let path = path_and_query(&request);
+    let body = axum::body::to_bytes(request.into_body(), usize::MAX)
+        .await
+        .map_err(|e| ApiError::invalid(format!("reading the request body: {e}")))?;
+    placed(&fleet, "fncall", &path, &headers, body, None).await
+}
+
+/// `GET /v1/sandboxes`: every edge's list, merged oldest first.
+async fn list(
+    State(fleet): State<Fleet>,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let path = match query {
+        Some(q) => format!("/v1/sandboxes?{q}"),
+        None => "/v1/sandboxes".to_owned(),
+    };
+    let members = fleet.ready_members();
+    let answers = join_all(members.iter().map(|m| async {
+        let response = fleet
+            .forward(m, Method::GET, &path, &headers, reqwest::Body::from(""))
+            .await?;
+        let status = response.status();
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .map_err(|e| ApiError::unavailable(format!("edge {:?}: {e}", m.record.name)))?;
+        Ok::<_, ApiError>((status, body))
+    }))
+    .await;
+    let mut all: Vec<serde_json::Value> = Vec::new();
+    for (member, answer) in members.iter().zip(answers) {
+        match answer {
+            Ok((status, body)) if status.is_success() => {
+                let items: Vec<serde_json::Value> = serde_json::from_slice(&body).map_err(|e| {
+                    ApiError::internal(format!(
+                        "edge {:?} answered a list that does not parse: {e}",
+                        member.record.name
+                    ))
+                })?;
+                all.extend(items);
+            }
+            Ok((status, body)) => return Ok(buffered(status, body)),
+            Err(e) => {
+                tracing::warn!(edge = %member.record.name, error = %e, "list: leaving out an edge that does not answer")
+            }
+        }
+    }
+    let created =
+        |v: &serde_json::Value| v.get("created_at").and_then(|c| c.as_f64()).unwrap_or(0.0);
+    all.sort_by(|a, b| created(a).total_cmp(&created(b)));
+    Ok(Json(all).into_response())
+}
+
+fn buffered(status: StatusCode, body: Bytes) -> Response {
+    (
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        body,
+    )
+        .into_response()
+}
+
+/// Reads that any edge answers the same (images, the store): the first live one.
+async fn from_any(State(fleet): State<Fleet>, request: Request) -> Result<Response, ApiError> {
+    let path = path_and_query(&request);
+    let members = fleet.ready_members();
+    let member = members.first().ok_or_else(|| fleet.no_edges())?;
+    let (parts, _) = request.into_parts();
+    fleet
+        .forward(
+            member,
+            parts.method,
+            &path,
+            &parts.headers,
+            reqwest::Body::from(""),
+        )
+        .await
+}
+
+/// Image changes go to every live edge (until images come from a shared registry): the
+/// first failure is the answer, else the first edge's.
+async fn broadcast(State(fleet): State<Fleet>, request: Request) -> Result<Response, ApiError> {
+    let path = path_and_query(&request);
+    let (parts, body) = request.into_parts();
+    let body = axum::body::to_bytes(body, usize::MAX)
+        .await
+        .map_err(|e| ApiError::invalid(format!("reading the request body: {e}")))?;
+    let members = fleet.ready_members();
+    if members.is_empty() {
+        return Err(fleet.no_edges());
+    }
+    let answers = join_all(members.iter().map(|m| async {
+        let response = fleet
+            .forward(
+                m,
+                parts.method.clone(),
+                &path,
+                &parts.headers,
+                reqwest::Body::from(body.clone()),
+            )
+            .await?;
+        let status = response.status();
+        let headers = response.headers().clone();
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .map_err(|e| ApiError::unavailable(format!("edge {:?}: {e}", m.record.name)))?;
+        Ok::<_, ApiError>((status, headers, bytes))
+    }))
+    .await;
+    let mut first = None;
+    for answer in answers {
+        let (status, headers, bytes) = answer?;
+        // A progress stream reports a failure in its last line, under a success status.
+        let failed = !status.is_success()
+            || bytes
+                .split(|b| *b == b'\n')
+                .rev()
+                .find(|l| !l.is_empty())
+                .and_then(|l| serde_json::from_slice::<serde_json::Value>(l).ok())
+                .is_some_and(|v| v.get("kind").and_then(|k| k.as_str()) == Some("error"));
+        let mut response = Response::builder().status(status);
+        for name in &ANSWER_HEADERS[..1] {
+            if let Some(v) = headers.get(name) {
+                response = response.header(name, v);
+            }
+        }
+        let response = response.body(Body::from(bytes)).expect("a response builds");
+        if failed {
+            return Ok(response);
+        }
+        first.get_or_insert(response);
+    }
+    Ok(first.expect("at least one edge answered"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_encoded_for_a_path() {
+        assert_eq!(path_segment("a-b_c.1~"), "a-b_c.1~");
+        assert_eq!(path_segment("a/b?c"), "a%2Fb%3Fc");
+    }
+
+    #[test]
+    fn the_backend_is_checked_before_placement() {
+        assert_eq!(
+            requested_backend(&Bytes::from("{}"), "container").unwrap(),
+            "container"
+        );
+        assert_eq!(
+            requested_backend(&Bytes::from(r#"{"backend":"fncall"}"#), "container").unwrap(),
+            "fncall"
+        );
+        let e = requested_backend(&Bytes::from(r#"{"backend":"nope"}"#), "container").unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument);
+        let e = requested_backend(&Bytes::from("not json"), "container").unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument);
+    }
+}

@@ -1,0 +1,448 @@
+//! Membership in etcd: the edge's side (register with a lease, keep it alive, publish the
+//! load, leave) and the apiserver's (watch the prefix into memory).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use dsec_server::edge::{Edge, EdgeLoad};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
+    WatchOptions,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::EDGE_PREFIX;
+
+/// Why the fleet could not be joined or watched.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    /// No etcd answered.
+    #[error("etcd at {endpoints} is unreachable: {reason} (check --etcd: comma-separated URLs such as http://127.0.0.1:2379)")]
+    Unreachable {
+        /// The endpoints tried.
+        endpoints: String,
+        /// What failed.
+        reason: String,
+    },
+    /// Another edge holds the name.
+    #[error("edge name {name:?} is already in use by the edge at {url}; choose another --name (a stopped edge's name is free once its lease expires, within {ttl_s} s)")]
+    NameInUse {
+        /// The name.
+        name: String,
+        /// The holder's address.
+        url: String,
+        /// The lease TTL.
+        ttl_s: i64,
+    },
+    /// The name cannot prefix sandbox ids.
+    #[error("edge name {0:?} must be 1 to 63 letters, digits, '-', '_' or '.', starting with a letter or digit")]
+    BadName(String),
+    /// etcd refused a request (boxed: etcd's error is large, and rare).
+    #[error("etcd: {0}")]
+    Etcd(Box<etcd_client::Error>),
+}
+
+impl From<etcd_client::Error> for FleetError {
+    fn from(e: etcd_client::Error) -> FleetError {
+        FleetError::Etcd(Box::new(e))
+    }
+}
+
+/// What an edge publishes under `/dsec/edges/<name>`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EdgeRecord {
+    /// The edge's name: the prefix of its sandbox ids.
+    pub name: String,
+    /// Where apiservers reach its API.
+    pub url: String,
+    /// Serving: false between registration and the API listening.
+    pub ready: bool,
+    /// Its load when published.
+    pub load: EdgeLoad,
+    /// When published, seconds since the Unix epoch.
+    pub updated_at: f64,
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Connects to etcd and checks that it answers, so that a wrong URL fails at start.
+pub async fn connect(endpoints: &[String]) -> Result<Client, FleetError> {
+    let unreachable = |reason: String| FleetError::Unreachable {
+        endpoints: endpoints.join(","),
+        reason,
+    };
+    if endpoints.is_empty() {
+        return Err(unreachable("no endpoints given".into()));
+    }
+    let options = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(2))
+        .with_timeout(Duration::from_secs(3))
+        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+    let attempt = async {
+        let mut client = Client::connect(endpoints, Some(options)).await?;
+        client.status().await?;
+        Ok::<_, etcd_client::Error>(client)
+    };
+    match tokio::time::timeout(Duration::from_secs(5), attempt).await {
+        Ok(Ok(client)) => Ok(client),
+        Ok(Err(e)) => Err(unreachable(e.to_string())),
+        Err(_) => Err(unreachable("no answer within 5 s".into())),
+    }
+}
+
+/// The edge's membership: `dsec edge` hands it to [`dsec_server::run_with`].
+pub struct EdgeMembership {
+    endpoints: Vec<String>,
+    name: String,
+    url: String,
+    ttl_s: i64,
+    joined: Mutex<Option<(Client, i64)>>,
+}
+
+/// How often the load is published.
+const PUBLISH_EVERY: Duration = Duration::from_millis(500);
+
+impl EdgeMembership {
+    /// A membership for edge `name`, reached at `url`, with a lease of `ttl_s` seconds.
+    pub fn new(endpoints: Vec<String>, name: String, url: String, ttl_s: i64) -> EdgeMembership {
+        EdgeMembership {
+            endpoints,
+            name,
+            url,
+            ttl_s,
+            joined: Mutex::new(None),
+        }
+    }
+
+    fn key(&self) -> String {
+        format!("{EDGE_PREFIX}{}", self.name)
+    }
+
+    fn record(&self, ready: bool, load: EdgeLoad) -> Vec<u8> {
+        let record = EdgeRecord {
+            name: self.name.clone(),
+            url: self.url.clone(),
+            ready,
+            load,
+            updated_at: unix_now(),
+        };
+        serde_json::to_vec(&record).expect("records serialize")
+    }
+
+    /// Registers the name under a new lease, unless another edge holds it.
+    async fn register(&self) -> Result<(Client, i64), FleetError> {
+        crate::check_edge_name(&self.name)?;
+        let mut client = connect(&self.endpoints).await?;
+        let lease = client.lease_grant(self.ttl_s, None).await?.id();
+        let key = self.key();
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key.clone(),
+                self.record(false, EdgeLoad::default()),
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+        if client.txn(txn).await?.succeeded() {
+            return Ok((client, lease));
+        }
+        let _ = client.lease_revoke(lease).await;
+        let holder = client.get(key, None).await?;
+        let url = holder
+            .kvs()
+            .first()
+            .and_then(|kv| serde_json::from_slice::<EdgeRecord>(kv.value()).ok())
+            .map_or_else(|| "an unknown address".to_owned(), |r| r.url);
+        Err(FleetError::NameInUse {
+            name: self.name.clone(),
+            url,
+            ttl_s: self.ttl_s,
+        })
+    }
+
+    /// Keeps the lease alive and publishes the load until `stop`; then revokes the lease.
+    async fn publish(
+        &self,
+        mut client: Client,
+        lease: i64,
+        edge: Arc<Edge>,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) {
+        let key = self.key();
+        let keep_every = Duration::from_millis((self.ttl_s as u64 * 1000 / 3).max(200));
+        let mut keeper = match client.lease_keep_alive(lease).await {
+            Ok(k) => Some(k),
+            Err(e) => {
+                tracing::error!(error = %e, "etcd: cannot keep the edge's lease alive");
+                None
+            }
+        };
+        let mut publish = tokio::time::interval(PUBLISH_EVERY);
+        let mut keep = tokio::time::interval(keep_every);
+        loop {
+            tokio::select! {
+                _ = stop.changed() => break,
+                _ = keep.tick() => {
+                    if let Some((k, responses)) = keeper.as_mut() {
+                        let kept = async {
+                            k.keep_alive().await?;
+                            responses.message().await
+                        };
+                        match tokio::time::timeout(keep_every, kept).await {
+                            Ok(Ok(Some(r))) if r.ttl() > 0 => {}
+                            Ok(Ok(_)) => tracing::error!(lease, "etcd: the edge's lease expired; apiservers no longer see this edge"),
+                            Ok(Err(e)) => tracing::warn!(error = %e, "etcd: lease keep-alive failed"),
+                            Err(_) => tracing::warn!("etcd: lease keep-alive timed out"),
+                        }
+                    }
+                }
+                _ = publish.tick() => {
+                    let value = self.record(true, edge.load());
+                    let put = client.put(key.clone(), value, Some(PutOptions::new().with_lease(lease)));
+                    if let Err(e) = put.await {
+                        tracing::warn!(error = %e, "etcd: publishing the edge's load failed");
+                    }
+                }
+            }
+        }
+        match client.lease_revoke(lease).await {
+            Ok(_) => tracing::info!(edge = %self.name, "left the fleet (lease revoked)"),
+            Err(e) => {
+                tracing::warn!(error = %e, "etcd: revoking the lease failed; it expires by itself")
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl dsec_server::Membership for EdgeMembership {
+    async fn join(&self) -> Result<(), String> {
+        let joined = self.register().await.map_err(|e| e.to_string())?;
+        tracing::info!(edge = %self.name, url = %self.url, lease_ttl_s = self.ttl_s, "joined the fleet");
+        *self.joined.lock().expect("lock") = Some(joined);
+        Ok(())
+    }
+
+    async fn serve(&self, edge: Arc<Edge>, stop: tokio::sync::watch::Receiver<bool>) {
+        let Some((client, lease)) = self.joined.lock().expect("lock").take() else {
+            return;
+        };
+        self.publish(client, lease, edge, stop).await;
+    }
+}
+
+/// A live edge as an apiserver keeps it.
+#[derive(Debug)]
+pub struct Member {
+    /// What the edge last published.
+    pub record: EdgeRecord,
+    /// Sandboxes this apiserver placed there since that record: the published load is up
+    /// to half a second old, and placement must not pile onto one edge meanwhile.
+    pub placed: AtomicU64,
+}
+
+impl Member {
+    fn new(record: EdgeRecord) -> Arc<Member> {
+        Arc::new(Member {
+            record,
+            placed: AtomicU64::new(0),
+        })
+    }
+
+    /// Lower is less loaded: the published score plus what was placed since.
+    pub fn score(&self) -> f64 {
+        self.record
+            .load
+            .score_with(self.placed.load(Ordering::Relaxed))
+    }
+
+    /// Whether it serves and runs `backend`.
+    pub fn offers(&self, backend: &str) -> bool {
+        self.record.ready && self.record.load.backends.iter().any(|b| b == backend)
+    }
+}
+
+/// The live edges, in name order.
+#[derive(Debug, Default)]
+pub struct Members {
+    /// The edges.
+    pub list: Vec<Arc<Member>>,
+    index: HashMap<String, usize>,
+}
+
+impl Members {
+    /// Builds the table from records.
+    pub fn new(records: impl IntoIterator<Item = EdgeRecord>) -> Members {
+        Members::of(records.into_iter().map(Member::new).collect())
+    }
+
+    fn of(mut list: Vec<Arc<Member>>) -> Members {
+        list.sort_by(|a, b| a.record.name.cmp(&b.record.name));
+        let index = list
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.record.name.clone(), i))
+            .collect();
+        Members { list, index }
+    }
+
+    /// The edge called `name`.
+    pub fn get(&self, name: &str) -> Option<&Arc<Member>> {
+        self.index.get(name).map(|&i| &self.list[i])
+    }
+}
+
+/// The apiserver's view of the fleet, kept current by a watch on the prefix: no etcd
+/// round trip on a request's path.
+#[derive(Default)]
+pub struct EdgeTable {
+    members: RwLock<Arc<Members>>,
+    /// Edges that left while this apiserver watched, so errors can say so.
+    departed: Mutex<HashSet<String>>,
+    /// The etcd endpoints, for messages.
+    pub endpoints: String,
+}
+
+impl EdgeTable {
+    /// The live edges now.
+    pub fn members(&self) -> Arc<Members> {
+        Arc::clone(&self.members.read().expect("lock"))
+    }
+
+    /// Whether `name` was seen leaving.
+    pub fn departed(&self, name: &str) -> bool {
+        self.departed.lock().expect("lock").contains(name)
+    }
+
+    /// A table holding `records` (tests and benchmarks).
+    pub fn fixed(records: impl IntoIterator<Item = EdgeRecord>) -> EdgeTable {
+        EdgeTable {
+            members: RwLock::new(Arc::new(Members::new(records))),
+            ..Default::default()
+        }
+    }
+
+    fn apply(&self, upserts: Vec<EdgeRecord>, deletes: Vec<String>) {
+        let mut members = self.members.write().expect("lock");
+        let mut records: HashMap<String, Arc<Member>> = members
+            .list
+            .iter()
+            .map(|m| (m.record.name.clone(), Arc::clone(m)))
+            .collect();
+        let mut departed = self.departed.lock().expect("lock");
+        for name in deletes {
+            if records.remove(&name).is_some() {
+                tracing::info!(edge = %name, "edge left the fleet");
+            }
+            departed.insert(name);
+        }
+        for record in upserts {
+            departed.remove(&record.name);
+            if !records.contains_key(&record.name) {
+                tracing::info!(edge = %record.name, url = %record.url, "edge joined the fleet");
+            }
+            records.insert(record.name.clone(), Member::new(record));
+        }
+        *members = Arc::new(Members::of(records.into_values().collect()));
+        metrics::gauge!("dsec_fleet_edges").set(members.list.len() as f64);
+    }
+
+    fn replace(&self, records: Vec<EdgeRecord>) {
+        let names: HashSet<String> = records.iter().map(|r| r.name.clone()).collect();
+        let gone: Vec<String> = self
+            .members()
+            .list
+            .iter()
+            .map(|m| m.record.name.clone())
+            .filter(|n| !names.contains(n))
+            .collect();
+        self.apply(records, gone);
+    }
+
+    /// Connects (failing at once if etcd does not answer), loads the table, and keeps it
+    /// current in the background, reconnecting when the watch breaks (the table kept
+    /// meanwhile is the cached membership).
+    pub async fn watch(endpoints: Vec<String>) -> Result<Arc<EdgeTable>, FleetError> {
+        let mut client = connect(&endpoints).await?;
+        let table = Arc::new(EdgeTable {
+            endpoints: endpoints.join(","),
+            ..Default::default()
+        });
+        let revision = table.load(&mut client).await?;
+        let watching = Arc::clone(&table);
+        tokio::spawn(async move {
+            let mut next = Some((client, revision));
+            loop {
+                if let Some((client, revision)) = next.take() {
+                    if let Err(e) = watching.follow(client, revision).await {
+                        tracing::warn!(error = %e, "etcd: the watch on the edges broke; reconnecting");
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let reconnected = async {
+                    let mut client = connect(&endpoints).await?;
+                    let revision = watching.load(&mut client).await?;
+                    Ok::<_, FleetError>((client, revision))
+                };
+                match reconnected.await {
+                    Ok(c) => next = Some(c),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "etcd: still unreachable; serving the cached membership")
+                    }
+                }
+            }
+        });
+        Ok(table)
+    }
+
+    /// Reads every record; returns the revision to watch from.
+    async fn load(&self, client: &mut Client) -> Result<i64, FleetError> {
+        let resp = client
+            .get(EDGE_PREFIX, Some(GetOptions::new().with_prefix()))
+            .await?;
+        let records = resp
+            .kvs()
+            .iter()
+            .filter_map(|kv| serde_json::from_slice(kv.value()).ok())
+            .collect();
+        self.replace(records);
+        Ok(resp.header().map_or(0, |h| h.revision()))
+    }
+
+    async fn follow(&self, mut client: Client, revision: i64) -> Result<(), FleetError> {
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        let (_watcher, mut stream) = client.watch(EDGE_PREFIX, Some(options)).await?;
+        while let Some(resp) = stream.message().await? {
+            if resp.canceled() {
+                break;
+            }
+            let (mut upserts, mut deletes) = (Vec::new(), Vec::new());
+            for event in resp.events() {
+                let Some(kv) = event.kv() else { continue };
+                match event.event_type() {
+                    EventType::Put => match serde_json::from_slice::<EdgeRecord>(kv.value()) {
+                        Ok(r) => upserts.push(r),
+                        Err(e) => {
+                            tracing::warn!(key = %String::from_utf8_lossy(kv.key()), error = %e, "ignoring an edge record that does not parse")
+                        }
+                    },
+                    EventType::Delete => {
+                        let key = String::from_utf8_lossy(kv.key());
+                        if let Some(name) = key.strip_prefix(EDGE_PREFIX) {
+                            deletes.push(name.to_owned());
+                        }
+                    }
+                }
+            }
+            self.apply(upserts, deletes);
+        }
+        Ok(())
+    }
+}

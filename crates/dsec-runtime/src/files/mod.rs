@@ -1,0 +1,930 @@
+//! File operations on a sandbox, done inside it.
+//!
+//! The edge never touches a sandbox's files itself. A process in the sandbox — a
+//! container's init, a VM guest's agent, a fncall call's first process — opens them and
+//! answers the edge over the control channel ([`service`] on that side, [`client`] on the
+//! edge's). File operations thus run in the sandbox's mount and pid namespaces, with its
+//! reduced capability set, no_new_privs and seccomp filter, and see the sandbox's own
+//! `/proc`: nothing the files API does exceeds what a command of the sandbox could do,
+//! and nothing of the host (its environment, its kernel's addresses) can be read through it.
+//!
+//! Within the sandbox the rules are stricter than for a command, because the caller — a
+//! grader, a trainer — trusts what it gets and must never hang on what an agent planted:
+//! - a path is resolved from the root with `openat2(RESOLVE_BENEATH |
+//!   RESOLVE_NO_MAGICLINKS)`: `..` above `/`, absolute symbolic links and `/proc` magic
+//!   links are refused, whatever the agent made of the path;
+//! - only regular files and directories are served, on an allow-list of filesystem types
+//!   ([`ALLOWED_FILESYSTEMS`]: never procfs, sysfs, devpts, cgroupfs, debugfs, tracefs,
+//!   securityfs, bpffs, mqueue...), and never anything on the sandbox's `/dev` (its tmpfs,
+//!   told by `st_dev`);
+//! - race-free: the path is opened `O_PATH` (which opens nothing), that descriptor is
+//!   checked with `fstat` and `fstatfs`, and only then reopened for reading or writing
+//!   through `/proc/self/fd` with `O_NONBLOCK | O_NOCTTY`. A FIFO, a tty or a device is
+//!   never opened, so nothing blocks and no open has a side effect; a swap of the path
+//!   after the check cannot change which inode is reopened. A missing file is created
+//!   `O_CREAT | O_EXCL | O_NOFOLLOW`, so the create cannot land on anything else either;
+//! - bounded: reads stop at a size the edge gives, listings at an entry count, and the
+//!   in-sandbox side holds a bounded number of open transfers ([`service`]).
+
+pub mod client;
+pub mod service;
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::{Component, Path, PathBuf};
+
+use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags};
+use serde::{Deserialize, Serialize};
+
+/// What the caller was doing, for the messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileOp {
+    /// `read_file`.
+    Read,
+    /// `write_file`.
+    Write,
+    /// `list_files`.
+    List,
+}
+
+impl FileOp {
+    fn past(self) -> &'static str {
+        match self {
+            FileOp::Read => "read",
+            FileOp::Write => "written",
+            FileOp::List => "listed",
+        }
+    }
+}
+
+/// Why a path that exists is not served.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "refusal", rename_all = "snake_case")]
+pub enum Refusal {
+    /// A FIFO.
+    Fifo,
+    /// A unix socket.
+    Socket,
+    /// A character device (`/dev/zero`, a tty...).
+    CharDevice,
+    /// A block device.
+    BlockDevice,
+    /// On a filesystem the files API does not serve (procfs, sysfs...).
+    Filesystem {
+        /// Its name, or its magic number.
+        name: String,
+    },
+    /// On the sandbox's `/dev`.
+    SandboxDev,
+    /// A symbolic link whose target does not exist (a write would have to create it
+    /// through the link).
+    DanglingLink,
+    /// The path crosses a `/proc` magic link, or too many symbolic links.
+    MagicLink,
+}
+
+impl Refusal {
+    /// The `reason` label of `dsec_file_refused_total`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Refusal::Fifo => "fifo",
+            Refusal::Socket => "socket",
+            Refusal::CharDevice => "char_device",
+            Refusal::BlockDevice => "block_device",
+            Refusal::Filesystem { .. } => "filesystem",
+            Refusal::SandboxDev => "sandbox_dev",
+            Refusal::DanglingLink => "dangling_link",
+            Refusal::MagicLink => "magic_link",
+        }
+    }
+}
+
+/// A file operation failed. Serializable: a sandbox's side sends it to the edge as is.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum FileError {
+    /// The path is not absolute, or is otherwise malformed.
+    #[error("invalid path {path:?}: {reason}")]
+    InvalidPath {
+        /// The path as given.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Resolution would leave the sandbox's root.
+    #[error(
+        "path {path:?} escapes the sandbox's root through '..' or a symbolic link \
+         (absolute symbolic links included)"
+    )]
+    Escapes {
+        /// The path as given.
+        path: String,
+    },
+    /// Nothing at that path.
+    #[error("no such file or directory in the sandbox: {path:?}")]
+    NotFound {
+        /// The path as given.
+        path: String,
+    },
+    /// A directory where a file was expected, or the reverse.
+    #[error("{path:?} {reason}")]
+    WrongType {
+        /// The path as given.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Something the files API never serves (see the module docs).
+    #[error("{}", refused_message(path, *op, refusal, link.as_deref()))]
+    Refused {
+        /// The path as given.
+        path: String,
+        /// What was asked.
+        op: FileOp,
+        /// Why not.
+        #[serde(flatten)]
+        refusal: Refusal,
+        /// The target of the symbolic link the path named, if it was one.
+        link: Option<String>,
+    },
+    /// Over the server's size or count limit.
+    #[error("{path:?} {what}")]
+    TooLarge {
+        /// The path as given.
+        path: String,
+        /// What was asked.
+        op: FileOp,
+        /// What was too large, with the limit and the option that sets it.
+        what: String,
+    },
+    /// The sandbox has too many transfers open.
+    #[error("{path:?}: the sandbox has {limit} file transfers open already; retry when one ends")]
+    Busy {
+        /// The path as given.
+        path: String,
+        /// The limit.
+        limit: usize,
+    },
+    /// The writable layer is full.
+    #[error("no space left in the sandbox's writable layer writing {path:?}")]
+    NoSpace {
+        /// The path as given.
+        path: String,
+    },
+    /// Any other OS error.
+    #[error("{path:?}: {message}")]
+    Io {
+        /// The path as given.
+        path: String,
+        /// The OS error number, if there was one.
+        errno: Option<i32>,
+        /// The OS error's message.
+        message: String,
+    },
+}
+
+fn refused_message(path: &str, op: FileOp, refusal: &Refusal, link: Option<&str>) -> String {
+    let through = link.map_or_else(String::new, |l| {
+        format!(" (through a symbolic link to {l})")
+    });
+    let wanted = if op == FileOp::List {
+        "directories"
+    } else {
+        "regular files"
+    };
+    let kind = |what: &str| {
+        format!(
+            "{path} is {what}{through}: only {wanted} can be {}",
+            op.past()
+        )
+    };
+    match refusal {
+        Refusal::Fifo => kind("a FIFO"),
+        Refusal::Socket => kind("a socket"),
+        Refusal::CharDevice => kind("a character device"),
+        Refusal::BlockDevice => kind("a block device"),
+        Refusal::Filesystem { name } => format!(
+            "{path} is on {name}{through}: the files API serves the sandbox's own files \
+             (overlayfs, tmpfs, ext4, xfs, btrfs, erofs...), not kernel interfaces; \
+             run a command to read it"
+        ),
+        Refusal::SandboxDev => {
+            format!("{path} is in the sandbox's /dev{through}: the files API does not serve it")
+        }
+        Refusal::DanglingLink => format!(
+            "{path} is a symbolic link to {}, which does not exist: write to the link's \
+             target instead",
+            link.unwrap_or("a missing file")
+        ),
+        Refusal::MagicLink => {
+            format!("{path} passes through a /proc magic link or more than 40 symbolic links")
+        }
+    }
+}
+
+impl FileError {
+    /// An OS error on `path`, mapped to the variant a caller can act on.
+    pub fn os(path: &str, e: io::Error) -> FileError {
+        let path = path.to_owned();
+        match e.raw_os_error() {
+            Some(libc::ENOENT) => FileError::NotFound { path },
+            Some(libc::EXDEV) => FileError::Escapes { path },
+            Some(libc::ELOOP) => FileError::Refused {
+                path,
+                op: FileOp::Read,
+                refusal: Refusal::MagicLink,
+                link: None,
+            },
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => FileError::NoSpace { path },
+            Some(libc::EISDIR) => FileError::WrongType {
+                path,
+                reason: "is a directory".into(),
+            },
+            Some(libc::ENOTDIR) => FileError::WrongType {
+                path,
+                reason: "has a parent that is not a directory".into(),
+            },
+            errno => FileError::Io {
+                path,
+                errno,
+                message: e.to_string(),
+            },
+        }
+    }
+
+    /// The label of `dsec_file_refused_total` when this error is a refusal or a limit
+    /// (what an operator wants to see), `None` for ordinary failures.
+    pub fn refusal_label(&self) -> Option<&'static str> {
+        match self {
+            FileError::Refused { refusal, .. } => Some(refusal.label()),
+            FileError::Escapes { .. } => Some("escapes"),
+            FileError::TooLarge { .. } => Some("too_large"),
+            FileError::Busy { .. } => Some("busy"),
+            _ => None,
+        }
+    }
+
+    /// The path the error is about.
+    pub fn path(&self) -> &str {
+        match self {
+            FileError::InvalidPath { path, .. }
+            | FileError::Escapes { path }
+            | FileError::NotFound { path }
+            | FileError::WrongType { path, .. }
+            | FileError::Refused { path, .. }
+            | FileError::TooLarge { path, .. }
+            | FileError::Busy { path, .. }
+            | FileError::NoSpace { path }
+            | FileError::Io { path, .. } => path,
+        }
+    }
+}
+
+/// An entry of a directory listing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    /// File name.
+    pub name: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Whether it is a directory.
+    pub is_dir: bool,
+    /// Permission bits.
+    pub mode: u32,
+}
+
+/// Filesystems whose regular files and directories are served: what a sandbox's root,
+/// writable layer and image layers are made of (`statfs(2)` magic numbers).
+pub const ALLOWED_FILESYSTEMS: &[(u32, &str)] = &[
+    (0x794c_7630, "overlayfs"),
+    (0x0102_1994, "tmpfs"),
+    (0x0000_ef53, "ext4"),
+    (0x5846_5342, "xfs"),
+    (0x9123_683e, "btrfs"),
+    (0xe0f5_e1e2, "erofs"),
+    (0x7371_7368, "squashfs"),
+    (0x8584_58f6, "ramfs"),
+    (0xf2f5_2010, "f2fs"),
+];
+
+/// Names of filesystems that are refused, for the messages.
+const KNOWN_FILESYSTEMS: &[(u32, &str)] = &[
+    (0x0000_9fa0, "procfs"),
+    (0x6265_6572, "sysfs"),
+    (0x0000_1cd1, "devpts"),
+    (0x0027_e0eb, "cgroupfs"),
+    (0x6367_7270, "cgroup2fs"),
+    (0x6462_6720, "debugfs"),
+    (0x7472_6163, "tracefs"),
+    (0x7363_6673, "securityfs"),
+    (0xcafe_4a11, "bpffs"),
+    (0x1980_0202, "mqueue"),
+    (0x6573_5546, "fuse"),
+    (0x0000_6969, "nfs"),
+    (0x4249_4e4d, "binfmt_misc"),
+    (0x6e73_6673, "nsfs"),
+];
+
+const PROC_SUPER_MAGIC: u32 = 0x9fa0;
+
+fn filesystem_name(magic: u32) -> String {
+    KNOWN_FILESYSTEMS
+        .iter()
+        .chain(ALLOWED_FILESYSTEMS)
+        .find(|(m, _)| *m == magic)
+        .map_or_else(
+            || format!("a filesystem of type {magic:#x}"),
+            |(_, n)| (*n).to_owned(),
+        )
+}
+
+const RESOLVE: ResolveFlags = ResolveFlags::BENEATH.union(ResolveFlags::NO_MAGICLINKS);
+
+/// Flags of every reopen: never block, never take a controlling terminal.
+const REOPEN: OFlags = OFlags::NONBLOCK
+    .union(OFlags::NOCTTY)
+    .union(OFlags::CLOEXEC);
+
+/// A sandbox's root as seen by a process inside it (or a test's directory), with what
+/// the checks need: the `/proc` that reopens descriptors and the `st_dev` of `/dev`.
+#[derive(Debug)]
+pub struct SandboxRoot {
+    root: OwnedFd,
+    proc_fd: OwnedFd,
+    dev: Option<u64>,
+}
+
+impl SandboxRoot {
+    /// The root `root` (`/` inside a sandbox). Descriptors are reopened through this
+    /// process's own `/proc`, checked to be a procfs root.
+    pub fn open(root: &Path) -> io::Result<SandboxRoot> {
+        let dir = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        let root_fd = rustix::fs::open(root, dir, Mode::empty())?;
+        let proc_fd = rustix::fs::open("/proc", dir, Mode::empty())?;
+        let proc_stat = rustix::fs::fstat(&proc_fd)?;
+        if rustix::fs::fstatfs(&proc_fd)?.f_type as u32 != PROC_SUPER_MAGIC || proc_stat.st_ino != 1
+        {
+            return Err(io::Error::other("/proc is not the root of a procfs"));
+        }
+        let root_dev = rustix::fs::fstat(&root_fd)?.st_dev;
+        let dev = rustix::fs::statat(&root_fd, "dev", AtFlags::SYMLINK_NOFOLLOW)
+            .ok()
+            .map(|s| s.st_dev)
+            .filter(|d| *d != root_dev);
+        Ok(SandboxRoot {
+            root: root_fd,
+            proc_fd,
+            dev,
+        })
+    }
+
+    /// Opens a regular file for reading; refuses one larger than `max_bytes`. Returns
+    /// the file and its size now.
+    pub fn open_read(&self, path: &str, max_bytes: u64) -> Result<(File, u64), FileError> {
+        let rel = relative(path)?;
+        let fd = openat2(&self.root, target(&rel), OFlags::PATH, Mode::empty())
+            .map_err(|e| FileError::os(path, e))?;
+        let size = self
+            .check(&fd, FileOp::Read)
+            .map_err(|f| f.into_error(path, FileOp::Read, self.link_of(&rel)))?;
+        if size > max_bytes {
+            return Err(FileError::TooLarge {
+                path: path.to_owned(),
+                op: FileOp::Read,
+                what: too_large(size, max_bytes),
+            });
+        }
+        Ok((self.reopen(&fd, OFlags::RDONLY, path)?, size))
+    }
+
+    /// Opens `path` for writing from the start: an existing regular file is truncated, a
+    /// missing one is created with `mode`, missing parent directories with mode 0755.
+    /// The path resolves as for a read: symbolic links are followed while they stay
+    /// beneath the root.
+    pub fn open_write(&self, path: &str, mode: u32) -> Result<File, FileError> {
+        let rel = relative(path)?;
+        let name = rel.file_name().ok_or_else(|| FileError::InvalidPath {
+            path: path.to_owned(),
+            reason: "names a directory, not a file".into(),
+        })?;
+        let dir = self.parent(path, &rel)?;
+        let mode = Mode::from_raw_mode(mode & 0o7777);
+        // Each round either opens the file, or finds it missing and creates it; a path the
+        // sandbox keeps swapping between the two is given up on.
+        for _ in 0..8 {
+            match openat2(&self.root, &rel, OFlags::PATH, Mode::empty()) {
+                Ok(fd) => {
+                    self.check(&fd, FileOp::Write)
+                        .map_err(|f| f.into_error(path, FileOp::Write, link_target(&dir, name)))?;
+                    let file = self.reopen(&fd, OFlags::WRONLY | OFlags::TRUNC, path)?;
+                    return set_mode(file, mode, path);
+                }
+                Err(e) if e.raw_os_error() != Some(libc::ENOENT) => {
+                    return Err(FileError::os(path, e))
+                }
+                Err(_) => {}
+            }
+            let create = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW;
+            match openat2(&dir, Path::new(name), create | REOPEN, mode) {
+                Ok(fd) => return set_mode(File::from(fd), mode, path),
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    // Missing, yet there: a link to nothing (or a racing create).
+                    if let Some(target) = link_target(&dir, name) {
+                        if openat2(&self.root, &rel, OFlags::PATH, Mode::empty())
+                            .is_err_and(|e| e.raw_os_error() == Some(libc::ENOENT))
+                        {
+                            return Err(Fault::Refused(Refusal::DanglingLink).into_error(
+                                path,
+                                FileOp::Write,
+                                Some(target),
+                            ));
+                        }
+                    }
+                }
+                Err(e) => return Err(FileError::os(path, e)),
+            }
+        }
+        Err(FileError::Io {
+            path: path.to_owned(),
+            errno: None,
+            message: "the path kept changing while it was being opened".into(),
+        })
+    }
+
+    /// Writes `data` to `path` as [`open_write`](Self::open_write) opens it.
+    pub fn write_all(&self, path: &str, data: &[u8], mode: u32) -> Result<(), FileError> {
+        let mut file = self.open_write(path, mode)?;
+        io::Write::write_all(&mut file, data).map_err(|e| FileError::os(path, e))
+    }
+
+    /// Lists a directory, sorted by name; refuses one with more than `max_entries`.
+    pub fn list(&self, path: &str, max_entries: usize) -> Result<Vec<Entry>, FileError> {
+        let rel = relative(path)?;
+        // O_DIRECTORY: anything but a directory fails the lookup and is never opened.
+        let fd = openat2(
+            &self.root,
+            target(&rel),
+            OFlags::RDONLY | OFlags::DIRECTORY | REOPEN,
+            Mode::empty(),
+        )
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOTDIR) => FileError::WrongType {
+                path: path.to_owned(),
+                reason: "is not a directory".into(),
+            },
+            _ => FileError::os(path, e),
+        })?;
+        self.check(&fd, FileOp::List)
+            .map_err(|f| f.into_error(path, FileOp::List, self.link_of(&rel)))?;
+        let mut entries = Vec::new();
+        let dir = rustix::fs::Dir::read_from(&fd).map_err(|e| FileError::os(path, e.into()))?;
+        for entry in dir {
+            let entry = entry.map_err(|e| FileError::os(path, e.into()))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name == "." || name == ".." {
+                continue;
+            }
+            if entries.len() == max_entries {
+                return Err(FileError::TooLarge {
+                    path: path.to_owned(),
+                    op: FileOp::List,
+                    what: format!(
+                        "has more than {max_entries} entries, the most list_files returns; \
+                         list a subdirectory, or run a command"
+                    ),
+                });
+            }
+            let Ok(stat) = rustix::fs::statat(&fd, entry.file_name(), AtFlags::SYMLINK_NOFOLLOW)
+            else {
+                continue;
+            };
+            entries.push(Entry {
+                name,
+                size: stat.st_size as u64,
+                is_dir: FileType::from_raw_mode(stat.st_mode) == FileType::Directory,
+                mode: stat.st_mode & 0o7777,
+            });
+        }
+        entries.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(entries)
+    }
+
+    /// Checks the inode behind `fd` (an `O_PATH` or directory descriptor) for `op`;
+    /// returns its size.
+    fn check(&self, fd: &OwnedFd, op: FileOp) -> Result<u64, Fault> {
+        let stat = rustix::fs::fstat(fd).map_err(|e| Fault::Os(e.into()))?;
+        let wrong = |reason: &str| Fault::WrongType(reason.to_owned());
+        match (FileType::from_raw_mode(stat.st_mode), op) {
+            (FileType::RegularFile, FileOp::Read | FileOp::Write) => {}
+            (FileType::Directory, FileOp::List) => {}
+            (FileType::Directory, FileOp::Read) => {
+                return Err(wrong("is a directory; use list_files"))
+            }
+            (FileType::Directory, _) => return Err(wrong("is a directory")),
+            (FileType::RegularFile, _) => return Err(wrong("is not a directory")),
+            (FileType::Fifo, _) => return Err(Fault::Refused(Refusal::Fifo)),
+            (FileType::Socket, _) => return Err(Fault::Refused(Refusal::Socket)),
+            (FileType::CharacterDevice, _) => return Err(Fault::Refused(Refusal::CharDevice)),
+            (FileType::BlockDevice, _) => return Err(Fault::Refused(Refusal::BlockDevice)),
+            // O_PATH without O_NOFOLLOW never stops at a symbolic link.
+            (_, _) => return Err(wrong("is of an unknown type")),
+        }
+        self.check_filesystem(fd, stat.st_dev)?;
+        Ok(stat.st_size as u64)
+    }
+
+    fn check_filesystem(&self, fd: &OwnedFd, st_dev: u64) -> Result<(), Fault> {
+        let magic = rustix::fs::fstatfs(fd)
+            .map_err(|e| Fault::Os(e.into()))?
+            .f_type as u32;
+        if !ALLOWED_FILESYSTEMS.iter().any(|(m, _)| *m == magic) {
+            return Err(Fault::Refused(Refusal::Filesystem {
+                name: filesystem_name(magic),
+            }));
+        }
+        if self.dev == Some(st_dev) {
+            return Err(Fault::Refused(Refusal::SandboxDev));
+        }
+        Ok(())
+    }
+
+    /// Opens the inode of a checked `O_PATH` descriptor for I/O.
+    fn reopen(&self, fd: &OwnedFd, flags: OFlags, path: &str) -> Result<File, FileError> {
+        let name = format!("self/fd/{}", fd.as_raw_fd());
+        rustix::fs::openat(&self.proc_fd, name.as_str(), flags | REOPEN, Mode::empty())
+            .map(File::from)
+            .map_err(|e| FileError::os(path, e.into()))
+    }
+
+    /// The directory that holds `rel`'s last component, made (mode 0755) where missing;
+    /// every directory on the way is checked as a listing would be.
+    fn parent(&self, path: &str, rel: &Path) -> Result<OwnedFd, FileError> {
+        let dir_flags = OFlags::PATH | OFlags::DIRECTORY;
+        let checked = |fd: OwnedFd| -> Result<OwnedFd, FileError> {
+            let st_dev = rustix::fs::fstat(&fd)
+                .map_err(|e| FileError::os(path, e.into()))?
+                .st_dev;
+            self.check_filesystem(&fd, st_dev)
+                .map_err(|f| f.into_error(path, FileOp::Write, None))?;
+            Ok(fd)
+        };
+        let mut dir = checked(
+            openat2(&self.root, Path::new("."), dir_flags, Mode::empty())
+                .map_err(|e| FileError::os(path, e))?,
+        )?;
+        // Each prefix resolves from the root, as the whole path of a read does; a missing
+        // one is made in the directory its parent resolved to.
+        let mut prefix = PathBuf::new();
+        for comp in rel.parent().into_iter().flat_map(Path::components) {
+            prefix.push(comp);
+            let next = match openat2(&self.root, &prefix, dir_flags, Mode::empty()) {
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                    match rustix::fs::mkdirat(&dir, comp.as_os_str(), Mode::from_raw_mode(0o755)) {
+                        Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                        Err(e) => return Err(FileError::os(path, e.into())),
+                    }
+                    openat2(&self.root, &prefix, dir_flags, Mode::empty())
+                }
+                other => other,
+            };
+            dir = checked(next.map_err(|e| FileError::os(path, e))?)?;
+        }
+        Ok(dir)
+    }
+
+    /// The target of the symbolic link `rel` names, if it is one (for messages only).
+    fn link_of(&self, rel: &Path) -> Option<String> {
+        let name = rel.file_name()?;
+        let parent = rel.parent().filter(|p| !p.as_os_str().is_empty());
+        let dir = openat2(
+            &self.root,
+            parent.unwrap_or(Path::new(".")),
+            OFlags::PATH | OFlags::DIRECTORY,
+            Mode::empty(),
+        )
+        .ok()?;
+        link_target(&dir, name)
+    }
+}
+
+/// The failure of a check, before it is given its path.
+enum Fault {
+    Refused(Refusal),
+    WrongType(String),
+    Os(io::Error),
+}
+
+impl Fault {
+    fn into_error(self, path: &str, op: FileOp, link: Option<String>) -> FileError {
+        match self {
+            Fault::Refused(refusal) => FileError::Refused {
+                path: path.to_owned(),
+                op,
+                refusal,
+                link,
+            },
+            Fault::WrongType(reason) => FileError::WrongType {
+                path: path.to_owned(),
+                reason,
+            },
+            Fault::Os(e) => FileError::os(path, e),
+        }
+    }
+}
+
+fn too_large(size: u64, limit: u64) -> String {
+    format!(
+        "is {} MiB, over the server's limit of {} MiB for a file read (dsec serve --max-file-mb)",
+        size.div_ceil(1 << 20),
+        limit >> 20
+    )
+}
+
+fn set_mode(file: File, mode: Mode, path: &str) -> Result<File, FileError> {
+    // The creating process's umask must not change the mode the caller asked for.
+    rustix::fs::fchmod(&file, mode).map_err(|e| FileError::os(path, e.into()))?;
+    Ok(file)
+}
+
+fn link_target(dir: &OwnedFd, name: &std::ffi::OsStr) -> Option<String> {
+    rustix::fs::readlinkat(dir, name, Vec::new())
+        .ok()
+        .map(|t| t.to_string_lossy().into_owned())
+}
+
+/// `rel`, or `.` for the root itself.
+fn target(rel: &Path) -> &Path {
+    if rel.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        rel
+    }
+}
+
+fn openat2(dir: impl AsFd, path: &Path, flags: OFlags, mode: Mode) -> io::Result<OwnedFd> {
+    loop {
+        match rustix::fs::openat2(&dir, path, flags | OFlags::CLOEXEC, mode, RESOLVE) {
+            Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => continue,
+            other => return other.map_err(Into::into),
+        }
+    }
+}
+
+/// Checks that `path` is absolute and stays inside `/` lexically, and makes it relative
+/// to the root.
+pub fn relative(path: &str) -> Result<PathBuf, FileError> {
+    let invalid = |reason: &str| FileError::InvalidPath {
+        path: path.to_owned(),
+        reason: reason.to_owned(),
+    };
+    if path.contains('\0') {
+        return Err(invalid("contains a NUL byte"));
+    }
+    let p = Path::new(path);
+    if !p.is_absolute() {
+        return Err(invalid("must be absolute"));
+    }
+    let mut out = PathBuf::new();
+    for comp in p.components() {
+        match comp {
+            Component::RootDir | Component::CurDir => {}
+            Component::ParentDir => {
+                if !out.pop() {
+                    return Err(FileError::Escapes {
+                        path: path.to_owned(),
+                    });
+                }
+            }
+            Component::Normal(c) => out.push(c),
+            Component::Prefix(_) => return Err(invalid("has a prefix")),
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MAX: u64 = 1 << 30;
+
+    fn read(root: &SandboxRoot, path: &str) -> Result<Vec<u8>, FileError> {
+        let (mut file, _) = root.open_read(path, MAX)?;
+        let mut data = Vec::new();
+        io::Read::read_to_end(&mut file, &mut data).unwrap();
+        Ok(data)
+    }
+
+    fn refusal(r: Result<impl std::fmt::Debug, FileError>) -> Refusal {
+        match r {
+            Err(FileError::Refused { refusal, .. }) => refusal,
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn lexical_escape_is_refused() {
+        assert!(matches!(
+            relative("/../etc"),
+            Err(FileError::Escapes { .. })
+        ));
+        assert!(matches!(
+            relative("etc"),
+            Err(FileError::InvalidPath { .. })
+        ));
+        assert_eq!(relative("/a/./b/../c").unwrap(), PathBuf::from("a/c"));
+    }
+
+    #[test]
+    fn symlinks_out_of_the_root_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        std::fs::create_dir(&root).unwrap();
+        std::fs::write(tmp.path().join("secret"), b"host").unwrap();
+        std::os::unix::fs::symlink("../secret", root.join("rel")).unwrap();
+        std::os::unix::fs::symlink("/etc", root.join("abs")).unwrap();
+        let sb = SandboxRoot::open(&root).unwrap();
+        assert!(matches!(read(&sb, "/rel"), Err(FileError::Escapes { .. })));
+        assert!(matches!(
+            read(&sb, "/abs/passwd"),
+            Err(FileError::Escapes { .. })
+        ));
+        assert!(matches!(
+            sb.write_all("/abs/x", b"no", 0o644),
+            Err(FileError::Escapes { .. })
+        ));
+    }
+
+    #[test]
+    fn write_creates_parents_and_list_reports_them() {
+        let tmp = tempfile::tempdir().unwrap();
+        let sb = SandboxRoot::open(tmp.path()).unwrap();
+        sb.write_all("/a/b/c.txt", b"hello", 0o600).unwrap();
+        assert_eq!(read(&sb, "/a/b/c.txt").unwrap(), b"hello");
+        sb.write_all("/a/b/c.txt", b"2", 0o640).unwrap();
+        assert_eq!(read(&sb, "/a/b/c.txt").unwrap(), b"2");
+        let listing = sb.list("/a", 10).unwrap();
+        assert_eq!(listing.len(), 1);
+        assert!(listing[0].is_dir);
+        assert_eq!(
+            sb.list("/a/b", 10).unwrap(),
+            vec![Entry {
+                name: "c.txt".into(),
+                size: 1,
+                is_dir: false,
+                mode: 0o640
+            }]
+        );
+        assert!(matches!(read(&sb, "/a"), Err(FileError::WrongType { .. })));
+        assert!(matches!(
+            read(&sb, "/nope"),
+            Err(FileError::NotFound { .. })
+        ));
+        assert!(matches!(
+            sb.list("/a/b/c.txt", 10),
+            Err(FileError::WrongType { .. })
+        ));
+    }
+
+    #[test]
+    fn a_relative_link_inside_the_root_is_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let sb = SandboxRoot::open(tmp.path()).unwrap();
+        sb.write_all("/data/real.txt", b"real", 0o644).unwrap();
+        std::os::unix::fs::symlink("data/real.txt", tmp.path().join("link")).unwrap();
+        assert_eq!(read(&sb, "/link").unwrap(), b"real");
+        sb.write_all("/link", b"through", 0o644).unwrap();
+        assert_eq!(read(&sb, "/data/real.txt").unwrap(), b"through");
+        assert!(tmp.path().join("link").is_symlink());
+        // Links climbing up, still beneath the root, resolve for writes as for reads, in
+        // the last component and on the way.
+        std::fs::create_dir(tmp.path().join("work")).unwrap();
+        std::os::unix::fs::symlink("../data/real.txt", tmp.path().join("work/out")).unwrap();
+        std::os::unix::fs::symlink("../data", tmp.path().join("work/data")).unwrap();
+        sb.write_all("/work/out", b"up", 0o644).unwrap();
+        assert_eq!(read(&sb, "/data/real.txt").unwrap(), b"up");
+        sb.write_all("/work/data/new/file", b"made", 0o644).unwrap();
+        assert_eq!(read(&sb, "/data/new/file").unwrap(), b"made");
+    }
+
+    #[test]
+    fn fifos_are_refused_without_blocking() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fifo = tmp.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
+        std::os::unix::fs::symlink("fifo", tmp.path().join("result.txt")).unwrap();
+        let sb = SandboxRoot::open(tmp.path()).unwrap();
+        // An open of the FIFO would block these calls forever: they return at once.
+        assert_eq!(refusal(read(&sb, "/fifo")), Refusal::Fifo);
+        assert_eq!(refusal(sb.open_write("/fifo", 0o644)), Refusal::Fifo);
+        let err = read(&sb, "/result.txt").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "/result.txt is a FIFO (through a symbolic link to fifo): only regular files \
+             can be read"
+        );
+        // A listing looks only for directories: the FIFO is not opened either.
+        assert!(matches!(
+            sb.list("/fifo", 10),
+            Err(FileError::WrongType { .. })
+        ));
+    }
+
+    #[test]
+    fn dangling_links_are_not_written_through() {
+        let tmp = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink("missing", tmp.path().join("out")).unwrap();
+        let sb = SandboxRoot::open(tmp.path()).unwrap();
+        assert_eq!(
+            refusal(sb.write_all("/out", b"x", 0o644)),
+            Refusal::DanglingLink
+        );
+        assert!(!tmp.path().join("missing").exists());
+    }
+
+    #[test]
+    fn kernel_interfaces_and_devices_are_refused() {
+        // The host's own root stands in for a sandbox's: /proc, /sys and /dev are there.
+        let sb = SandboxRoot::open(Path::new("/")).unwrap();
+        let procfs = Refusal::Filesystem {
+            name: "procfs".into(),
+        };
+        assert_eq!(refusal(read(&sb, "/proc/self/environ")), procfs);
+        assert_eq!(refusal(read(&sb, "/proc/kmsg")), procfs);
+        assert_eq!(refusal(sb.list("/proc", 10)), procfs);
+        assert_eq!(refusal(sb.open_write("/proc/self/comm", 0o644)), procfs);
+        if Path::new("/sys/kernel/vmcoreinfo").exists() {
+            assert_eq!(
+                refusal(read(&sb, "/sys/kernel/vmcoreinfo")),
+                Refusal::Filesystem {
+                    name: "sysfs".into()
+                }
+            );
+        }
+        assert_eq!(refusal(read(&sb, "/dev/zero")), Refusal::CharDevice);
+        // A write is refused on the way, in /dev itself.
+        assert_eq!(
+            refusal(sb.open_write("/dev/null", 0o644)),
+            Refusal::SandboxDev
+        );
+        assert_eq!(
+            refusal(sb.open_write("/dev/new", 0o644)),
+            Refusal::SandboxDev
+        );
+        assert!(!Path::new("/dev/new").exists());
+        // /proc/self/fd/N are magic links: never followed.
+        assert_eq!(refusal(read(&sb, "/proc/self/fd/0")), Refusal::MagicLink);
+        // A relative symbolic link to a device, planted where a grader reads.
+        let tmp = tempfile::tempdir_in("/tmp").unwrap();
+        let depth = tmp.path().components().count() - 1;
+        let up = "../".repeat(depth);
+        std::os::unix::fs::symlink(format!("{up}dev/zero"), tmp.path().join("result.txt")).unwrap();
+        let planted = format!("{}/result.txt", tmp.path().display());
+        let err = read(&sb, &planted).unwrap_err();
+        assert_eq!(refusal(Err::<(), _>(err.clone())), Refusal::CharDevice);
+        assert!(
+            err.to_string()
+                .contains(&format!("through a symbolic link to {up}dev/zero")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn reads_over_the_limit_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let sb = SandboxRoot::open(tmp.path()).unwrap();
+        sb.write_all("/big", &[7; 4096], 0o644).unwrap();
+        assert!(matches!(
+            sb.open_read("/big", 4095),
+            Err(FileError::TooLarge { .. })
+        ));
+        assert_eq!(sb.open_read("/big", 4096).unwrap().1, 4096);
+    }
+
+    #[test]
+    fn listings_are_bounded() {
+        let tmp = tempfile::tempdir().unwrap();
+        for i in 0..5 {
+            std::fs::write(tmp.path().join(i.to_string()), b"").unwrap();
+        }
+        let sb = SandboxRoot::open(tmp.path()).unwrap();
+        assert_eq!(sb.list("/", 5).unwrap().len(), 5);
+        assert!(matches!(sb.list("/", 4), Err(FileError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn errors_cross_the_channel_unchanged() {
+        let err = FileError::Refused {
+            path: "/x".into(),
+            op: FileOp::Write,
+            refusal: Refusal::Filesystem {
+                name: "sysfs".into(),
+            },
+            link: Some("../sys/x".into()),
+        };
+        let json = serde_json::to_string(&err).unwrap();
+        assert_eq!(serde_json::from_str::<FileError>(&json).unwrap(), err);
+    }
+}

@@ -1,0 +1,1122 @@
+//! One envd-compatible endpoint for every sandbox (what E2B runs inside each VM, served
+//! here by dsec from outside): requests name their sandbox in `E2b-Sandbox-Id` (or in the
+//! host, `49983-<id>.<domain>`), as E2B's own proxy routes them.
+//!
+//! - `GET /health`: 204, or 502 ("… was not found") when the sandbox is unknown, stopped
+//!   or paused — the SDK's `is_running()` reads exactly that;
+//! - `GET /files`, `POST /files` (multipart or octet-stream, gzip): the sandbox's files;
+//! - `POST /process.Process/*`, `POST /filesystem.Filesystem/*`: the Connect services.
+//!
+//! Authentication as envd's: once a sandbox has an access token (every sandbox created
+//! through E2B does), each request must carry it in `X-Access-Token`, except `/health`
+//! and `/files`, which take a signed URL instead (`v1_` + base64 of
+//! sha256("path:operation:username:token[:expiration]")). dsec's own token is accepted
+//! everywhere, and is the only credential of sandboxes made through dsec's API.
+//!
+//! The user of a request (`Authorization: Basic base64("<user>:")`, or `username=`) is the
+//! user commands and file operations run as; relative paths are that user's home's.
+
+// The checks of a request return the reply that refuses it, once per request, straight to
+// the handler: boxing it would only add an allocation to every refusal.
+#![expect(clippy::result_large_err, reason = "the error is the reply itself")]
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRequest, Multipart, Path, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine;
+use dsec_api::{Command, ExecRequest};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use sha2::Digest;
+
+use super::connect::{self, Code, ConnectError, MessageStream};
+use super::proto::{
+    DataEvent, EndEvent, EntryInfo, EntryResponse, FileType, ListDirRequest, ListDirResponse,
+    PathRequest, ProcessEvent, ProcessStreamMessage, StartRequest,
+};
+use super::{E2b, E2bSandbox, DEBUG_SANDBOX_ID};
+use crate::backend::{FileRead, Output, Upload};
+use crate::error::ApiError;
+
+/// Longest time one command may run when the client sets no deadline (dsec's longest).
+const NO_DEADLINE_TIMEOUT_S: f64 = 30.0 * 86400.0;
+
+/// The envd endpoint's routes.
+pub fn router(e2b: Arc<E2b>) -> Router {
+    let max_upload = e2b.max_upload_bytes;
+    Router::new()
+        .route("/health", get(health))
+        .route("/files", get(read_file).post(write_files))
+        .route("/process.Process/{method}", post(process_rpc))
+        .route("/filesystem.Filesystem/{method}", post(filesystem_rpc))
+        .fallback(|| async { http_error(StatusCode::NOT_FOUND, "no such envd route in dsec") })
+        .layer(axum::extract::DefaultBodyLimit::max(max_upload))
+        .with_state(e2b)
+}
+
+/// envd's plain HTTP error: `{"code": <status>, "message": ...}`.
+fn http_error(status: StatusCode, message: impl Into<String>) -> Response {
+    let message = message.into();
+    if status.is_server_error() && status != StatusCode::BAD_GATEWAY {
+        tracing::error!(status = %status, message = %message, "envd error");
+    }
+    (
+        status,
+        Json(serde_json::json!({"code": status.as_u16(), "message": message})),
+    )
+        .into_response()
+}
+
+fn api_http_error(e: ApiError) -> Response {
+    let status = StatusCode::from_u16(e.kind.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    http_error(status, e.message)
+}
+
+/// The sandbox a request is for, or the 502 E2B's proxy answers for one it cannot reach.
+async fn target(e2b: &E2b, headers: &HeaderMap) -> Result<E2bSandbox, Response> {
+    let id = headers
+        .get("e2b-sandbox-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .or_else(|| sandbox_from_host(headers));
+    let Some(mut id) = id else {
+        return Err(http_error(
+            StatusCode::BAD_REQUEST,
+            "no sandbox named: send the E2b-Sandbox-Id header (the e2b SDK does when \
+             E2B_SANDBOX_URL points here)",
+        ));
+    };
+    if id == DEBUG_SANDBOX_ID {
+        id = e2b.debug_sandbox().await.map_err(api_http_error)?;
+    }
+    let not_found = || {
+        http_error(
+            StatusCode::BAD_GATEWAY,
+            format!("sandbox {id:?} was not found: it was killed, timed out, or never existed"),
+        )
+    };
+    let sandbox = e2b.get(&id).map_err(|_| not_found())?;
+    if matches!(
+        sandbox.info.state,
+        dsec_api::SandboxState::Stopping | dsec_api::SandboxState::Stopped
+    ) {
+        return Err(not_found());
+    }
+    Ok(sandbox)
+}
+
+/// `<port>-<sandbox id>.<domain>`, the host form of E2B's sandbox URLs.
+fn sandbox_from_host(headers: &HeaderMap) -> Option<String> {
+    let host = headers.get(header::HOST)?.to_str().ok()?;
+    let label = host.split('.').next()?;
+    let (port, id) = label.split_once('-')?;
+    (port.bytes().all(|b| b.is_ascii_digit()) && !id.is_empty()).then(|| id.to_owned())
+}
+
+/// Whether the request carries a token of the sandbox's (its own, or dsec's).
+fn token_ok(e2b: &E2b, sandbox: &E2bSandbox, given: Option<&str>) -> bool {
+    let tokens: Vec<&str> = [sandbox.access_token.as_deref(), e2b.token.as_deref()]
+        .into_iter()
+        .flatten()
+        .collect();
+    tokens.is_empty()
+        || given.is_some_and(|g| {
+            tokens
+                .iter()
+                .any(|t| crate::api::constant_time_eq(g.as_bytes(), t.as_bytes()))
+        })
+}
+
+fn access_token(headers: &HeaderMap) -> Option<&str> {
+    headers.get("x-access-token").and_then(|v| v.to_str().ok())
+}
+
+/// A sandbox that may take requests now: authenticated, and running.
+async fn authorized(e2b: &E2b, headers: &HeaderMap) -> Result<E2bSandbox, Response> {
+    let sandbox = target(e2b, headers).await?;
+    if !token_ok(e2b, &sandbox, access_token(headers)) {
+        return Err(http_error(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized access, please provide a valid access token (X-Access-Token: the \
+             envdAccessToken the sandbox was created with)",
+        ));
+    }
+    running(e2b, sandbox).await
+}
+
+/// A paused sandbox is resumed for the request when it has auto-resume (its timeout
+/// starting again), else refused as E2B's proxy refuses it.
+async fn running(e2b: &E2b, sandbox: E2bSandbox) -> Result<E2bSandbox, Response> {
+    check_running(&sandbox)?;
+    if sandbox.paused() {
+        return e2b
+            .auto_resume(&sandbox.info.id)
+            .await
+            .map_err(api_http_error);
+    }
+    Ok(sandbox)
+}
+
+fn check_running(sandbox: &E2bSandbox) -> Result<(), Response> {
+    if sandbox.paused() && !sandbox.auto_resume {
+        return Err(http_error(
+            StatusCode::BAD_GATEWAY,
+            format!(
+                "sandbox {:?} was not found running: it is paused; Sandbox.connect resumes it",
+                sandbox.info.id
+            ),
+        ));
+    }
+    Ok(())
+}
+
+async fn health(State(e2b): State<Arc<E2b>>, headers: HeaderMap) -> Response {
+    match target(&e2b, &headers).await {
+        Ok(sandbox) if sandbox.paused() => check_running(&sandbox)
+            .err()
+            .unwrap_or_else(|| StatusCode::NO_CONTENT.into_response()),
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(response) => response,
+    }
+}
+
+// ------------------------------------------------------------------ users and paths
+
+/// Who a request acts as, and where its relative paths start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct EnvdUser {
+    name: String,
+    home: String,
+}
+
+/// The user a request names (`Authorization: Basic base64("<user>:")` or `username=`).
+/// Commands and files run as root until dsec's `user=` exists; naming another user is
+/// refused rather than silently run as root.
+fn request_user(headers: &HeaderMap, username: Option<&str>) -> Result<EnvdUser, ConnectError> {
+    let from_header = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Basic "))
+        .map(|b64| {
+            base64::engine::general_purpose::STANDARD
+                .decode(b64.trim())
+                .ok()
+                .and_then(|raw| String::from_utf8(raw).ok())
+                .map(|pair| pair.split(':').next().unwrap_or_default().to_owned())
+                .ok_or_else(|| {
+                    ConnectError::invalid("Authorization must be Basic base64(\"<user>:\")")
+                })
+        })
+        .transpose()?;
+    let name = username
+        .map(str::to_owned)
+        .or(from_header)
+        .filter(|n| !n.is_empty());
+    match name.as_deref() {
+        None | Some("root") => Ok(EnvdUser {
+            name: "root".to_owned(),
+            home: "/root".to_owned(),
+        }),
+        Some(other) => Err(ConnectError::unimplemented(format!(
+            "acting as user {other:?} needs dsec's per-command users, which this server \
+             does not have yet: only root is served"
+        ))),
+    }
+}
+
+/// An absolute, normalised path: `~` and relative paths start at the user's home; `.`
+/// and `..` are resolved by name (the sandbox confines the result).
+fn resolve_path(path: &str, user: &EnvdUser) -> Result<String, ConnectError> {
+    if path.contains('\0') {
+        return Err(ConnectError::invalid("path must not contain NUL"));
+    }
+    let joined = if path == "~" {
+        user.home.clone()
+    } else if let Some(rest) = path.strip_prefix("~/") {
+        format!("{}/{rest}", user.home)
+    } else if path.starts_with('/') {
+        path.to_owned()
+    } else {
+        format!("{}/{path}", user.home)
+    };
+    let mut parts: Vec<&str> = Vec::new();
+    for part in joined.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            p => parts.push(p),
+        }
+    }
+    Ok(format!("/{}", parts.join("/")))
+}
+
+// ------------------------------------------------------------------ Connect services
+
+/// The call's body: whole for unary calls, one envelope for server streams.
+async fn read_message(body: Body, streaming: bool, limit: usize) -> Result<Bytes, ConnectError> {
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
+        ConnectError::new(
+            Code::ResourceExhausted,
+            format!("request body over {limit} bytes: {e}"),
+        )
+    })?;
+    if !streaming {
+        return Ok(bytes);
+    }
+    let mut decoder = connect::EnvelopeDecoder::new(limit);
+    decoder.push(&bytes);
+    let message = decoder
+        .next_message()?
+        .ok_or_else(|| ConnectError::invalid("the request stream holds no message"))?;
+    decoder.finish()?;
+    Ok(message)
+}
+
+/// Most of a request body read before an early error reply.
+const DRAIN_LIMIT: usize = 64 << 10;
+
+/// Reads what is left of a (small) request body before an early error reply: the e2b SDK
+/// streams request bodies, and a client still sending one would see the connection
+/// closed instead of the reply.
+async fn drained(body: Body, response: Response) -> Response {
+    match axum::body::to_bytes(body, DRAIN_LIMIT).await {
+        Ok(_) => response,
+        Err(_) => closing(response),
+    }
+}
+
+/// Marks a reply after which the request body is left unread: the connection then closes,
+/// and the client must know not to send its next request on it.
+fn closing(mut response: Response) -> Response {
+    response.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    response
+}
+
+/// What every Connect call shares: the checked sandbox, user and deadline.
+struct Call {
+    sandbox: E2bSandbox,
+    user: EnvdUser,
+    deadline: Option<tokio::time::Instant>,
+    keepalive: Option<std::time::Duration>,
+}
+
+/// A Connect call's checked sandbox, user and deadline, and its request message; else
+/// the reply refusing it, in the call's own form (a stream's end frame, or a unary error).
+async fn call(
+    e2b: &E2b,
+    headers: &HeaderMap,
+    body: Body,
+    streaming: bool,
+) -> Result<(Call, Bytes), Response> {
+    let fail = |e: ConnectError| {
+        if streaming {
+            connect::stream_error(&e)
+        } else {
+            e.into_response()
+        }
+    };
+    let checked = async {
+        connect::check_content_type(headers, streaming)?;
+        let sandbox = authorized(e2b, headers).await?;
+        let user = request_user(headers, None).map_err(fail)?;
+        let deadline = connect::deadline(headers).map_err(fail)?;
+        Ok::<_, Response>(Call {
+            sandbox,
+            user,
+            deadline,
+            keepalive: connect::keepalive_interval(headers),
+        })
+    };
+    let call = match checked.await {
+        Ok(call) => call,
+        Err(response) => return Err(drained(body, response).await),
+    };
+    let message = read_message(body, streaming, e2b.max_upload_bytes)
+        .await
+        .map_err(fail)?;
+    Ok((call, message))
+}
+
+/// A unary call with its deadline applied.
+async fn unary<M: Serialize>(
+    deadline: Option<tokio::time::Instant>,
+    work: impl std::future::Future<Output = Result<M, ConnectError>>,
+) -> Response {
+    let result = match deadline {
+        Some(d) => tokio::time::timeout_at(d, work).await.unwrap_or_else(|_| {
+            Err(ConnectError::new(
+                Code::DeadlineExceeded,
+                "the call's deadline (Connect-Timeout-Ms) passed",
+            ))
+        }),
+        None => work.await,
+    };
+    match result {
+        Ok(message) => connect::unary_response(&message),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// What the process service cannot do until dsec has long-lived processes.
+fn needs_process_api(method: &str) -> ConnectError {
+    ConnectError::unimplemented(format!(
+        "process.Process/{method} needs dsec's process API (processes that outlive their \
+         request, stdin, signals, terminals), which this server does not have yet"
+    ))
+}
+
+async fn process_rpc(
+    State(e2b): State<Arc<E2b>>,
+    Path(method): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let streaming = matches!(method.as_str(), "Start" | "Connect" | "StreamInput");
+    let (call, message) = match call(&e2b, &headers, body, streaming).await {
+        Ok(c) => c,
+        Err(response) => return response,
+    };
+    match method.as_str() {
+        "Start" => {
+            let req: StartRequest = match connect::decode("StartRequest", &message) {
+                Ok(r) => r,
+                Err(e) => return connect::stream_error(&e),
+            };
+            match start(&e2b, &call, req).await {
+                Ok(events) => connect::stream_response(
+                    events,
+                    call.deadline,
+                    call.keepalive
+                        .map(|every| (every, ProcessStreamMessage::keepalive)),
+                ),
+                Err(e) => connect::stream_error(&e),
+            }
+        }
+        "Connect" | "StreamInput" => connect::stream_error(&needs_process_api(&method)),
+        "List" | "Update" | "SendInput" | "SendSignal" | "CloseStdin" => {
+            needs_process_api(&method).into_response()
+        }
+        other => unknown_method("process.Process", other, streaming),
+    }
+}
+
+fn unknown_method(service: &str, method: &str, streaming: bool) -> Response {
+    let e = ConnectError::unimplemented(format!("{service}/{method} is not a method of envd"));
+    if streaming {
+        connect::stream_error(&e)
+    } else {
+        e.into_response()
+    }
+}
+
+/// The environment envd gives a process: who it runs as, then the request's variables.
+fn process_env(user: &EnvdUser, envs: BTreeMap<String, String>) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::from([
+        ("HOME".to_owned(), user.home.clone()),
+        ("USER".to_owned(), user.name.clone()),
+        ("LOGNAME".to_owned(), user.name.clone()),
+    ]);
+    env.extend(envs);
+    env
+}
+
+/// `Start`, on dsec's command execution: the command's output and end as process events.
+/// Until dsec has long-lived processes, a process cannot be given stdin or a terminal,
+/// lives as long as its stream, and is reported with pid 0.
+async fn start(
+    e2b: &E2b,
+    call: &Call,
+    req: StartRequest,
+) -> Result<MessageStream<ProcessStreamMessage>, ConnectError> {
+    if req.pty.is_some() {
+        return Err(needs_process_api("Start with a terminal (pty)"));
+    }
+    if req.stdin != Some(false) {
+        return Err(needs_process_api("Start with stdin open"));
+    }
+    if req.process.cmd.is_empty() {
+        return Err(ConnectError::invalid("process.cmd must not be empty"));
+    }
+    let cwd = match &req.process.cwd {
+        Some(cwd) if !cwd.is_empty() => resolve_path(cwd, &call.user)?,
+        _ => call.user.home.clone(),
+    };
+    let timeout_s = call.deadline.map_or(NO_DEADLINE_TIMEOUT_S, |d| {
+        d.saturating_duration_since(tokio::time::Instant::now())
+            .as_secs_f64()
+            .max(0.001)
+    });
+    let mut argv = vec![req.process.cmd];
+    argv.extend(req.process.args);
+    let exec = ExecRequest {
+        cmd: Command::Argv(argv),
+        env: process_env(&call.user, req.process.envs),
+        cwd: Some(cwd),
+        stdin_b64: None,
+        files: Vec::new(),
+        timeout_s: Some(timeout_s),
+        max_output_bytes: None,
+        step: None,
+    };
+    let execution = e2b
+        .edge()
+        .exec(&call.sandbox.info.id, exec)
+        .await
+        .map_err(ConnectError::from)?;
+    let started = futures::stream::once(async {
+        Ok(ProcessStreamMessage {
+            event: ProcessEvent::Start { pid: 0 },
+        })
+    });
+    let events = futures::stream::unfold(execution.stream, |mut stream| async move {
+        let event = stream.next().await?;
+        Some((event, stream))
+    })
+    .map(|event| {
+        let event = match event.map_err(ConnectError::from)? {
+            Output::Stdout(d) => ProcessEvent::Data(DataEvent::Stdout(d)),
+            Output::Stderr(d) => ProcessEvent::Data(DataEvent::Stderr(d)),
+            Output::Exit(exit) if exit.timed_out => {
+                return Err(ConnectError::new(
+                    Code::DeadlineExceeded,
+                    "the command ran past its timeout (Connect-Timeout-Ms) and was killed",
+                ))
+            }
+            Output::Exit(exit) => {
+                let code = exit.exit_code.unwrap_or(-1);
+                ProcessEvent::End(EndEvent {
+                    exit_code: code,
+                    exited: exit.exit_code.is_some(),
+                    status: format!("exit status {code}"),
+                    error: None,
+                })
+            }
+        };
+        Ok(ProcessStreamMessage { event })
+    });
+    Ok(Box::pin(started.chain(events)))
+}
+
+async fn filesystem_rpc(
+    State(e2b): State<Arc<E2b>>,
+    Path(method): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let streaming = method == "WatchDir";
+    let (call, message) = match call(&e2b, &headers, body, streaming).await {
+        Ok(c) => c,
+        Err(response) => return response,
+    };
+    match method.as_str() {
+        "ListDir" => {
+            unary(call.deadline, async {
+                let req: ListDirRequest = connect::decode("ListDirRequest", &message)?;
+                list_dir(&e2b, &call, req).await
+            })
+            .await
+        }
+        "Stat" => {
+            unary(call.deadline, async {
+                let req: PathRequest = connect::decode("PathRequest", &message)?;
+                stat(&e2b, &call, req).await
+            })
+            .await
+        }
+        "WatchDir" => connect::stream_error(&needs_file_ops(&method)),
+        "MakeDir" | "Move" | "Remove" | "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" => {
+            needs_file_ops(&method).into_response()
+        }
+        other => unknown_method("filesystem.Filesystem", other, streaming),
+    }
+}
+
+fn needs_file_ops(method: &str) -> ConnectError {
+    ConnectError::unimplemented(format!(
+        "filesystem.Filesystem/{method} needs dsec's file operations beyond read, write and \
+         list (mkdir, move, remove, watch, listing deeper than one level), which this server \
+         does not have yet"
+    ))
+}
+
+/// `ls -l`'s permission string, e.g. `drwxr-xr-x`.
+fn permissions(file_type: FileType, mode: u32) -> String {
+    let kind = match file_type {
+        FileType::Directory => 'd',
+        FileType::Symlink => 'L',
+        FileType::File | FileType::Unspecified => '-',
+    };
+    let mut s = String::from(kind);
+    for shift in [6, 3, 0] {
+        let bits = (mode >> shift) & 7;
+        s.push(if bits & 4 != 0 { 'r' } else { '-' });
+        s.push(if bits & 2 != 0 { 'w' } else { '-' });
+        s.push(if bits & 1 != 0 { 'x' } else { '-' });
+    }
+    s
+}
+
+/// The entry of `name` in directory `dir`, from dsec's directory listing (which gives
+/// names, sizes, types and modes; owners, times and symlinks need dsec's stat).
+fn entry_info(dir: &str, file: dsec_api::FileInfo) -> EntryInfo {
+    let file_type = if file.is_dir {
+        FileType::Directory
+    } else {
+        FileType::File
+    };
+    let mode = file.mode & 0o777;
+    EntryInfo {
+        path: format!("{}/{}", dir.trim_end_matches('/'), file.name),
+        name: file.name,
+        file_type,
+        size: i64::try_from(file.size).unwrap_or(i64::MAX),
+        mode,
+        permissions: permissions(file_type, mode),
+        owner: String::new(),
+        group: String::new(),
+        modified_time: None,
+        symlink_target: None,
+        metadata: BTreeMap::new(),
+    }
+}
+
+/// `ListDir` of depth 1.
+async fn list_dir(
+    e2b: &E2b,
+    call: &Call,
+    req: ListDirRequest,
+) -> Result<ListDirResponse, ConnectError> {
+    if req.depth > 1 {
+        return Err(needs_file_ops("ListDir with depth > 1"));
+    }
+    let dir = resolve_path(&req.path, &call.user)?;
+    let files = e2b.edge().list_files(&call.sandbox.info.id, &dir).await?;
+    let entries = files.into_iter().map(|f| entry_info(&dir, f)).collect();
+    Ok(ListDirResponse { entries })
+}
+
+/// `Stat`, as the entry of the path in its parent's listing (what the SDK's `exists` and
+/// `get_info` need); the root, which has no parent, is a directory.
+async fn stat(e2b: &E2b, call: &Call, req: PathRequest) -> Result<EntryResponse, ConnectError> {
+    let path = resolve_path(&req.path, &call.user)?;
+    let Some((parent, name)) = path.rsplit_once('/').filter(|(_, name)| !name.is_empty()) else {
+        let root = dsec_api::FileInfo {
+            name: String::new(),
+            size: 0,
+            is_dir: true,
+            mode: 0o755,
+        };
+        let mut entry = entry_info("/", root);
+        entry.path = "/".to_owned();
+        return Ok(EntryResponse { entry });
+    };
+    let parent = if parent.is_empty() { "/" } else { parent };
+    let not_found = || ConnectError::new(Code::NotFound, format!("no such file: {path}"));
+    let files = match e2b.edge().list_files(&call.sandbox.info.id, parent).await {
+        Ok(files) => files,
+        Err(e) if e.kind == dsec_api::ErrorKind::NotFound => return Err(not_found()),
+        Err(e) => return Err(e.into()),
+    };
+    let file = files
+        .into_iter()
+        .find(|f| f.name == name)
+        .ok_or_else(not_found)?;
+    Ok(EntryResponse {
+        entry: entry_info(parent, file),
+    })
+}
+
+// ------------------------------------------------------------------ /files
+
+#[derive(Deserialize)]
+struct FilesQuery {
+    path: Option<String>,
+    username: Option<String>,
+    signature: Option<String>,
+    signature_expiration: Option<i64>,
+}
+
+/// envd's URL signature: `v1_` + unpadded base64 of
+/// sha256("path:operation:username:token[:expiration]").
+fn signature(
+    path: &str,
+    operation: &str,
+    username: &str,
+    token: &str,
+    expiration: Option<i64>,
+) -> String {
+    let mut text = format!("{path}:{operation}:{username}:{token}");
+    if let Some(exp) = expiration {
+        text.push_str(&format!(":{exp}"));
+    }
+    let digest = sha2::Sha256::digest(text.as_bytes());
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    )
+}
+
+/// `/files` takes the access token, or a signature of the request made with it.
+fn files_authorized(
+    e2b: &E2b,
+    sandbox: &E2bSandbox,
+    headers: &HeaderMap,
+    q: &FilesQuery,
+    operation: &str,
+) -> Result<(), Response> {
+    let unauthorized = |why: &str| Err(http_error(StatusCode::UNAUTHORIZED, why.to_owned()));
+    if let Some(given) = access_token(headers) {
+        return if token_ok(e2b, sandbox, Some(given)) {
+            Ok(())
+        } else {
+            unauthorized("access token present in header but does not match")
+        };
+    }
+    let Some(token) = sandbox.access_token.as_deref().or(e2b.token.as_deref()) else {
+        return Ok(());
+    };
+    let Some(given) = &q.signature else {
+        return unauthorized("missing X-Access-Token header or signature query parameter");
+    };
+    let path = q.path.as_deref().unwrap_or_default();
+    let username = q.username.as_deref().unwrap_or_default();
+    let expected = signature(path, operation, username, token, q.signature_expiration);
+    if !crate::api::constant_time_eq(expected.as_bytes(), given.as_bytes()) {
+        return unauthorized("invalid signature");
+    }
+    if q.signature_expiration
+        .is_some_and(|exp| (exp as f64) < super::unix_now())
+    {
+        return unauthorized("signature is already expired");
+    }
+    Ok(())
+}
+
+/// The sandbox, user and absolute path of a `/files` request.
+async fn files_target(
+    e2b: &E2b,
+    headers: &HeaderMap,
+    q: &FilesQuery,
+    operation: &str,
+) -> Result<(E2bSandbox, EnvdUser), Response> {
+    let sandbox = target(e2b, headers).await?;
+    files_authorized(e2b, &sandbox, headers, q, operation)?;
+    let user = request_user(headers, q.username.as_deref())
+        .map_err(|e| http_error(StatusCode::UNAUTHORIZED, e.message))?;
+    Ok((running(e2b, sandbox).await?, user))
+}
+
+fn wants_gzip(headers: &HeaderMap) -> Result<bool, Response> {
+    let Some(accept) = headers
+        .get(header::ACCEPT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return Ok(false);
+    };
+    let codings: Vec<&str> = accept
+        .split(',')
+        .map(|c| c.split(';').next().unwrap_or_default().trim())
+        .collect();
+    if codings.iter().any(|c| c.eq_ignore_ascii_case("gzip")) {
+        return Ok(true);
+    }
+    if codings.is_empty()
+        || codings
+            .iter()
+            .any(|c| c.eq_ignore_ascii_case("identity") || *c == "*" || c.is_empty())
+    {
+        return Ok(false);
+    }
+    Err(http_error(
+        StatusCode::NOT_ACCEPTABLE,
+        format!("unsupported Accept-Encoding {accept:?}: this server sends gzip or identity"),
+    ))
+}
+
+/// `GET /files?path=`: the file's bytes, streamed (gzip-compressed on the way when asked).
+async fn read_file(
+    State(e2b): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Query(q): Query<FilesQuery>,
+) -> Response {
+    let (sandbox, user) = match files_target(&e2b, &headers, &q, "read").await {
+        Ok(t) => t,
+        Err(response) => return response,
+    };
+    let gzip = match wants_gzip(&headers) {
+        Ok(g) => g,
+        Err(response) => return response,
+    };
+    let path = match resolve_path(q.path.as_deref().unwrap_or_default(), &user) {
+        Ok(p) => p,
+        Err(e) => return http_error(StatusCode::BAD_REQUEST, e.message),
+    };
+    let file = match e2b.edge().read_file(&sandbox.info.id, &path).await {
+        Ok(f) => f,
+        Err(e) => return api_http_error(e),
+    };
+    let chunks = file_chunks(file);
+    let name = path.rsplit('/').next().unwrap_or_default().replace('"', "");
+    let disposition = format!("inline; filename=\"{name}\"");
+    let mut response = if gzip {
+        Body::from_stream(gzip_stream(chunks)).into_response()
+    } else {
+        Body::from_stream(chunks).into_response()
+    };
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        "application/octet-stream".parse().expect("valid"),
+    );
+    h.insert(header::VARY, "Accept-Encoding".parse().expect("valid"));
+    if let Ok(v) = disposition.parse() {
+        h.insert(header::CONTENT_DISPOSITION, v);
+    }
+    if gzip {
+        h.insert(header::CONTENT_ENCODING, "gzip".parse().expect("valid"));
+    }
+    response
+}
+
+/// A file's chunks as a body stream, pulled from the sandbox as the client takes them.
+fn file_chunks(
+    file: Box<dyn FileRead>,
+) -> impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static {
+    futures::stream::unfold(file, |mut file| async move {
+        let chunk = file.next().await?;
+        Some((chunk.map_err(|e| std::io::Error::other(e.message)), file))
+    })
+}
+
+/// Compresses a byte stream chunk by chunk, holding one chunk's output at a time.
+fn gzip_stream(
+    chunks: impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static,
+) -> impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static {
+    let encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    futures::stream::unfold(
+        (Box::pin(chunks), Some(encoder)),
+        |(mut chunks, encoder)| async move {
+            let mut encoder = encoder?;
+            match chunks.next().await {
+                Some(Ok(chunk)) => {
+                    let out = encoder
+                        .write_all(&chunk)
+                        .map(|()| Bytes::from(std::mem::take(encoder.get_mut())));
+                    Some((out, (chunks, Some(encoder))))
+                }
+                Some(Err(e)) => Some((Err(e), (chunks, None))),
+                None => Some((encoder.finish().map(Bytes::from), (chunks, None))),
+            }
+        },
+    )
+}
+
+/// An entry of `POST /files`' reply.
+#[derive(Serialize)]
+struct WriteInfo {
+    path: String,
+    name: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+/// `POST /files`: multipart (field `file`, the filename the destination unless `?path=`
+/// names it) or `application/octet-stream` (`?path=` required, `Content-Encoding: gzip`
+/// accepted). Parents are created. Metadata headers (`X-Metadata-*`) are refused until
+/// dsec can set extended attributes.
+async fn write_files(
+    State(e2b): State<Arc<E2b>>,
+    headers: HeaderMap,
+    Query(q): Query<FilesQuery>,
+    request: Request,
+) -> Response {
+    let (sandbox, user) = match files_target(&e2b, &headers, &q, "write").await {
+        Ok(t) => t,
+        Err(response) => return drained(request.into_body(), response).await,
+    };
+    if headers
+        .keys()
+        .any(|k| k.as_str().starts_with("x-metadata-"))
+    {
+        let refused = http_error(
+            StatusCode::NOT_IMPLEMENTED,
+            "file metadata (X-Metadata-* headers) needs dsec's extended attributes, which \
+             this server does not have yet",
+        );
+        return drained(request.into_body(), refused).await;
+    }
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    let files = if content_type.starts_with("multipart/form-data") {
+        multipart_files(request, &q, &user).await
+    } else if content_type.starts_with("application/octet-stream") {
+        octet_stream_file(request, &headers, &q, &user, e2b.max_upload_bytes).await
+    } else {
+        let refused = http_error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "POST /files takes multipart/form-data or application/octet-stream, got {content_type:?}"
+            ),
+        );
+        Err(drained(request.into_body(), refused).await)
+    };
+    let files = match files {
+        Ok(f) => f,
+        Err(response) => return closing(response),
+    };
+    let mut written = Vec::with_capacity(files.len());
+    for (path, upload) in files {
+        if let Err(e) = e2b
+            .edge()
+            .write_file(&sandbox.info.id, &path, upload, 0o644)
+            .await
+        {
+            return closing(api_http_error(e));
+        }
+        written.push(WriteInfo {
+            name: path.rsplit('/').next().unwrap_or_default().to_owned(),
+            path,
+            kind: "file",
+        });
+    }
+    Json(written).into_response()
+}
+
+/// A multipart upload's files (field `file`), each read whole: a field borrows the
+/// request, so it cannot be streamed into the sandbox while the next is parsed.
+async fn multipart_files(
+    request: Request,
+    q: &FilesQuery,
+    user: &EnvdUser,
+) -> Result<Vec<(String, Upload)>, Response> {
+    let bad = |m: String| http_error(StatusCode::BAD_REQUEST, m);
+    let mut multipart = Multipart::from_request(request, &())
+        .await
+        .map_err(|e| bad(format!("multipart body: {}", e.body_text())))?;
+    let mut files = Vec::new();
+    while let Some(field) = multipart
+        .next_field()
+        .await
+        .map_err(|e| http_error(e.status(), format!("multipart body: {}", e.body_text())))?
+    {
+        if field.name() != Some("file") {
+            continue;
+        }
+        let name = field.file_name().map(str::to_owned);
+        let data = field
+            .bytes()
+            .await
+            .map_err(|e| http_error(e.status(), format!("multipart body: {}", e.body_text())))?;
+        files.push((name, data.to_vec()));
+    }
+    if files.is_empty() {
+        return Err(bad(
+            "the multipart body has no field named \"file\"".to_owned()
+        ));
+    }
+    if q.path.is_some() && files.len() > 1 {
+        return Err(bad(
+            "?path= names one destination, but the body holds several files: name each \
+             in its filename"
+                .to_owned(),
+        ));
+    }
+    files
+        .into_iter()
+        .map(|(name, data)| {
+            let dest = q
+                .path
+                .clone()
+                .or(name)
+                .filter(|p| !p.is_empty())
+                .ok_or_else(|| {
+                    bad("a file has no destination: give ?path= or a filename".to_owned())
+                })?;
+            let path = resolve_path(&dest, user).map_err(|e| bad(e.message))?;
+            Ok((path, Upload::whole(data)))
+        })
+        .collect()
+}
+
+/// An `application/octet-stream` upload: streamed into the sandbox as it arrives (the
+/// edge bounds it), or, gzip-compressed, decompressed here within `limit`.
+async fn octet_stream_file(
+    request: Request,
+    headers: &HeaderMap,
+    q: &FilesQuery,
+    user: &EnvdUser,
+    limit: usize,
+) -> Result<Vec<(String, Upload)>, Response> {
+    let bad = |m: String| http_error(StatusCode::BAD_REQUEST, m);
+    let dest = q
+        .path
+        .as_deref()
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| bad("an application/octet-stream upload needs ?path=".to_owned()))?;
+    let path = resolve_path(dest, user).map_err(|e| bad(e.message))?;
+    let encoding = headers
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("identity")
+        .trim()
+        .to_ascii_lowercase();
+    let upload = match encoding.as_str() {
+        "identity" | "" => {
+            let declared = headers
+                .get(header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok());
+            Upload::new(request.into_body().into_data_stream(), declared)
+        }
+        "gzip" => {
+            let body = axum::body::to_bytes(request.into_body(), limit)
+                .await
+                .map_err(|e| {
+                    http_error(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        format!("upload over the server's limit of {limit} bytes: {e}"),
+                    )
+                })?;
+            Upload::whole(gunzip(&body, limit).map_err(bad)?)
+        }
+        other => {
+            let refused = http_error(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!("unsupported Content-Encoding {other:?}: send gzip or identity"),
+            );
+            return Err(drained(request.into_body(), refused).await);
+        }
+    };
+    Ok(vec![(path, upload)])
+}
+
+/// Decompresses at most `limit` bytes: a small body must not inflate without bound.
+fn gunzip(data: &[u8], limit: usize) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(data)
+        .take(limit as u64 + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| format!("the gzip body does not decompress: {e}"))?;
+    if out.len() > limit {
+        return Err(format!(
+            "the gzip body decompresses to more than the server's limit of {limit} bytes"
+        ));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn root() -> EnvdUser {
+        EnvdUser {
+            name: "root".into(),
+            home: "/root".into(),
+        }
+    }
+
+    #[test]
+    fn paths_resolve_against_the_home() {
+        let u = root();
+        assert_eq!(resolve_path("a.txt", &u).unwrap(), "/root/a.txt");
+        assert_eq!(resolve_path("~/x/../y", &u).unwrap(), "/root/y");
+        assert_eq!(resolve_path("~", &u).unwrap(), "/root");
+        assert_eq!(
+            resolve_path("/../../etc/./passwd", &u).unwrap(),
+            "/etc/passwd"
+        );
+        assert_eq!(resolve_path("", &u).unwrap(), "/root");
+        assert!(resolve_path("a\0b", &u).is_err());
+    }
+
+    #[test]
+    fn users_come_from_basic_auth_or_the_query() {
+        let mut h = HeaderMap::new();
+        assert_eq!(request_user(&h, None).unwrap(), root());
+        h.insert(header::AUTHORIZATION, "Basic cm9vdDo=".parse().unwrap()); // "root:"
+        assert_eq!(request_user(&h, None).unwrap(), root());
+        h.insert(header::AUTHORIZATION, "Basic dXNlcjo=".parse().unwrap()); // "user:"
+        assert_eq!(
+            request_user(&h, None).unwrap_err().code,
+            Code::Unimplemented
+        );
+        assert_eq!(request_user(&h, Some("root")).unwrap(), root());
+        h.insert(header::AUTHORIZATION, "Basic !!!".parse().unwrap());
+        assert_eq!(
+            request_user(&h, None).unwrap_err().code,
+            Code::InvalidArgument
+        );
+    }
+
+    #[test]
+    fn signatures_match_the_sdks() {
+        // e2b/sandbox/signature.py: sha256 of "path:operation:username:token", unpadded.
+        let s = signature("/home/user/a.txt", "read", "", "tok", None);
+        let digest = sha2::Sha256::digest(b"/home/user/a.txt:read::tok");
+        assert_eq!(
+            s,
+            format!(
+                "v1_{}",
+                base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+            )
+        );
+        assert_ne!(s, signature("/home/user/a.txt", "read", "", "tok", Some(1)));
+    }
+
+    #[test]
+    fn hosts_name_sandboxes() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::HOST,
+            "49983-e0-0123456789ab.example.test".parse().unwrap(),
+        );
+        assert_eq!(sandbox_from_host(&h).as_deref(), Some("e0-0123456789ab"));
+        h.insert(header::HOST, "127.0.0.1:49983".parse().unwrap());
+        assert_eq!(sandbox_from_host(&h), None);
+    }
+
+    #[test]
+    fn gzip_is_bounded() {
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        enc.write_all(&vec![0u8; 100_000]).unwrap();
+        let small = enc.finish().unwrap();
+        assert_eq!(gunzip(&small, 100_000).unwrap().len(), 100_000);
+        assert!(gunzip(&small, 99_999).is_err());
+        assert!(gunzip(b"not gzip", 10).is_err());
+    }
+
+    #[tokio::test]
+    async fn gzip_streams_decompress_to_the_input() {
+        let chunks = futures::stream::iter(
+            [b"hello ".as_slice(), b"world"].map(|c| Ok(Bytes::from_static(c))),
+        );
+        let compressed: Vec<u8> = gzip_stream(chunks)
+            .map(|c| c.unwrap().to_vec())
+            .concat()
+            .await;
+        assert_eq!(gunzip(&compressed, 100).unwrap(), b"hello world");
+    }
+
+    #[test]
+    fn permissions_read_like_ls() {
+        assert_eq!(permissions(FileType::File, 0o644), "-rw-r--r--");
+        assert_eq!(permissions(FileType::Directory, 0o755), "drwxr-xr-x");
+    }
+}

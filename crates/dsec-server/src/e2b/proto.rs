@@ -1,0 +1,305 @@
+//! The envd messages dsec serves (`process.proto`, `filesystem.proto` of e2b-dev/E2B's
+//! `spec/envd`) in proto3's canonical JSON mapping: lowerCamelCase names, default values
+//! left out, `bytes` as base64, 64-bit integers as strings, enums by name, a `oneof` as the
+//! key of its chosen field. Requests ignore fields they do not know, as proto3 parsers do.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize, Serializer};
+
+/// An empty message (`{}`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Empty {}
+
+// ------------------------------------------------------------------ process.Process
+
+/// What to run.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ProcessConfig {
+    /// The program.
+    pub cmd: String,
+    /// Its arguments.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// Environment added to the sandbox's.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub envs: BTreeMap<String, String>,
+    /// Working directory; the user's home when absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+}
+
+/// A terminal's size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PtySize {
+    /// Columns.
+    pub cols: u32,
+    /// Rows.
+    pub rows: u32,
+}
+
+/// A terminal request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct Pty {
+    /// Its size.
+    pub size: PtySize,
+}
+
+/// `process.Process/Start`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct StartRequest {
+    /// What to run.
+    pub process: ProcessConfig,
+    /// A terminal instead of pipes.
+    pub pty: Option<Pty>,
+    /// A name to find the process by.
+    pub tag: Option<String>,
+    /// Keep stdin open; absent means true (envd ≥ 0.3.0 honours `false`).
+    pub stdin: Option<bool>,
+}
+
+/// A chunk of output.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum DataEvent {
+    /// Standard output.
+    Stdout(#[serde(serialize_with = "base64_bytes::serialize")] Vec<u8>),
+    /// Standard error.
+    Stderr(#[serde(serialize_with = "base64_bytes::serialize")] Vec<u8>),
+}
+
+/// How a process ended.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EndEvent {
+    /// Its exit code; -1 when a signal ended it (as Go's `ProcessState.ExitCode`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub exit_code: i32,
+    /// Whether it exited (rather than being killed by a signal).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub exited: bool,
+    /// `exit status N` or `signal: killed`, as Go's `ProcessState.String`.
+    pub status: String,
+    /// Why waiting for it failed, if it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+fn is_zero(n: &i32) -> bool {
+    *n == 0
+}
+
+/// One event of a process stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ProcessEvent {
+    /// First: the process started.
+    Start {
+        /// Its pid.
+        pid: u32,
+    },
+    /// Output.
+    Data(DataEvent),
+    /// Last: it ended.
+    End(EndEvent),
+    /// Nothing; keeps a quiet stream alive.
+    Keepalive(Empty),
+}
+
+/// A message of `Start` and `Connect` reply streams.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ProcessStreamMessage {
+    /// The event.
+    pub event: ProcessEvent,
+}
+
+impl ProcessStreamMessage {
+    /// The keep-alive message.
+    pub fn keepalive() -> ProcessStreamMessage {
+        ProcessStreamMessage {
+            event: ProcessEvent::Keepalive(Empty {}),
+        }
+    }
+}
+
+// ------------------------------------------------------------------ filesystem.Filesystem
+
+/// `filesystem.Filesystem/Stat`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct PathRequest {
+    /// The path; relative paths are the user's home's.
+    pub path: String,
+}
+
+/// `filesystem.Filesystem/ListDir`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct ListDirRequest {
+    /// The directory.
+    pub path: String,
+    /// How many levels down; 0 means 1.
+    pub depth: u32,
+}
+
+/// What kind of file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum FileType {
+    /// Unknown.
+    #[serde(rename = "FILE_TYPE_UNSPECIFIED")]
+    Unspecified,
+    /// A regular file.
+    #[serde(rename = "FILE_TYPE_FILE")]
+    File,
+    /// A directory.
+    #[serde(rename = "FILE_TYPE_DIRECTORY")]
+    Directory,
+    /// A symbolic link.
+    #[serde(rename = "FILE_TYPE_SYMLINK")]
+    Symlink,
+}
+
+/// A file's description.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EntryInfo {
+    /// Its name.
+    pub name: String,
+    /// Its type.
+    #[serde(rename = "type")]
+    pub file_type: FileType,
+    /// Its absolute path.
+    pub path: String,
+    /// Its size in bytes.
+    #[serde(serialize_with = "int64_string")]
+    pub size: i64,
+    /// Mode bits, type included (as Go's `os.FileMode`).
+    pub mode: u32,
+    /// `ls -l`-style permissions, e.g. `-rw-r--r--`.
+    pub permissions: String,
+    /// Owner's user name.
+    pub owner: String,
+    /// Owner's group name.
+    pub group: String,
+    /// Last modification, RFC 3339.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub modified_time: Option<String>,
+    /// Where a symbolic link points.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub symlink_target: Option<String>,
+    /// User metadata (the `user.e2b.*` extended attributes).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// A reply carrying one entry (`Stat`, `MakeDir`, `Move`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct EntryResponse {
+    /// The entry.
+    pub entry: EntryInfo,
+}
+
+/// `ListDir`'s reply.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ListDirResponse {
+    /// The entries.
+    pub entries: Vec<EntryInfo>,
+}
+
+// ------------------------------------------------------------------ encodings
+
+fn int64_string<S: Serializer>(n: &i64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(n)
+}
+
+/// proto3 `bytes`: standard base64.
+mod base64_bytes {
+    use base64::engine::general_purpose::STANDARD;
+    use base64::Engine;
+    use serde::Serializer;
+
+    pub fn serialize<S: Serializer>(data: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&STANDARD.encode(data))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sdks_start_request_parses() {
+        let req: StartRequest = serde_json::from_str(
+            r#"{"process":{"cmd":"/bin/bash","args":["-l","-c","echo hi"],"envs":{"A":"1"},"cwd":"/tmp"},"stdin":false,"unknownField":1}"#,
+        )
+        .unwrap();
+        assert_eq!(req.process.args, ["-l", "-c", "echo hi"]);
+        assert_eq!(req.process.cwd.as_deref(), Some("/tmp"));
+        assert_eq!(req.stdin, Some(false));
+        assert!(req.pty.is_none());
+        let pty: StartRequest = serde_json::from_str(
+            r#"{"process":{"cmd":"bash"},"pty":{"size":{"cols":80,"rows":24}},"tag":"t"}"#,
+        )
+        .unwrap();
+        assert_eq!(pty.pty.unwrap().size, PtySize { cols: 80, rows: 24 });
+        assert_eq!(pty.tag.as_deref(), Some("t"));
+        assert_eq!(pty.stdin, None);
+    }
+
+    #[test]
+    fn events_serialize_in_canonical_json() {
+        let end = ProcessStreamMessage {
+            event: ProcessEvent::End(EndEvent {
+                exit_code: 0,
+                exited: true,
+                status: "exit status 0".into(),
+                error: None,
+            }),
+        };
+        assert_eq!(
+            serde_json::to_string(&end).unwrap(),
+            r#"{"event":{"end":{"exited":true,"status":"exit status 0"}}}"#
+        );
+        let data = ProcessStreamMessage {
+            event: ProcessEvent::Data(DataEvent::Stdout(b"hi\n".to_vec())),
+        };
+        assert_eq!(
+            serde_json::to_string(&data).unwrap(),
+            r#"{"event":{"data":{"stdout":"aGkK"}}}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&ProcessStreamMessage::keepalive()).unwrap(),
+            r#"{"event":{"keepalive":{}}}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&ProcessEvent::Start { pid: 5 }).unwrap(),
+            r#"{"start":{"pid":5}}"#
+        );
+    }
+
+    #[test]
+    fn entries_use_strings_for_int64_and_enum_names() {
+        let entry = EntryInfo {
+            name: "a.txt".into(),
+            file_type: FileType::File,
+            path: "/home/user/a.txt".into(),
+            size: 3,
+            mode: 0o644,
+            permissions: "-rw-r--r--".into(),
+            owner: "user".into(),
+            group: "user".into(),
+            modified_time: Some("2024-01-01T00:00:00Z".into()),
+            symlink_target: None,
+            metadata: BTreeMap::new(),
+        };
+        let json = serde_json::to_value(&entry).unwrap();
+        assert_eq!(json["size"], "3");
+        assert_eq!(json["type"], "FILE_TYPE_FILE");
+        assert_eq!(json["modifiedTime"], "2024-01-01T00:00:00Z");
+        assert!(json.get("symlinkTarget").is_none());
+    }
+}

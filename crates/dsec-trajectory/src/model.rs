@@ -1,0 +1,283 @@
+//! What the log records: sandboxes, their steps, each step's request and result. These
+//! are the JSON of `GET /v1/sandboxes/{id}/log` too.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use utoipa::ToSchema;
+
+use crate::capture::KeptOutput;
+
+/// A file uploaded with a command, as recorded.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct FileDigest {
+    /// Absolute path inside the sandbox.
+    pub path: String,
+    /// `sha256:<hex>` of the content.
+    pub sha256: String,
+    /// Permission bits.
+    pub mode: u32,
+}
+
+/// What a step asked for: enough to tell whether a re-issued request is the same one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct StepRequest {
+    /// The program and its arguments (a shell command is `["/bin/sh", "-c", CMD]`).
+    pub argv: Vec<String>,
+    /// The command's own environment (not the sandbox's or the image's).
+    pub env: BTreeMap<String, String>,
+    /// The working directory it ran in.
+    pub cwd: String,
+    /// `sha256:<hex>` of the standard input, if any was given.
+    pub stdin_sha256: Option<String>,
+    /// Files written before the command ran.
+    pub files: Vec<FileDigest>,
+    /// The timeout, in seconds, as requested (not compared on replay).
+    pub timeout_s: Option<f64>,
+}
+
+impl StepRequest {
+    /// Whether `other` re-issues this request. The timeout is left out: a resumed client
+    /// may well give a step more time without asking for anything else.
+    pub fn same_as(&self, other: &StepRequest) -> bool {
+        self.argv == other.argv
+            && self.env == other.env
+            && self.cwd == other.cwd
+            && self.stdin_sha256 == other.stdin_sha256
+            && self.files == other.files
+    }
+
+    /// A one-line description for error messages: command, cwd, env and digests.
+    pub fn describe(&self) -> String {
+        let mut s = format!(
+            "command {} in {:?}",
+            serde_json::to_string(&self.argv).unwrap_or_default(),
+            self.cwd
+        );
+        if !self.env.is_empty() {
+            s += &format!(
+                ", env {}",
+                serde_json::to_string(&self.env).unwrap_or_default()
+            );
+        }
+        if let Some(d) = &self.stdin_sha256 {
+            s += &format!(", stdin {d}");
+        }
+        for f in &self.files {
+            s += &format!(", file {} {}", f.path, f.sha256);
+        }
+        s
+    }
+}
+
+/// `sha256:<hex>` of `data`, the form digests take in the log.
+pub fn digest(data: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(data)))
+}
+
+/// How a command ended, as its client was told (the API's own type: `truncated` is what
+/// the client was told; the log's own cuts are a step's `stdout_elided` and
+/// `stderr_elided`).
+pub use dsec_api::ExitStatus;
+
+/// How a step ended, and its output as the log keeps it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct StepResult {
+    /// How it ended.
+    #[serde(flatten)]
+    pub exit: ExitStatus,
+    /// Standard output as kept: the whole of it, or, when `stdout_elided` > 0, its head,
+    /// a marker line and its tail (UTF-8, invalid bytes replaced).
+    pub stdout: String,
+    /// Standard error, likewise.
+    pub stderr: String,
+    /// Length of the whole standard output in bytes, as the client received it.
+    #[serde(default)]
+    pub stdout_bytes: u64,
+    /// `sha256:<hex>` of the whole standard output.
+    #[serde(default)]
+    pub stdout_sha256: String,
+    /// Bytes of standard output the log did not keep (0: `stdout` is all of it).
+    #[serde(default)]
+    pub stdout_elided: u64,
+    /// As `stdout_bytes`, for standard error.
+    #[serde(default)]
+    pub stderr_bytes: u64,
+    /// As `stdout_sha256`, for standard error.
+    #[serde(default)]
+    pub stderr_sha256: String,
+    /// As `stdout_elided`, for standard error.
+    #[serde(default)]
+    pub stderr_elided: u64,
+}
+
+impl StepResult {
+    /// A result of `exit` with the output as captured.
+    pub fn new(exit: ExitStatus, stdout: KeptOutput, stderr: KeptOutput) -> StepResult {
+        StepResult {
+            exit,
+            stdout: stdout.text,
+            stdout_bytes: stdout.bytes,
+            stdout_sha256: stdout.sha256,
+            stdout_elided: stdout.elided,
+            stderr: stderr.text,
+            stderr_bytes: stderr.bytes,
+            stderr_sha256: stderr.sha256,
+            stderr_elided: stderr.elided,
+        }
+    }
+
+    /// Whether the log kept less than the whole output.
+    pub fn elided(&self) -> bool {
+        self.stdout_elided > 0 || self.stderr_elided > 0
+    }
+
+    /// Keeps only the lengths and digests of the output (a step over a budget).
+    pub(crate) fn drop_output(&mut self) {
+        for (text, bytes, elided) in [
+            (&mut self.stdout, self.stdout_bytes, &mut self.stdout_elided),
+            (&mut self.stderr, self.stderr_bytes, &mut self.stderr_elided),
+        ] {
+            if bytes > 0 {
+                *text = KeptOutput::marker(bytes);
+                *elided = bytes;
+            }
+        }
+    }
+}
+
+/// One recorded command.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Step {
+    /// Position in the trajectory, from 0.
+    pub step: i64,
+    /// The trajectory id the sandbox was created with; `null` when it had none (the
+    /// server then numbers its commands in the order they arrive).
+    pub trajectory_id: Option<String>,
+    /// The sandbox that ran it.
+    pub sandbox_id: String,
+    /// What was asked.
+    pub request: StepRequest,
+    /// What came back.
+    pub result: StepResult,
+    /// Unix time the command started, in seconds.
+    pub started_at: f64,
+    /// Unix time its result was recorded, in seconds.
+    pub finished_at: f64,
+}
+
+impl Step {
+    /// The key its trajectory is stored under.
+    pub(crate) fn trajectory(&self) -> &str {
+        self.trajectory_id.as_deref().unwrap_or(&self.sandbox_id)
+    }
+}
+
+/// A sandbox as the log remembers it, after it is gone too.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SandboxRecord {
+    /// Sandbox id.
+    pub id: String,
+    /// Its trajectory id, if it was created with one.
+    pub trajectory_id: Option<String>,
+    /// The image it was created from.
+    pub image: String,
+    /// Its backend.
+    pub backend: String,
+    /// The environment it was created with (what `dsec replay` recreates it with).
+    pub env: BTreeMap<String, String>,
+    /// Unix time of creation, in seconds.
+    pub created_at: f64,
+    /// A fork's parent trajectory: its first steps are copied into this sandbox's
+    /// trajectory when the sandbox is recorded, so the fork continues from there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork_of: Option<ForkOf>,
+}
+
+impl SandboxRecord {
+    /// The key its trajectory is stored under.
+    pub(crate) fn trajectory(&self) -> &str {
+        self.trajectory_id.as_deref().unwrap_or(&self.id)
+    }
+}
+
+/// Where a forked sandbox's trajectory branches off.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct ForkOf {
+    /// The parent's trajectory id.
+    pub trajectory_id: String,
+    /// How many of its steps (0 to `steps - 1`) the fork inherits.
+    pub steps: i64,
+}
+
+/// `GET /v1/sandboxes/{id}/log`: a sandbox and the steps it recorded, in order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SandboxLog {
+    /// The sandbox.
+    pub sandbox: SandboxRecord,
+    /// Its steps, by step number.
+    pub steps: Vec<Step>,
+    /// Unix time the sandbox stopped; `null` while it runs. Stopped sandboxes' logs are
+    /// pruned, oldest first, when the log reaches its budget.
+    #[serde(default)]
+    pub stopped_at: Option<f64>,
+    /// Bytes its log takes, as the budgets count them.
+    #[serde(default)]
+    pub bytes: u64,
+}
+
+/// A value as stored in a JSON column.
+pub(crate) fn json<T: Serialize + ?Sized>(value: &T) -> String {
+    serde_json::to_string(value).expect("plain data serializes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(cmd: &str) -> StepRequest {
+        serde_json::from_value(serde_json::json!({
+            "argv": ["/bin/sh", "-c", cmd], "env": {}, "cwd": "/", "stdin_sha256": null,
+            "files": [{"path": "/a", "sha256": digest(b"x"), "mode": 0o644}], "timeout_s": 5.0,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn requests_compare_without_the_timeout() {
+        let a = request("echo");
+        let mut b = a.clone();
+        b.timeout_s = None;
+        assert!(a.same_as(&b));
+        b.cwd = "/tmp".into();
+        assert!(!a.same_as(&b));
+        assert!(b.describe().contains("\"/tmp\""), "{}", b.describe());
+        assert!(b.describe().contains("file /a sha256:"), "{}", b.describe());
+    }
+
+    #[test]
+    fn a_result_keeps_its_json_flat() {
+        let result = StepResult {
+            exit: ExitStatus {
+                exit_code: Some(3),
+                duration_ms: 1.5,
+                ..ExitStatus::default()
+            },
+            stdout: "hi\n".into(),
+            ..StepResult::default()
+        };
+        let value = serde_json::to_value(&result).unwrap();
+        assert_eq!(value["exit_code"], 3);
+        assert_eq!(value["duration_ms"], 1.5);
+        assert_eq!(value["timed_out"], false);
+        assert!(value.get("exit").is_none(), "{value}");
+        // What an older server wrote (no output digests) still reads.
+        let old = serde_json::json!({
+            "exit_code": 0, "stdout": "x", "stderr": "", "timed_out": false,
+            "truncated": true, "oom_killed": false, "duration_ms": 2.0
+        });
+        let read: StepResult = serde_json::from_value(old).unwrap();
+        assert!(read.exit.truncated && read.stdout_bytes == 0);
+    }
+}

@@ -1,0 +1,274 @@
+//! Writes: group commit of a batch, each write's statements, and pruning.
+
+use std::path::Path;
+
+use rusqlite::{params, Connection, OptionalExtension};
+
+use super::sqlite_err;
+use crate::budget::{record_bytes, Change, Delta, StepJson, Usage};
+use crate::error::LogError;
+use crate::job::{CommitCounter, Job, Write};
+use crate::model::{json, SandboxRecord, Step};
+use crate::row::STEP_COLUMNS;
+
+/// Writes `batch` in one transaction, applies what it changed to `usage`, counts the
+/// commit, and answers each job once it is committed.
+pub(super) fn write_batch(
+    conn: &mut Connection,
+    path: &Path,
+    usage: &Usage,
+    commits: &CommitCounter,
+    mut batch: Vec<Job>,
+) {
+    let mut outcomes = Vec::with_capacity(batch.len());
+    let mut delta = Delta::default();
+    let committed = conn.transaction().and_then(|mut tx| {
+        if let [job] = &mut batch[..] {
+            // A lone write needs no savepoint: if it fails, nothing else is lost with it.
+            let outcome = write_one(&tx, path, usage, &delta, &mut job.write);
+            let ok = outcome.is_ok();
+            outcomes.push(outcome.map(|change| delta.add(change)));
+            return if ok { tx.commit() } else { tx.rollback() };
+        }
+        for job in &mut batch {
+            // Each write in a savepoint of its own, so that a failed one leaves the batch's
+            // others to commit.
+            let outcome = tx
+                .savepoint()
+                .map_err(sqlite_err(path, "writing"))
+                .and_then(|sp| {
+                    let change = write_one(&sp, path, usage, &delta, &mut job.write)?;
+                    sp.commit().map_err(sqlite_err(path, "writing"))?;
+                    Ok(change)
+                });
+            outcomes.push(outcome.map(|change| delta.add(change)));
+        }
+        tx.commit()
+    });
+    match &committed {
+        Ok(()) => {
+            usage.apply(delta);
+            commits.committed(batch.len());
+        }
+        Err(e) => {
+            tracing::error!(error = %e, path = %path.display(), "trajectory log commit failed");
+        }
+    }
+    let mut outcomes = outcomes.into_iter();
+    for job in batch {
+        let outcome = match &committed {
+            Ok(()) => outcomes.next().unwrap_or(Err(LogError::WriterGone)),
+            Err(e) => Err(LogError::Commit {
+                db: path.display().to_string(),
+                message: e.to_string(),
+            }),
+        };
+        job.answer(outcome);
+    }
+}
+
+fn is_constraint(e: &rusqlite::Error) -> bool {
+    matches!(e, rusqlite::Error::SqliteFailure(f, _)
+        if f.code == rusqlite::ErrorCode::ConstraintViolation)
+}
+
+/// One write's statements; what it changes in the log's usage. `batch` is what the
+/// batch's earlier writes changed.
+fn write_one(
+    conn: &Connection,
+    path: &Path,
+    usage: &Usage,
+    batch: &Delta,
+    write: &mut Write,
+) -> Result<Change, LogError> {
+    match write {
+        Write::Register(s) => register(conn, path, s),
+        Write::Append(s) => append(conn, path, usage, batch, s),
+        Write::Stopped { id, at } => {
+            // The share of a sandbox of this process is written now; any other keeps the
+            // share its row holds.
+            let bytes = usage.live(id, batch).map(|s| s.bytes);
+            conn.execute(
+                "UPDATE sandboxes SET stopped_at = ?2, bytes = coalesce(?3, bytes) \
+                 WHERE id = ?1 AND stopped_at IS NULL",
+                params![id.as_str(), *at, bytes],
+            )
+            .map_err(sqlite_err(path, "recording a stop"))?;
+            Ok(Change::Stopped(id.clone()))
+        }
+    }
+}
+
+fn register(conn: &Connection, path: &Path, s: &SandboxRecord) -> Result<Change, LogError> {
+    let own = record_bytes(s);
+    let inserted = conn
+        .prepare_cached(
+            "INSERT INTO sandboxes (id, trajectory_id, image, backend, env, created_at, bytes) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        )
+        .and_then(|mut st| {
+            st.execute(params![
+                s.id,
+                s.trajectory_id,
+                s.image,
+                s.backend,
+                json(&s.env),
+                s.created_at,
+                own
+            ])
+        });
+    match inserted {
+        Ok(_) => {}
+        Err(e) if is_constraint(&e) && s.trajectory_id.is_some() => {
+            let owner = conn
+                .query_row(
+                    "SELECT id FROM sandboxes WHERE trajectory_id = ?1",
+                    params![s.trajectory_id],
+                    |r| r.get(0),
+                )
+                .unwrap_or_else(|_| "?".to_owned());
+            return Err(LogError::TrajectoryTaken {
+                trajectory_id: s.trajectory_id.clone().unwrap_or_default(),
+                owner,
+            });
+        }
+        Err(e) => return Err(sqlite_err(path, "recording a sandbox")(e)),
+    }
+    let copied = match (&s.fork_of, &s.trajectory_id) {
+        (Some(fork), Some(child)) => conn
+            .prepare_cached(&format!(
+                "INSERT INTO steps (trajectory, {STEP_COLUMNS}) \
+                 SELECT ?1, step, ?1, ?2, argv, env, cwd, stdin_sha256, files, timeout_s, \
+                 exit_code, stdout, stderr, timed_out, truncated, oom_killed, duration_ms, \
+                 started_at, finished_at, stdout_bytes, stdout_sha256, stdout_elided, \
+                 stderr_bytes, stderr_sha256, stderr_elided, bytes \
+                 FROM steps WHERE trajectory = ?3 AND step < ?4"
+            ))
+            .and_then(|mut st| st.execute(params![child, s.id, fork.trajectory_id, fork.steps]))
+            .and_then(|_| {
+                conn.query_row(
+                    "SELECT coalesce(sum(bytes), 0) FROM steps WHERE trajectory = ?1",
+                    params![child],
+                    |r| r.get::<_, i64>(0),
+                )
+            })
+            .map_err(sqlite_err(path, "forking a trajectory"))?,
+        _ => 0,
+    };
+    Ok(Change::Grew {
+        id: s.id.clone(),
+        bytes: own + copied.max(0) as u64,
+        live: true,
+        over_budget: false,
+    })
+}
+
+fn append(
+    conn: &Connection,
+    path: &Path,
+    usage: &Usage,
+    batch: &Delta,
+    s: &mut Step,
+) -> Result<Change, LogError> {
+    let live = usage.live(&s.sandbox_id, batch);
+    let share = match live {
+        Some(l) => l.bytes,
+        // Not a live sandbox of this process: one that stopped with this command still
+        // running, whose row may be gone (pruned) by now.
+        None => {
+            let bytes: Option<i64> = conn
+                .prepare_cached("SELECT bytes FROM sandboxes WHERE id = ?1")
+                .and_then(|mut st| st.query_row(params![s.sandbox_id], |r| r.get(0)).optional())
+                .map_err(sqlite_err(path, "appending a step"))?;
+            let Some(bytes) = bytes else {
+                tracing::debug!(sandbox = %s.sandbox_id, step = s.step, "trajectory log: step of a sandbox it does not hold (pruned after it stopped) not stored");
+                return Ok(Change::None);
+            };
+            bytes.max(0) as u64
+        }
+    };
+    let row = StepJson::new(s);
+    let (bytes, over_budget) = usage.admit(s, &row, share, live, batch);
+    let inserted = conn
+        .prepare_cached(&format!(
+            "INSERT INTO steps (trajectory, {STEP_COLUMNS}) VALUES \
+             (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, \
+              ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26)"
+        ))
+        .and_then(|mut st| {
+            let r = &s.result;
+            st.execute(params![
+                s.trajectory(),
+                s.step,
+                s.trajectory_id,
+                s.sandbox_id,
+                row.argv,
+                row.env,
+                s.request.cwd,
+                s.request.stdin_sha256,
+                row.files,
+                s.request.timeout_s,
+                r.exit.exit_code,
+                r.stdout,
+                r.stderr,
+                r.exit.timed_out,
+                r.exit.truncated,
+                r.exit.oom_killed,
+                r.exit.duration_ms,
+                s.started_at,
+                s.finished_at,
+                r.stdout_bytes,
+                r.stdout_sha256,
+                r.stdout_elided,
+                r.stderr_bytes,
+                r.stderr_sha256,
+                r.stderr_elided,
+                bytes,
+            ])
+        });
+    match inserted {
+        Ok(_) => {}
+        Err(e) if is_constraint(&e) => {
+            return Err(LogError::Duplicate {
+                trajectory: s.trajectory().to_owned(),
+                step: s.step,
+            })
+        }
+        Err(e) => return Err(sqlite_err(path, "appending a step")(e)),
+    }
+    if live.is_none() {
+        conn.prepare_cached("UPDATE sandboxes SET bytes = bytes + ?2 WHERE id = ?1")
+            .and_then(|mut st| st.execute(params![s.sandbox_id, bytes]))
+            .map_err(sqlite_err(path, "appending a step"))?;
+    }
+    Ok(Change::Grew {
+        id: s.sandbox_id.clone(),
+        bytes,
+        live: live.is_some(),
+        over_budget,
+    })
+}
+
+/// Deletes the log of the sandbox that stopped first: its id and the bytes freed, or
+/// `None` when no sandbox has stopped.
+pub(super) fn prune_oldest(conn: &mut Connection) -> rusqlite::Result<Option<(String, u64)>> {
+    let tx = conn.transaction()?;
+    let oldest: Option<(String, Option<String>, i64)> = tx
+        .query_row(
+            "SELECT id, trajectory_id, bytes FROM sandboxes WHERE stopped_at IS NOT NULL \
+             ORDER BY stopped_at, id LIMIT 1",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .optional()?;
+    let Some((id, trajectory_id, bytes)) = oldest else {
+        return Ok(None);
+    };
+    tx.execute(
+        "DELETE FROM steps WHERE trajectory = ?1",
+        params![trajectory_id.as_deref().unwrap_or(&id)],
+    )?;
+    tx.execute("DELETE FROM sandboxes WHERE id = ?1", params![id])?;
+    tx.commit()?;
+    Ok(Some((id, bytes.max(0) as u64)))
+}

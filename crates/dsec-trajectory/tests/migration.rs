@@ -1,0 +1,75 @@
+//! A log written by an older dsec is upgraded in place; one written by a newer dsec is
+//! refused rather than misread.
+
+mod common;
+
+use dsec_trajectory::{digest, LogConfig, LogError, TrajectoryLog};
+use rusqlite::Connection;
+
+/// The schema of the first trajectory log (before outputs were bounded).
+const FIRST_SCHEMA: &str = "
+CREATE TABLE sandboxes (id TEXT PRIMARY KEY, trajectory_id TEXT UNIQUE, image TEXT NOT NULL,
+    backend TEXT NOT NULL, env TEXT NOT NULL, created_at REAL NOT NULL);
+CREATE TABLE steps (trajectory TEXT NOT NULL, step INTEGER NOT NULL, trajectory_id TEXT,
+    sandbox_id TEXT NOT NULL, argv TEXT NOT NULL, env TEXT NOT NULL, cwd TEXT NOT NULL,
+    stdin_sha256 TEXT, files TEXT NOT NULL, timeout_s REAL, exit_code INTEGER,
+    stdout TEXT NOT NULL, stderr TEXT NOT NULL, timed_out INTEGER NOT NULL,
+    truncated INTEGER NOT NULL, oom_killed INTEGER NOT NULL, duration_ms REAL NOT NULL,
+    started_at REAL NOT NULL, finished_at REAL NOT NULL, PRIMARY KEY (trajectory, step));
+INSERT INTO sandboxes VALUES ('old', 't', 'busybox', 'container', '{\"K\":\"V\"}', 1.0);
+INSERT INTO steps VALUES ('t', 0, 't', 'old', '[\"echo\",\"hi\"]', '{}', '/', NULL, '[]',
+    NULL, 0, 'hi\n', '', 0, 0, 0, 1.5, 1.0, 2.0);
+";
+
+#[tokio::test]
+async fn a_log_of_the_first_schema_is_upgraded_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("trajectory.db");
+    Connection::open(&path)
+        .unwrap()
+        .execute_batch(FIRST_SCHEMA)
+        .unwrap();
+    let log = TrajectoryLog::open(&path, LogConfig::default()).unwrap();
+    let got = log.sandbox_log("old", None).await.unwrap().unwrap();
+    assert_eq!(got.sandbox.env["K"], "V");
+    let r = &got.steps[0].result;
+    assert_eq!(
+        (r.stdout.as_str(), r.stdout_bytes, r.stdout_elided),
+        ("hi\n", 3, 0)
+    );
+    assert_eq!(r.stdout_sha256, digest(b"hi\n"));
+    assert_eq!(r.exit.duration_ms, 1.5);
+    assert!(
+        got.stopped_at.is_some(),
+        "a sandbox of an earlier run is stopped"
+    );
+    assert!(got.bytes > 0 && got.bytes == log.stored_bytes());
+    // The trajectory id still names its sandbox.
+    let err = log
+        .register(common::sandbox("new", Some("t")))
+        .wait()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, LogError::TrajectoryTaken { .. }), "{err}");
+    drop(log);
+    let log = TrajectoryLog::open(&path, LogConfig::default()).unwrap();
+    assert_eq!(
+        log.step("t", 0).await.unwrap().unwrap().result.stdout,
+        "hi\n"
+    );
+}
+
+#[test]
+fn a_log_of_a_newer_dsec_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("trajectory.db");
+    Connection::open(&path)
+        .unwrap()
+        .pragma_update(None, "user_version", 99)
+        .unwrap();
+    let err = TrajectoryLog::open(&path, LogConfig::default())
+        .err()
+        .unwrap();
+    assert!(matches!(err, LogError::Version { found: 99, .. }), "{err}");
+    assert!(err.to_string().contains("newer dsec"), "{err}");
+}

@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# A local dsec fleet for tests and demos: etcd, N edges each in a network namespace of its
+# own (a simulated host with its own address), and two apiservers, all on this machine.
+#
+#   scripts/fleet.sh up N      # start; prints the apiservers' URLs
+#   scripts/fleet.sh down      # stop exactly what `up` started (by pid) and remove its namespaces
+#   scripts/fleet.sh status    # what is running
+#
+# $DSEC_FLEET_DIR: where the fleet keeps its state, logs and pids [/tmp/dsec-fleet].
+# $DSEC_BIN: the dsec binary [target/debug/dsec of this checkout]; $DSEC_ETCD_BIN [etcd].
+# Edge i lives in namespace dsec-fleet-e<i> at 10.231.<i>.2 (the host end of its veth is
+# 10.231.<i>.1, where etcd also listens); apiservers listen on 127.0.0.1:7701 and :7702.
+# Edges listen off loopback, so they require a token: the apiservers send the one in
+# $DSEC_FLEET_DIR/edge-token. Needs root (namespaces, veths, cgroups).
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+dir=${DSEC_FLEET_DIR:-/tmp/dsec-fleet}
+bin=${DSEC_BIN:-$repo/target/debug/dsec}
+etcd_bin=${DSEC_ETCD_BIN:-etcd}
+etcd_port=2379
+api_ports=(7701 7702)
+
+die() { echo "fleet.sh: $*" >&2; exit 1; }
+log() { echo "[fleet] $*"; }
+
+# Starts "$@" in a session of its own, logging to $dir/log/$1.log; records its pid.
+start() {
+    local name=$1
+    shift
+    setsid "$@" </dev/null >>"$dir/log/$name.log" 2>&1 &
+    echo $! >"$dir/pids/$name"
+}
+
+wait_http() {
+    local url=$1 what=$2
+    for _ in $(seq 1 300); do
+        curl -fsS -o /dev/null --max-time 1 "$url" 2>/dev/null && return 0
+        sleep 0.1
+    done
+    die "$what did not answer at $url (see $dir/log/)"
+}
+
+up() {
+    local n=$1
+    [[ $n =~ ^[0-9]+$ ]] && ((n >= 1 && n <= 200)) || die "N must be 1 to 200, got $n"
+    [[ $(id -u) == 0 ]] || die "needs root (network namespaces, cgroups)"
+    [[ -x $bin ]] || die "no dsec binary at $bin (cargo build -p dsec, or set DSEC_BIN)"
+    command -v "$etcd_bin" >/dev/null || die "no etcd ($etcd_bin): apt-get install etcd-server"
+    [[ -e $dir/pids ]] && die "$dir holds a fleet already: scripts/fleet.sh down first"
+    if ip route show | grep -q '^10\.231\.'; then
+        die "a host route in 10.231.0.0/16 exists: the fleet's addresses would collide"
+    fi
+    mkdir -p "$dir"/{log,pids,netns}
+    head -c 24 /dev/urandom | base64 | tr -d '/+=' >"$dir/edge-token"
+    chmod 600 "$dir/edge-token"
+    local clients="http://127.0.0.1:$etcd_port"
+    for i in $(seq 1 "$n"); do
+        local ns=dsec-fleet-e$i host_if=dfl-e$i
+        ip netns add "$ns"
+        echo "$ns $host_if" >"$dir/netns/e$i"
+        ip link add "$host_if" type veth peer name eth0 netns "$ns"
+        ip addr add "10.231.$i.1/24" dev "$host_if"
+        ip link set "$host_if" up
+        ip -n "$ns" addr add "10.231.$i.2/24" dev eth0
+        ip -n "$ns" link set eth0 up
+        ip -n "$ns" link set lo up
+        clients+=",http://10.231.$i.1:$etcd_port"
+    done
+    start etcd "$etcd_bin" --name dsec-fleet --data-dir "$dir/etcd" \
+        --listen-client-urls "$clients" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+        --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
+        --initial-cluster dsec-fleet=http://127.0.0.1:2380
+    wait_http "http://127.0.0.1:$etcd_port/health" etcd
+    log "etcd: http://127.0.0.1:$etcd_port"
+    for i in $(seq 1 "$n"); do
+        local addr=10.231.$i.2:7700
+        start "e$i" nsenter --net="/run/netns/dsec-fleet-e$i" "$bin" edge --etcd "http://10.231.$i.1:$etcd_port" \
+            --name "e$i" --listen "$addr" --advertise "http://$addr" \
+            --state-dir "$dir/state/e$i" --token-file "$dir/edge-token"
+    done
+    local edge_token
+    edge_token=$(cat "$dir/edge-token")
+    for i in $(seq 1 "$n"); do
+        for _ in $(seq 1 300); do
+            curl -fsS -o /dev/null --max-time 1 "http://10.231.$i.2:7700/healthz" 2>/dev/null && break
+            sleep 0.1
+        done
+        curl -fsS -o /dev/null -H "Authorization: Bearer $edge_token" "http://10.231.$i.2:7700/v1/store" ||
+            die "edge e$i did not start (see $dir/log/e$i.log)"
+        log "edge e$i: http://10.231.$i.2:7700 (namespace dsec-fleet-e$i)"
+    done
+    for k in 0 1; do
+        local port=${api_ports[$k]}
+        start "api$((k + 1))" "$bin" apiserver --etcd "http://127.0.0.1:$etcd_port" \
+            --listen "127.0.0.1:$port" --edge-token-file "$dir/edge-token"
+        wait_http "http://127.0.0.1:$port/healthz" "apiserver $((k + 1))"
+        log "apiserver: http://127.0.0.1:$port"
+    done
+    log "up: DSEC_URL=http://127.0.0.1:${api_ports[0]} dsec edges"
+}
+
+# SIGTERM one recorded process, wait for it (SIGKILL after 30 s), forget it.
+stop_pid() {
+    local file=$1 pid
+    pid=$(cat "$file")
+    if kill -0 "$pid" 2>/dev/null; then
+        kill -TERM "$pid"
+        for _ in $(seq 1 300); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        if kill -0 "$pid" 2>/dev/null; then
+            log "$(basename "$file") (pid $pid) ignored SIGTERM for 30 s: SIGKILL"
+            kill -KILL "$pid" 2>/dev/null || true
+        fi
+    fi
+    rm -f "$file"
+}
+
+down() {
+    [[ -d $dir/pids ]] || die "no fleet in $dir"
+    # Apiservers first, then edges (they stop their sandboxes and leave), etcd last.
+    local f
+    for f in "$dir"/pids/api*; do [[ -e $f ]] && stop_pid "$f"; done
+    for f in "$dir"/pids/e[0-9]*; do [[ -e $f ]] && stop_pid "$f" & done
+    wait
+    [[ -e $dir/pids/etcd ]] && stop_pid "$dir/pids/etcd"
+    for f in "$dir"/netns/*; do
+        [[ -e $f ]] || continue
+        read -r ns host_if <"$f"
+        ip link del "$host_if" 2>/dev/null || true
+        ip netns del "$ns" 2>/dev/null || true
+        rm -f "$f"
+    done
+    rm -rf "$dir"
+    log "down"
+}
+
+status() {
+    [[ -d $dir/pids ]] || { echo "no fleet in $dir"; return 0; }
+    local f
+    for f in "$dir"/pids/*; do
+        local pid
+        pid=$(cat "$f")
+        if kill -0 "$pid" 2>/dev/null; then
+            echo "$(basename "$f") pid $pid running"
+        else
+            echo "$(basename "$f") pid $pid gone"
+        fi
+    done
+}
+
+case ${1:-} in
+up) [[ $# == 2 ]] || die "usage: $0 up N"; up "$2" ;;
+down) down ;;
+status) status ;;
+*) echo "usage: $0 up N | down | status" >&2; exit 2 ;;
+esac

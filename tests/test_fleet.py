@@ -1,0 +1,262 @@
+"""A dsec fleet on real etcd: 3 edges, 2 apiservers (tools/dsec_fleet.py).
+
+Sandboxes created through one apiserver spread over every edge and are reachable through
+the other; an edge that is SIGKILLed fails its sandboxes visibly within its lease TTL plus
+a second, and later creates go to the live edges; bad input gets precise errors.
+
+$DSEC_FLEET_SANDBOXES sets how many sandboxes the spread test makes (default 300).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import dsec
+import httpx
+import pytest
+from dsec_fleet import Apiserver, Edge, Etcd, etcd_unavailable_reason
+from dsec_local import DSEC_BIN, free_port, safe_rmtree
+from dsec_testlib import make_tempdir, require
+
+LEASE_TTL = 3
+EDGES = ("e1", "e2", "e3")
+SANDBOXES = int(os.environ.get("DSEC_FLEET_SANDBOXES", "300"))
+
+
+@dataclass
+class Fleet:
+    etcd: Etcd
+    edges: dict[str, Edge]
+    a: Apiserver
+    b: Apiserver
+    tmp: Path
+
+
+def edge_of(sandbox_id: str) -> str:
+    return sandbox_id.rsplit("-", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def etcd_tmp() -> Iterator[Path]:
+    require("etcd", etcd_unavailable_reason())
+    d = make_tempdir("dsec-fleet-")
+    yield d
+    safe_rmtree(d)
+
+
+@pytest.fixture(scope="module")
+def fleet(etcd_tmp: Path, busybox_rootfs: Path) -> Iterator[Fleet]:
+    etcd = Etcd(etcd_tmp / "etcd", log_path=etcd_tmp / "etcd.log").start()
+    started: list[Edge | Apiserver] = []
+    try:
+        edges = {}
+        for name in EDGES:
+            e = Edge(
+                etcd_tmp / name,
+                etcd=etcd.url,
+                name=name,
+                lease_ttl=LEASE_TTL,
+                log_path=etcd_tmp / f"{name}.log",
+            )
+            started.append(e)
+            e.start()
+            edges[name] = e
+        a, b = (
+            Apiserver(etcd_tmp / f"api-{x}", etcd=etcd.url, log_path=etcd_tmp / f"api-{x}.log")
+            for x in "ab"
+        )
+        started += [a, b]
+        a.start()
+        b.start()
+        a.wait_for_edges(EDGES)
+        b.wait_for_edges(EDGES)
+        with a.client() as c:
+            c.import_image(str(busybox_rootfs), name="busybox")
+        yield Fleet(etcd, edges, a, b, etcd_tmp)
+    finally:
+        for s in reversed(started):
+            s.cleanup()
+        etcd.stop()
+
+
+@pytest.mark.timeout(900)
+def test_sandboxes_spread_over_every_edge_and_are_reachable_through_the_other(
+    fleet: Fleet,
+) -> None:
+    async def scenario() -> None:
+        async with (
+            dsec.AsyncClient(fleet.a.url) as a,
+            dsec.AsyncClient(fleet.b.url) as b,
+        ):
+            gate = asyncio.Semaphore(16)
+
+            async def make() -> dsec.AsyncSandbox:
+                async with gate:
+                    return await a.create(image="busybox", memory_mb=64, labels={"t": "spread"})
+
+            made = await asyncio.gather(*(make() for _ in range(SANDBOXES)))
+            try:
+                spread = Counter(edge_of(sb.id) for sb in made)
+                assert set(spread) == set(EDGES), spread
+                for name in EDGES:
+                    assert spread[name] >= 0.2 * SANDBOXES, spread
+
+                async def reach(sid: str) -> str:
+                    async with gate:
+                        sb = await b.get(sid)
+                        r = await sb.run(f"echo {sid}")
+                        assert r.exit_code == 0
+                        return r.stdout.strip()
+
+                outs = await asyncio.gather(*(reach(sb.id) for sb in made))
+                assert outs == [sb.id for sb in made]
+                listed = {sb.id for sb in await b.list(labels={"t": "spread"})}
+                assert listed == {sb.id for sb in made}
+            finally:
+
+                async def stop(sid: str) -> None:
+                    async with gate:
+                        await (await b.get(sid)).stop()
+
+                await asyncio.gather(*(stop(sb.id) for sb in made))
+
+    asyncio.run(scenario())
+
+
+def test_streams_files_and_fleet_views_go_through_an_apiserver(fleet: Fleet) -> None:
+    with fleet.a.client() as a, fleet.b.client() as b:
+        sb = a.create(image="busybox")
+        try:
+            events = list(b.get(sb.id).stream("echo one; echo two >&2; exit 3"))
+            kinds = [e.kind for e in events]
+            assert kinds[-1] == "exit" and events[-1].exit_code == 3
+            assert "".join(e.data for e in events if e.kind == "stdout") == "one\n"
+            b.get(sb.id).write_file("/tmp/x", b"fleet")
+            assert a.get(sb.id).read_file("/tmp/x") == b"fleet"
+            assert sb.id in {s.id for s in b.list()}
+        finally:
+            b.get(sb.id).stop()
+    out = subprocess.run(
+        [str(DSEC_BIN), "edges", "--url", fleet.b.url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    for name, e in fleet.edges.items():
+        assert name in out and e.url in out, out
+    assert "container" in out
+    for url in (fleet.a.url, fleet.edges["e1"].url):
+        metrics = httpx.get(url + "/metrics", timeout=10, trust_env=False)
+        assert metrics.status_code == 200
+    assert "dsec_fleet_edges 3" in httpx.get(fleet.a.url + "/metrics", trust_env=False).text
+
+
+def test_a_retried_create_returns_the_sandbox_already_made(fleet: Fleet) -> None:
+    body = {"image": "busybox", "labels": {"t": "idem"}}
+    headers = {"Idempotency-Key": "retry-me-1"}
+    first = httpx.post(fleet.a.url + "/v1/sandboxes", json=body, headers=headers, timeout=60)
+    assert first.status_code == 201, first.text
+    again = httpx.post(fleet.b.url + "/v1/sandboxes", json=body, headers=headers, timeout=60)
+    assert again.status_code == 200, again.text
+    assert again.json()["id"] == first.json()["id"]
+    with fleet.a.client() as a:
+        made = a.list(labels={"t": "idem"})
+        assert [s.id for s in made] == [first.json()["id"]]
+        made[0].stop()
+
+
+def test_bad_input(fleet: Fleet) -> None:
+    with fleet.a.client() as a:
+        with pytest.raises(dsec.InvalidArgument, match="backend"):
+            a.create(backend="nope", image="busybox")
+        with pytest.raises(dsec.Unavailable, match='"zz"'):
+            a.get("zz-0123456789ab")
+        with pytest.raises(dsec.NotFound):
+            a.get("not-an-id")
+        with pytest.raises(dsec.NotFound):
+            a.get("e1-0123456789ab")
+    # An edge name already in use is refused, naming the holder.
+    dup = Edge(fleet.tmp / "dup", etcd=fleet.etcd.url, name="e1", log_path=fleet.tmp / "dup.log")
+    proc = subprocess.run(dup.argv(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "already in use" in proc.stderr and fleet.edges["e1"].url in proc.stderr, proc.stderr
+
+
+def test_unreachable_etcd_is_a_clear_error_at_start(etcd_tmp: Path) -> None:
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    api = Apiserver(etcd_tmp / "api-x", etcd=nowhere, log_path=etcd_tmp / "api-x.log")
+    edge = Edge(etcd_tmp / "ex", etcd=nowhere, name="ex", log_path=etcd_tmp / "ex.log")
+    for argv in (api.argv(), edge.argv()):
+        started = time.monotonic()
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0
+        assert f"etcd at {nowhere} is unreachable" in proc.stderr, proc.stderr
+        assert time.monotonic() - started < 15
+
+
+def test_an_apiserver_without_edges_answers_503_naming_the_cause(etcd_tmp: Path) -> None:
+    etcd = Etcd(etcd_tmp / "etcd-empty", log_path=etcd_tmp / "etcd-empty.log").start()
+    api = Apiserver(etcd_tmp / "api-e", etcd=etcd.url, log_path=etcd_tmp / "api-e.log")
+    try:
+        api.start()
+        with api.client() as c:
+            with pytest.raises(dsec.Unavailable, match="no edges in the fleet"):
+                c.create(image="busybox")
+    finally:
+        api.cleanup()
+        etcd.stop()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_leaves_at_once_and_sigkill_fails_the_edges_sandboxes_within_the_ttl(
+    fleet: Fleet,
+) -> None:
+    with fleet.a.client() as a, fleet.b.client() as b:
+        made = [a.create(image="busybox", labels={"t": "kill"}) for _ in range(9)]
+        victim = "e3"
+        lost = [sb for sb in made if edge_of(sb.id) == victim]
+        assert lost, [sb.id for sb in made]
+        fleet.edges[victim].kill9()
+        killed = time.monotonic()
+        while True:
+            started = time.monotonic()
+            try:
+                b.get(lost[0].id).run("true")
+            except dsec.Unavailable as e:
+                assert victim in str(e)
+                break
+            finally:
+                assert time.monotonic() - started < 2.0, "a request hung on a dead edge"
+            assert time.monotonic() - killed < LEASE_TTL + 1.0, (
+                "the dead edge's sandbox still answers"
+            )
+            time.sleep(0.05)
+        failed_after = time.monotonic() - killed
+        assert failed_after < LEASE_TTL + 1.0
+        for sb in lost:
+            with pytest.raises(dsec.Unavailable, match=victim):
+                b.get(sb.id).info()
+        fleet.b.wait_for_edges(["e1", "e2"], timeout=LEASE_TTL + 2)
+        later = [a.create(image="busybox", labels={"t": "kill"}) for _ in range(12)]
+        assert {edge_of(sb.id) for sb in later} <= {"e1", "e2"}
+        for sb in made + later:
+            if edge_of(sb.id) != victim:
+                sb.stop()
+    # The killed edge restarts on its state dir once its lease is gone and removes what it
+    # left; SIGTERM then takes it out of the fleet at once, not after its lease.
+    edge = fleet.edges[victim]
+    edge.restart()
+    edge.dirty = False  # the restart removed what the killed edge left
+    fleet.a.wait_for_edges(EDGES)
+    edge.stop()
+    left = time.monotonic()
+    fleet.a.wait_for_edges(["e1", "e2"], timeout=LEASE_TTL)
+    assert time.monotonic() - left < 1.0

@@ -1,0 +1,194 @@
+"""Agent misbehaviour (issue 18, first cases): each case asserts containment and the event
+an operator sees — a fork bomb (`limit.pids`, then the Watcher's flag), a `yes` flood
+(`output.truncated`, no server memory growth), a memory hog (`limit.oom`), a full
+writable layer (`limit.disk`), a port scan (`network.refused` and the Watcher's
+`port-scan` flag), and a write over `/bin/sh` through the files API (the Watcher's
+`binary-overwrite` flag; the image and other sandboxes unchanged)."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import dsec
+import pytest
+from dsec_local import wait_until
+from dsec_testlib import STATEFUL, VM_BACKENDS, Server
+
+Make = Callable[..., dsec.Sandbox]
+
+
+def kinds_of(client: dsec.Client, sandbox: str, kinds: list[str]) -> list[dsec.Event]:
+    return list(client.events(sandbox=sandbox, kinds=kinds))
+
+
+def wait_for(
+    client: dsec.Client, sandbox: str, kind: str, timeout: float = 15.0
+) -> list[dsec.Event]:
+    found = wait_until(lambda: kinds_of(client, sandbox, [kind]), timeout, interval=0.2)
+    assert found, f"no {kind} for {sandbox}: {list(client.events(sandbox=sandbox))}"
+    return found
+
+
+def server_rss(server: Server) -> int:
+    for line in Path(f"/proc/{server.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_fork_bomb_hits_the_pids_limit_and_is_flagged(
+    client: dsec.Client, make_sandbox: Make, backend: str
+) -> None:
+    if backend in VM_BACKENDS or backend == "fncall":
+        pytest.skip(f"{backend}: the pids limit is not the host's cgroup to read")
+    sb = make_sandbox(pids=32)
+    # Five bursts of 40 forks, 1.3 s apart: the sampler sees refused forks in several
+    # rounds. Each burst runs in a shell of its own, which a refused fork ends; the
+    # outer shell forks again only once the burst's sleeps are gone.
+    r = sb.run(
+        "for k in 1 2 3 4 5; do sh -c 'for i in $(seq 40); do sleep 1 & done' 2>/dev/null; "
+        "sleep 1.3; done; true",
+        timeout=30,
+    )
+    assert r.exit_code is not None
+    hits = wait_for(client, sb.id, "limit.pids")
+    assert hits[0].data["limit"] == 32 and hits[0].data["refused_forks"] > 0
+    assert sb.info().usage.pids_limit_hits
+    action = wait_for(client, sb.id, "watcher.action")[0]
+    assert action.data["rule"] == "pids-storm" and action.data["action"] == "flag"
+    assert action.data["ok"] is True
+    hit_ids = {e.id for e in kinds_of(client, sb.id, ["limit.pids"])}
+    assert set(action.data["evidence"]["events"]) <= hit_ids
+    assert sb.info().labels.get("watcher.pids-storm") == "flagged"
+    assert sb.id in [s.id for s in client.list(labels={"watcher.pids-storm": "flagged"})]
+    assert sb.run("echo alive").stdout == "alive\n", "a flag does not stop the sandbox"
+
+
+def test_yes_flood_is_truncated_without_server_growth(
+    client: dsec.Client, server: Server, make_sandbox: Make, backend: str
+) -> None:
+    if backend in VM_BACKENDS:
+        pytest.xfail(
+            f"{backend}: a 300 MB output flood makes the guest exit (SandboxFailed) — found by "
+            "this test, not fixed yet"
+        )
+    sb = make_sandbox()
+    before = server_rss(server)
+    for _ in range(3):
+        r = sb.run("yes | head -c 300000000", max_output_bytes=1 << 20, timeout=60)
+        assert r.truncated
+        assert len(r.stdout) <= 1 << 20
+    grew = server_rss(server) - before
+    assert grew < 64 << 20, f"server grew {grew} bytes"
+    assert len(wait_for(client, sb.id, "output.truncated")) == 3
+    action = wait_for(client, sb.id, "watcher.action")[0]
+    assert action.data["rule"] == "output-flood"
+
+
+def test_memory_hog_is_killed_and_reported(
+    client: dsec.Client, make_sandbox: Make, backend: str
+) -> None:
+    if backend in VM_BACKENDS:
+        pytest.skip(f"{backend}: guests report no limit events yet (usage from the agent)")
+    sb = make_sandbox(memory_mb=64)
+    r = sb.run("head -c 400m /dev/zero | tail > /dev/null", timeout=60)
+    assert r.oom_killed, r
+    oom = wait_for(client, sb.id, "limit.oom")
+    assert oom[0].data["memory_mb"] == 64
+    end = kinds_of(client, sb.id, ["command.end"])[-1]
+    assert end.data["oom_killed"] is True
+    if backend in STATEFUL:
+        assert sb.run("echo alive").stdout == "alive\n"
+
+
+def test_disk_filler_is_stopped_at_the_limit(
+    client: dsec.Client, make_sandbox: Make, backend: str
+) -> None:
+    if backend != "container":
+        pytest.skip(f"{backend}: the writable layer's fill is not read from the host")
+    sb = make_sandbox(disk_mb=16)
+    r = sb.run("dd if=/dev/zero of=/tmp/fill bs=1M count=64", timeout=60)
+    assert r.exit_code != 0 and "No space left" in r.stderr, r
+    ev = wait_for(client, sb.id, "limit.disk")[0]
+    assert ev.data["disk_mb"] == 16 and ev.data["used_bytes"] >= 15 << 20
+
+
+def test_overwriting_bin_sh_is_flagged_and_stays_in_the_sandbox(
+    client: dsec.Client, make_sandbox: Make, backend: str
+) -> None:
+    if backend not in STATEFUL:
+        pytest.skip(f"{backend} keeps no state between commands")
+    sb, other = make_sandbox(), make_sandbox()
+    original = other.read_file("/bin/busybox")
+    sb.write_file("/bin/busybox.new", b"#!/bin/false\n")
+    sb.write_file("/usr/bin/evil", b"#!/bin/false\n", mode=0o755)
+    action = wait_for(client, sb.id, "watcher.action")[0]
+    assert action.data["rule"] == "binary-overwrite"
+    writes = kinds_of(client, sb.id, ["file.write"])
+    assert set(action.data["evidence"]["events"]) <= {e.id for e in writes}
+    assert sb.info().labels.get("watcher.binary-overwrite") == "flagged"
+    assert other.read_file("/bin/busybox") == original
+    fresh = make_sandbox()
+    assert fresh.run("ls /usr/bin/evil").exit_code != 0
+
+
+def test_removing_an_image_binary_from_inside_is_seen(
+    client: dsec.Client, make_sandbox: Make, backend: str
+) -> None:
+    if backend != "container":
+        pytest.skip(f"{backend}: the writable layer is not read from the host")
+    sb, other = make_sandbox(), make_sandbox()
+    assert sb.run("rm /bin/true && echo gone > /tmp/new-file").exit_code == 0
+    seen = wait_until(
+        lambda: [
+            e
+            for e in kinds_of(client, sb.id, ["file.write"])
+            if e.data["by"] == "layer" and e.data["path"] == "/bin/true"
+        ],
+        10,
+        interval=0.2,
+    )
+    assert seen, list(client.events(sandbox=sb.id))
+    assert wait_for(client, sb.id, "watcher.action")[0].data["rule"] == "binary-overwrite"
+    assert other.run("/bin/true").exit_code == 0, "other sandboxes keep the image's binary"
+    assert make_sandbox().run("/bin/true").exit_code == 0
+
+
+# ---------------------------------------------------------------------- network
+
+
+@pytest.fixture(scope="module")
+def net_server(busybox_rootfs: Path) -> Iterator[tuple[Server, ipaddress.IPv4Network]]:
+    from test_network import own_server
+
+    yield from own_server(Server, busybox_rootfs)
+
+
+def test_port_scan_is_refused_and_flagged(
+    net_server: tuple[Server, ipaddress.IPv4Network], backend: str
+) -> None:
+    if backend != "container":
+        pytest.skip(f"{backend}: refusals are logged for the container backend's network")
+    server, pool = net_server
+    with server.client() as c:
+        sb = c.create(image="busybox", network={"allow": ["192.0.2.1:9"]})
+        try:
+            gateway = str(next(pool.hosts()))
+            # 20 ports of the gateway (the host) and of another address: all refused.
+            r = sb.run(
+                f"for p in $(seq 2000 2019); do nc -w 1 {gateway} $p </dev/null & "
+                "nc -w 1 198.51.100.7 $p </dev/null & done; wait",
+                timeout=60,
+            )
+            assert "hello" not in r.stdout
+            refused = wait_for(c, sb.id, "network.refused")
+            ports = {e.data["port"] for e in refused}
+            assert len(ports) >= 10, refused
+            action = wait_for(c, sb.id, "watcher.action")[0]
+            assert action.data["rule"] == "port-scan"
+            assert len(action.data["evidence"]["distinct"]) >= 10
+            assert c.get(sb.id).info().labels.get("watcher.port-scan") == "flagged"
+        finally:
+            sb.stop()

@@ -1,0 +1,153 @@
+"""A dsec fleet on this host: a real etcd, ``dsec edge`` and ``dsec apiserver`` processes.
+
+Used by the fleet tests (``tests/test_fleet.py``) and benchmarks (``bench/``). etcd runs with
+a temporary data directory on loopback ports; every process here is started in a session
+of its own and only ever signalled by its pid.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+from dsec_local import Server, ServerError, free_port, wait_until
+
+__all__ = ["ETCD_BIN", "Apiserver", "Edge", "Etcd", "etcd_unavailable_reason"]
+
+#: The etcd server binary: $DSEC_ETCD_BIN, else `etcd` on PATH (Debian's etcd-server).
+ETCD_BIN = os.environ.get("DSEC_ETCD_BIN") or shutil.which("etcd") or "etcd"
+
+
+def etcd_unavailable_reason() -> str | None:
+    """Why no etcd can be started here (None: it can)."""
+    if shutil.which(ETCD_BIN) is None and not Path(ETCD_BIN).exists():
+        return f"no etcd binary ({ETCD_BIN!r}; Debian's etcd-server, see scripts/setup.sh)"
+    return None
+
+
+class Etcd:
+    """One etcd member on loopback ports with its own data directory."""
+
+    def __init__(self, data_dir: Path, *, log_path: Path) -> None:
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    def start(self, timeout: float = 30.0) -> Etcd:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        argv = [
+            ETCD_BIN,
+            "--name", "dsec-test",
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.url,
+            "--advertise-client-urls", self.url,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"dsec-test={peer}",
+        ]  # fmt: skip
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"etcd exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1, trust_env=False).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise ServerError(f"etcd not healthy after {timeout}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+class Edge(Server):
+    """A ``dsec edge`` registered in ``etcd`` under ``name``."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        etcd: str,
+        name: str,
+        lease_ttl: int = 3,
+        extra_args: Sequence[str] = (),
+        **kw: Any,
+    ) -> None:
+        super().__init__(state_dir, extra_args=extra_args, **kw)
+        self.etcd = etcd
+        self.name = name
+        self.lease_ttl = lease_ttl
+
+    def argv(self) -> list[str]:
+        argv = [str(self.binary), "edge", "--etcd", self.etcd, "--name", self.name]
+        argv += ["--lease-ttl", str(self.lease_ttl)]
+        argv += ["--listen", f"{self.host}:{self.port}", "--state-dir", str(self.state_dir)]
+        if self.token_file is not None:
+            argv += ["--token-file", str(self.token_file)]
+        return argv + self.extra_args
+
+
+class Apiserver(Server):
+    """A ``dsec apiserver`` watching ``etcd``; it keeps no state (``state_dir`` stays empty)."""
+
+    def __init__(self, state_dir: Path, *, etcd: str, **kw: Any) -> None:
+        super().__init__(state_dir, **kw)
+        self.etcd = etcd
+
+    def argv(self) -> list[str]:
+        argv = [str(self.binary), "apiserver", "--etcd", self.etcd]
+        argv += ["--listen", f"{self.host}:{self.port}"]
+        if self.token_file is not None:
+            argv += ["--token-file", str(self.token_file)]
+        return argv + self.extra_args
+
+    def cleanup(self) -> None:
+        """Stop it; a killed apiserver left nothing behind to clean."""
+        self.dirty = False
+        super().cleanup()
+
+    def edges(self) -> list[dict[str, Any]]:
+        r = httpx.get(self.url + "/v1/fleet/edges", timeout=5, trust_env=False)
+        r.raise_for_status()
+        edges: list[dict[str, Any]] = r.json()
+        return edges
+
+    def wait_for_edges(self, names: Sequence[str], timeout: float = 30.0) -> None:
+        """Until exactly ``names`` are live and ready in this apiserver's table."""
+
+        def seen() -> bool:
+            live = sorted(e["name"] for e in self.edges() if e["ready"])
+            return live == sorted(names)
+
+        if not wait_until(seen, timeout):
+            raise AssertionError(f"apiserver sees {self.edges()}, not {sorted(names)}")
