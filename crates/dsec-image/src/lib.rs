@@ -39,6 +39,7 @@ mod plan;
 mod registry;
 pub mod seal;
 mod store;
+mod trash;
 mod tree;
 mod unpack;
 

@@ -25,6 +25,7 @@ use crate::mount::LayerMounts;
 use crate::oci;
 use crate::plan::{Plan, PlannedLayer};
 use crate::registry::{self, ARCHIVE_SUFFIXES};
+use crate::trash::Trash;
 use crate::tree::{unpack_tree, unpack_upper};
 use crate::unpack::{unpack_layer, Compression, Unpacked};
 
@@ -81,8 +82,8 @@ pub struct Pruned {
 /// filesystem) holds `layers/sha256/<hex>.erofs` (one blob per diff id, with a
 /// `<hex>.json` sidecar), `meta/<name>.json` (one per image, written last and
 /// atomically), `leases/<edge>.json` (what each edge holds) and `gc.lock`. The edge's own
-/// directory (`local`) holds `staging/` (scratch space, emptied at open) and `mnt/` (its
-/// layer mounts). Open one store per edge. Clone is cheap.
+/// directory (`local`) holds `staging/` (scratch space, emptied at open), `trash/`
+/// (staging trees being deleted in the background) and `mnt/` (its layer mounts). Open one store per edge. Clone is cheap.
 #[derive(Clone, Debug)]
 pub struct ImageStore {
     inner: Arc<Inner>,
@@ -92,6 +93,7 @@ pub struct ImageStore {
 pub(crate) struct Inner {
     pub(crate) root: PathBuf,
     staging: PathBuf,
+    trash: Trash,
     pub(crate) edge: String,
     pub(crate) mounts: LayerMounts,
     pub(crate) holds: HoldCounts,
@@ -129,6 +131,8 @@ impl ImageStore {
         let inner = Inner {
             root: root.to_owned(),
             staging: local.join("staging"),
+            trash: Trash::open(&local.join("trash"))
+                .map_err(io_error(format!("cannot set up {}/trash", local.display())))?,
             edge: edge.to_owned(),
             mounts: LayerMounts::open(&local.join("mnt"))
                 .map_err(io_error(format!("cannot set up {}/mnt", local.display())))?,
@@ -744,11 +748,12 @@ impl Inner {
         let diff_id = unpacked.diff_id.clone();
         held.hold(&diff_id);
         if self.blob_path(&diff_id).is_file() {
+            self.trash.discard(unpacked.dir);
             return Ok(false);
         }
         let size = unpacked.size;
         let built = self.build(&diff_id, unpacked.dir.path(), input)?;
-        drop(unpacked);
+        self.trash.discard(unpacked.dir);
         self.publish(&diff_id, &built, size)
     }
 

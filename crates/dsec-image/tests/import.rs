@@ -352,6 +352,23 @@ async fn same_directory_twice_is_stored_once() {
     assert_eq!(stored_layers(tmp.path()).len(), 1);
     let names: Vec<_> = store.list().unwrap().into_iter().map(|i| i.name).collect();
     assert_eq!(names, ["one", "two"]);
+    // Both staging trees (the stored one and the duplicate) are deleted off the path.
+    assert_eq!(entries(&tmp.path().join("images/staging")), 0);
+    wait_empty(&tmp.path().join("images/trash"));
+}
+
+/// Waits (up to 10 s) for the background deletion of what lies in `dir`.
+fn wait_empty(dir: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while entries(dir) > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "{} still holds {} entries",
+            dir.display(),
+            entries(dir)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[tokio::test]
@@ -837,9 +854,13 @@ async fn open_clears_leftover_staging() {
     fs::create_dir_all(root.join("staging/layer-crashed/usr")).unwrap();
     fs::write(root.join("staging/layer-crashed/usr/x"), b"x").unwrap();
     fs::write(root.join("layers/sha256/.tmp-test-0123"), b"half a blob").unwrap();
-    drop(open(&root));
+    fs::create_dir_all(root.join("trash/layer-half-deleted/etc")).unwrap();
+    fs::write(root.join("trash/layer-half-deleted/etc/y"), b"y").unwrap();
+    let store = open(&root);
     assert_eq!(entries(&root.join("staging")), 0);
     assert!(!root.join("layers/sha256/.tmp-test-0123").exists());
+    wait_empty(&root.join("trash"));
+    drop(store);
 }
 
 /// A registry process, stopped (by its pid) when dropped.

@@ -289,7 +289,15 @@ async fn route_frames(
     routes: Routes,
     alive: watch::Sender<bool>,
 ) {
-    while let Ok(Some(frame)) = read_frame(&mut reader, &mut buf).await {
+    loop {
+        let frame = match read_frame(&mut reader, &mut buf).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => break,
+            Err(e) => {
+                tracing::warn!(error = %e, "control channel unreadable: closing it");
+                break;
+            }
+        };
         let id = frame.exec_id;
         let last = ends_route(&frame);
         let mut routes = routes.lock().expect("routes lock");

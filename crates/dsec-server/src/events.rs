@@ -221,7 +221,12 @@ impl Events {
         let (live, _) = broadcast::channel(FOLLOW_BACKLOG);
         let (disk, queue) = mpsc::channel(DISK_BACKLOG);
         let writer = Writer::open(dir, &config)?;
-        tokio::spawn(writer.run(queue));
+        // A thread of its own, not `block_in_place`: that turns the calling runtime
+        // worker into a blocking-pool thread, which exits when idle — and a QEMU forked
+        // from it gets its parent-death SIGKILL then (see dsec_vm::qemu).
+        std::thread::Builder::new()
+            .name("dsec-events".to_owned())
+            .spawn(move || writer.run(queue))?;
         Ok(Arc::new(Events {
             ring: Mutex::new(Ring {
                 next_id,
@@ -344,13 +349,19 @@ impl Writer {
         })
     }
 
-    /// Writes what arrives, flushing once the queue is empty; stops when every sender is
-    /// gone.
-    async fn run(mut self, mut queue: mpsc::Receiver<ToDisk>) {
+    /// Writes what arrives, in batches of what has queued up, flushing after each; stops
+    /// when every sender is gone.
+    fn run(mut self, mut queue: mpsc::Receiver<ToDisk>) {
         let mut batch = Vec::new();
-        while queue.recv_many(&mut batch, 256).await > 0 {
-            let result = tokio::task::block_in_place(|| self.write(&mut batch));
-            if let Err(e) = result {
+        while let Some(first) = queue.blocking_recv() {
+            batch.push(first);
+            while batch.len() < 256 {
+                match queue.try_recv() {
+                    Ok(message) => batch.push(message),
+                    Err(_) => break,
+                }
+            }
+            if let Err(e) = self.write(&mut batch) {
                 tracing::warn!(dir = %self.dir.display(), error = %e, "cannot write events");
             }
             batch.clear();

@@ -13,7 +13,8 @@
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use dsec_runtime::channel::Channel;
@@ -124,6 +125,8 @@ pub struct Vm {
     channel: Channel,
     qmp: Qmp,
     exited: watch::Receiver<bool>,
+    /// QEMU's exit status, once it has exited and been reaped.
+    status: Arc<OnceLock<ExitStatus>>,
     console: PathBuf,
 }
 
@@ -350,8 +353,10 @@ impl Vm {
             .kill_on_drop(true);
         let inherited = [agent_qemu.as_raw_fd(), qmp_qemu.as_raw_fd()];
         // PR_SET_PDEATHSIG fires when the *thread* that forked exits: this runs on the
-        // runtime's worker threads, which live as long as the server (never from
-        // spawn_blocking, whose threads come and go).
+        // runtime's worker threads, which live as long as the server — as long as no
+        // one calls `block_in_place` on them (it turns the worker into a blocking-pool
+        // thread, which exits when idle) and this is never called from spawn_blocking,
+        // whose threads come and go. The server calls neither.
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
         // syscalls (fcntl, prctl) on descriptors and state of the child.
         unsafe {
@@ -378,8 +383,12 @@ impl Vm {
         )
         .map_err(|e| VmError::Qemu(format!("pidfd_open: {e}")))?;
         let (exited_tx, exited) = watch::channel(false);
+        let status = Arc::new(OnceLock::new());
+        let reaped = Arc::clone(&status);
         tokio::spawn(async move {
-            let _ = child.wait().await;
+            if let Ok(status) = child.wait().await {
+                let _ = reaped.set(status);
+            }
             let _ = exited_tx.send(true);
         });
         let failed = |reason: String| {
@@ -429,6 +438,7 @@ impl Vm {
                 channel,
                 qmp,
                 exited,
+                status,
                 console,
             }),
             Err(reason) => {
@@ -491,6 +501,11 @@ impl Vm {
     /// Resolves when QEMU exits.
     pub fn exited(&self) -> watch::Receiver<bool> {
         self.exited.clone()
+    }
+
+    /// QEMU's exit status, once it has exited (`None` while it runs).
+    pub fn exit_status(&self) -> Option<ExitStatus> {
+        self.status.get().copied()
     }
 }
 

@@ -15,6 +15,7 @@ use dsec_runtime::container::{
 };
 use dsec_runtime::proto::{ExecExit, ExecFile, ExecSpec};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+use rustix::io::Errno;
 
 use super::files::{list_served, read_served, write_served};
 use super::{
@@ -346,26 +347,29 @@ impl Sandbox for ContainerSandbox {
         let Ok(upper) = self.container.upper_dir() else {
             return Vec::new();
         };
+        let in_image = |path: &Path| {
+            self.layers.dirs.iter().any(|layer| {
+                rustix::fs::open(layer, OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).is_ok_and(
+                    |root| rustix::fs::statat(&root, path, AtFlags::SYMLINK_NOFOLLOW).is_ok(),
+                )
+            })
+        };
         let mut replaced = Vec::new();
         for dir in dirs {
             let rel = dir.trim_matches('/');
-            let Some(names) = changed_files(upper.as_fd(), rel) else {
-                continue;
-            };
-            for name in names {
-                let in_image = self.layers.dirs.iter().any(|layer| {
-                    rustix::fs::open(layer, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())
-                        .is_ok_and(|root| {
-                            rustix::fs::statat(
-                                &root,
-                                Path::new(rel).join(&name),
-                                AtFlags::SYMLINK_NOFOLLOW,
-                            )
-                            .is_ok()
-                        })
-                });
-                if in_image {
-                    replaced.push(format!("/{rel}/{}", name.to_string_lossy()));
+            match layer_dir(upper.as_fd(), rel) {
+                LayerDir::Untouched => {}
+                LayerDir::Replaced => {
+                    if in_image(Path::new(rel)) {
+                        replaced.push(format!("/{rel}/"));
+                    }
+                }
+                LayerDir::Merged(names) => {
+                    for name in names {
+                        if in_image(&Path::new(rel).join(&name)) {
+                            replaced.push(format!("/{rel}/{}", name.to_string_lossy()));
+                        }
+                    }
                 }
             }
         }
@@ -429,20 +433,44 @@ impl Sandbox for ContainerSandbox {
 /// The most entries of one directory of a writable layer read per sample.
 const CHANGED_FILES_READ: usize = 4096;
 
-/// The names of the non-directories in `rel` (a relative path) under the writable layer
-/// `upper`, each component opened without following links; `None` when it is missing, a
-/// link, or not a directory.
-fn changed_files(upper: BorrowedFd<'_>, rel: &str) -> Option<Vec<std::ffi::OsString>> {
+/// What a writable layer holds at one of the image's directories.
+enum LayerDir {
+    /// Nothing: the sandbox left the image's directory as it was.
+    Untouched,
+    /// A directory merged with the image's: these non-directories in it are the
+    /// sandbox's, over the image's entries or beside them.
+    Merged(Vec<std::ffi::OsString>),
+    /// Something hiding the image's whole directory: a link, a file or a whiteout at
+    /// the path or at one of its parents, or an opaque directory (removed and made anew).
+    Replaced,
+}
+
+/// What the writable layer `upper` holds at `rel` (a relative path), each component
+/// opened without following links: a planted `usr -> /` is reported as replacing
+/// `/usr/...`, never followed into the host's directories.
+fn layer_dir(upper: BorrowedFd<'_>, rel: &str) -> LayerDir {
     let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-    let mut fd = rustix::fs::openat(upper, ".", flags, Mode::empty()).ok()?;
+    let Ok(mut fd) = rustix::fs::openat(upper, ".", flags, Mode::empty()) else {
+        return LayerDir::Untouched;
+    };
     for component in rel.split('/').filter(|c| !c.is_empty()) {
-        fd = rustix::fs::openat(&fd, component, flags, Mode::empty()).ok()?;
+        fd = match rustix::fs::openat(&fd, component, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT) => return LayerDir::Untouched,
+            Err(_) => return LayerDir::Replaced,
+        };
+        let mut opaque = [0u8; 1];
+        if rustix::fs::fgetxattr(&fd, "trusted.overlay.opaque", &mut opaque).is_ok_and(|n| n == 1)
+            && opaque[0] == b'y'
+        {
+            return LayerDir::Replaced;
+        }
     }
+    let Ok(dir) = rustix::fs::Dir::read_from(&fd) else {
+        return LayerDir::Untouched;
+    };
     let mut names = Vec::new();
-    for entry in rustix::fs::Dir::read_from(&fd)
-        .ok()?
-        .take(CHANGED_FILES_READ)
-    {
+    for entry in dir.take(CHANGED_FILES_READ) {
         let Ok(entry) = entry else { break };
         let name = entry.file_name().to_bytes();
         if name == b"." || name == b".." || entry.file_type() == FileType::Directory {
@@ -450,5 +478,5 @@ fn changed_files(upper: BorrowedFd<'_>, rel: &str) -> Option<Vec<std::ffi::OsStr
         }
         names.push(std::ffi::OsStr::from_bytes(name).to_owned());
     }
-    Some(names)
+    LayerDir::Merged(names)
 }

@@ -14,6 +14,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -26,7 +27,7 @@ use dsec_runtime::proto::ExecSpec;
 use dsec_vm::assets::{GuestAssets, KernelSource};
 use dsec_vm::disk::{self, BaseFs};
 use dsec_vm::qemu::{
-    self, Accel, Disks, GuestIdentity, Hardware, Machine, Start, Vm, BOOT_SNAPSHOT,
+    self, console_tail, Accel, Disks, GuestIdentity, Hardware, Machine, Start, Vm, BOOT_SNAPSHOT,
 };
 use dsec_vm::VmError;
 use serde::{Deserialize, Serialize};
@@ -34,7 +35,7 @@ use tokio::sync::OnceCell;
 
 use super::files::{list_served, read_served, write_served};
 use super::{
-    Backend, CommandSpec, Created, FileRead, ImageDefaults, Output, OutputStream, Sandbox,
+    Backend, CommandSpec, Created, Failure, FileRead, ImageDefaults, Output, OutputStream, Sandbox,
     SandboxRequest, Upload,
 };
 use crate::error::ApiError;
@@ -643,6 +644,27 @@ impl Sandbox for VmSandbox {
 
     fn is_alive(&self) -> bool {
         self.vm.is_alive()
+    }
+
+    async fn failure(&self) -> Failure {
+        // The agent's channel closes as QEMU exits: give the exit a moment to be reaped.
+        let mut exited = self.vm.exited();
+        let _ =
+            tokio::time::timeout(std::time::Duration::from_secs(1), exited.wait_for(|e| *e)).await;
+        let (cause, how) = match self.vm.exit_status() {
+            Some(status) => match status.signal() {
+                Some(signal) => ("signal", format!("QEMU was killed by signal {signal}")),
+                None => ("exit", format!("QEMU exited ({status})")),
+            },
+            None => ("unknown", "its guest agent's channel closed".to_owned()),
+        };
+        let console = console_tail(self.vm.console());
+        let detail = if console.is_empty() {
+            how
+        } else {
+            format!("{how}; the guest console ends: {console}")
+        };
+        Failure { cause, detail }
     }
 
     fn accelerator(&self) -> Option<&'static str> {
