@@ -10,11 +10,15 @@ $DSEC_FLEET_SANDBOXES sets how many sandboxes the spread test makes (default 300
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import os
 import subprocess
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +27,7 @@ import httpx
 import pytest
 from dsec_fleet import Apiserver, Edge, Etcd, etcd_unavailable_reason
 from dsec_local import DSEC_BIN, free_port, safe_rmtree
-from dsec_testlib import make_tempdir, require
+from dsec_testlib import make_tempdir, require, wait_until
 
 LEASE_TTL = 3
 EDGES = ("e1", "e2", "e3")
@@ -171,6 +175,153 @@ def test_a_retried_create_returns_the_sandbox_already_made(fleet: Fleet) -> None
         made = a.list(labels={"t": "idem"})
         assert [s.id for s in made] == [first.json()["id"]]
         made[0].stop()
+
+
+@pytest.mark.timeout(300)
+def test_create_many_spreads_one_request_over_the_fleet(fleet: Fleet) -> None:
+    n = 60
+    with fleet.a.client() as a, fleet.b.client() as b:
+        made = a.create_many(n, image="busybox", memory_mb=64, labels={"t": "many"})
+        try:
+            assert len({sb.id for sb in made}) == n
+            spread = Counter(edge_of(sb.id) for sb in made)
+            assert set(spread) == set(EDGES), spread
+            for name in EDGES:
+                assert spread[name] >= 0.2 * n, spread
+            for sb in made[:: n // 6]:
+                info = b.get(sb.id).info()
+                assert info.edge == edge_of(sb.id), (info.edge, sb.id)
+                assert b.get(sb.id).run("echo ok").stdout == "ok\n"
+        finally:
+            for sb in made:
+                sb.stop()
+    # A keyed batch retried through the other apiserver makes nothing new.
+    body = {"count": 6, "sandbox": {"image": "busybox", "labels": {"t": "many-idem"}}}
+    headers = {"Idempotency-Key": "batch-retry-1"}
+    first = httpx.post(fleet.a.url + "/v1/sandboxes/batch", json=body, headers=headers, timeout=120)
+    again = httpx.post(fleet.b.url + "/v1/sandboxes/batch", json=body, headers=headers, timeout=120)
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    ids = [item["sandbox"]["id"] for item in first.json()["items"]]
+    assert [item["sandbox"]["id"] for item in again.json()["items"]] == ids
+    with fleet.b.client() as b:
+        listed = b.list(labels={"t": "many-idem"})
+        assert sorted(s.id for s in listed) == sorted(ids)
+        for sb in listed:
+            sb.stop()
+    r = httpx.post(
+        fleet.a.url + "/v1/sandboxes/batch", json={"count": 0, "sandbox": body["sandbox"]}
+    )
+    assert r.status_code == 400 and "count must be 1 to" in r.text
+    r = httpx.post(
+        fleet.a.url + "/v1/sandboxes/batch",
+        json={"count": 2, "sandbox": {"image": "busybox", "backend": "nope"}},
+    )
+    assert r.status_code == 400 and "nope" in r.text
+
+
+def publishing(api: Apiserver) -> bool:
+    """Whether every edge in the apiserver's table published in the last two seconds."""
+    return all(e["updated_at"] > time.time() - 2 for e in api.edges())
+
+
+@pytest.mark.timeout(300)
+def test_with_etcd_stopped_sandboxes_keep_working_and_the_fleet_recovers(fleet: Fleet) -> None:
+    pids = {name: e.proc.pid for name, e in fleet.edges.items() if e.proc is not None}
+    made: list[dsec.Sandbox] = []
+    with fleet.a.client() as a, fleet.b.client() as b:
+        try:
+            made += a.create_many(6, image="busybox", labels={"t": "etcd-down"})
+            fleet.etcd.stop()
+            try:
+                # Past the edges' lease TTL without a keep-alive getting through.
+                time.sleep(LEASE_TTL + 1)
+                for sb in made:
+                    assert b.get(sb.id).run("echo up").stdout == "up\n"
+                # Creations go on, placed on the membership the apiservers hold.
+                during = [a.create(image="busybox", labels={"t": "etcd-down"}) for _ in range(3)]
+                made += during
+                assert {edge_of(sb.id) for sb in during} <= set(EDGES)
+            finally:
+                fleet.etcd.start()
+            # etcd back: every edge keeps (or renews) its lease and publishes again, and both
+            # apiservers see the whole fleet, with nothing restarted — also once the leases
+            # etcd restored would have run out unless kept alive.
+            time.sleep(2 * LEASE_TTL)
+            for api in (fleet.a, fleet.b):
+                api.wait_for_edges(EDGES, timeout=LEASE_TTL + 10)
+                assert wait_until(functools.partial(publishing, api), 10), api.edges()
+            assert {n: e.proc.pid for n, e in fleet.edges.items() if e.proc} == pids
+            assert all(e.alive() for e in fleet.edges.values())
+            after = b.create_many(9, image="busybox", labels={"t": "etcd-down"})
+            made += after
+            assert {edge_of(sb.id) for sb in after} == set(EDGES)
+            for sb in made:
+                assert a.get(sb.id).run("true").exit_code == 0
+        finally:
+            for sb in made:
+                sb.stop()
+
+
+@pytest.mark.timeout(300)
+def test_an_apiserver_killed_during_a_burst_loses_nothing_and_doubles_nothing(
+    fleet: Fleet,
+) -> None:
+    victim = Apiserver(
+        fleet.tmp / "api-victim", etcd=fleet.etcd.url, log_path=fleet.tmp / "api-victim.log"
+    )
+    victim.start()
+    victim.wait_for_edges(EDGES)
+    keys = [f"burst-{i}-{uuid.uuid4().hex[:8]}" for i in range(40)]
+    body = {"image": "busybox", "labels": {"t": "burst"}}
+    others: list[str] = []
+
+    def through_victim(key: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(
+                victim.url + "/v1/sandboxes",
+                json=body,
+                headers={"Idempotency-Key": key},
+                timeout=60,
+                trust_env=False,
+            )
+
+    def through_b() -> None:
+        with fleet.b.client() as b:
+            for _ in range(10):
+                others.append(b.create(image="busybox", labels={"t": "burst-b"}).id)
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            b_done = pool.submit(through_b)
+            burst = [pool.submit(through_victim, k) for k in keys]
+            time.sleep(0.3)
+            victim.kill9()
+            for f in burst:
+                f.result()
+            # Clients of the other apiserver saw nothing.
+            b_done.result()
+        assert len(others) == 10
+        # Every create is retried through the other apiserver: each key has one sandbox.
+        ids = []
+        for key in keys:
+            r = httpx.post(
+                fleet.b.url + "/v1/sandboxes",
+                json=body,
+                headers={"Idempotency-Key": key},
+                timeout=60,
+                trust_env=False,
+            )
+            assert r.status_code in (200, 201), r.text
+            ids.append(r.json()["id"])
+        assert len(set(ids)) == len(keys)
+        with fleet.b.client() as b:
+            listed = sorted(sb.id for sb in b.list(labels={"t": "burst"}))
+            assert listed == sorted(ids), "a retried create made a second sandbox"
+    finally:
+        victim.cleanup()
+        with fleet.b.client() as b:
+            for sb in b.list(labels={"t": "burst"}) + b.list(labels={"t": "burst-b"}):
+                sb.stop()
 
 
 def test_bad_input(fleet: Fleet) -> None:

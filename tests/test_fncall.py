@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import dsec
-import httpx
 import pytest
 from dsec_testlib import (
     Server,
     cgroup_dirs,
     make_tempdir,
+    metric,
     procs_in,
     safe_rmtree,
     wait_until,
@@ -27,15 +26,6 @@ def fn(client: dsec.Client, busybox_image: str) -> Iterator[dsec.Sandbox]:
     sb = client.create(backend="fncall", image=busybox_image)
     yield sb
     sb.stop()
-
-
-def metric(server: Server, name: str) -> float:
-    """Sum of a metric's samples (all label sets)."""
-    text = httpx.get(f"{server.url}/metrics").text
-    return sum(
-        float(m.group(1))
-        for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
-    )
 
 
 def test_a_file_from_one_call_is_absent_in_the_next(fn: dsec.Sandbox) -> None:
@@ -95,8 +85,13 @@ def test_environment_and_files_do_not_carry(fn: dsec.Sandbox) -> None:
 
 
 def test_client_call_one_shot(client: dsec.Client, busybox_image: str) -> None:
-    r = client.call("read x; echo got $x; cat /task.txt", image=busybox_image,
-                    stdin="42\n", files={"/task.txt": "hello"}, timeout=10)
+    r = client.call(
+        "read x; echo got $x; cat /task.txt",
+        image=busybox_image,
+        stdin="42\n",
+        files={"/task.txt": "hello"},
+        timeout=10,
+    )
     assert r.exit_code == 0
     assert r.stdout == "got 42\nhello"
 
@@ -162,7 +157,7 @@ def test_pool_refills_after_a_burst(
 ) -> None:
     sb = client.create(backend="fncall", image=busybox_image)
     try:
-        misses_before = metric(server, "dsec_fncall_pool_misses_total")
+        misses_before = metric(server.url, "dsec_fncall_pool_misses_total")
 
         async def burst() -> None:
             async with server.async_client() as ac:
@@ -171,14 +166,14 @@ def test_pool_refills_after_a_burst(
                 assert all(r.exit_code == 0 for r in rs)
 
         asyncio.run(burst())
-        assert metric(server, "dsec_fncall_pool_hits_total") > 0
+        assert metric(server.url, "dsec_fncall_pool_hits_total") > 0
         # the burst outran the pool, so some calls waited for a worker rather than failing
-        assert metric(server, "dsec_fncall_pool_misses_total") >= misses_before
+        assert metric(server.url, "dsec_fncall_pool_misses_total") >= misses_before
         # afterwards the pool is warm again: the next calls find a worker ready
-        wait_until(lambda: metric(server, "dsec_fncall_pool_ready") >= 2, 15)
-        hits = metric(server, "dsec_fncall_pool_hits_total")
+        wait_until(lambda: metric(server.url, "dsec_fncall_pool_ready") >= 2, 15)
+        hits = metric(server.url, "dsec_fncall_pool_hits_total")
         assert sb.run("true").exit_code == 0
-        assert metric(server, "dsec_fncall_pool_hits_total") == hits + 1
+        assert metric(server.url, "dsec_fncall_pool_hits_total") == hits + 1
     finally:
         sb.stop()
 

@@ -11,7 +11,6 @@ runtime and of the edge's admission control.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import pytest
 from dsec_testlib import (
     Server,
     assert_no_leftovers,
+    metric,
     procs_in,
     wait_until,
 )
@@ -43,20 +43,6 @@ FILLERS = {
 def native_container(backend: str) -> None:
     if backend != "container":
         pytest.skip(f"dsec's own runtime and admission, not backend {backend}")
-
-
-def metrics(server: Server) -> str:
-    return httpx.get(f"{server.url}/metrics", timeout=10).text
-
-
-def metric(server: Server, name: str, **labels: str) -> float:
-    """Sum of a metric's samples whose labels include ``labels``."""
-    total = 0.0
-    for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", metrics(server), re.MULTILINE):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def healthy(server: Server) -> bool:
@@ -103,7 +89,7 @@ def test_over_budget_creates_are_refused_while_existing_sandboxes_work(
     make_server: MakeServer,
 ) -> None:
     s = make_server(extra_args=["--memory-overcommit", "0.05", "--net-pool", "10.235.0.0/16"])
-    budget = metric(s, "dsec_admission_budget", resource="memory_mb")
+    budget = metric(s.url, "dsec_admission_budget", resource="memory_mb")
     assert budget > 0
     each = int(budget / 2.5)
     with s.client() as c:
@@ -134,8 +120,8 @@ def test_over_budget_creates_are_refused_while_existing_sandboxes_work(
         assert time.monotonic() - started < 20
         for sb in (first[1], replacement):
             sb.stop()
-    assert metric(s, "dsec_admission_refused_total", resource="memory") >= 2
-    assert metric(s, "dsec_admission_promised", resource="memory_mb") <= budget
+    assert metric(s.url, "dsec_admission_refused_total", resource="memory") >= 2
+    assert metric(s.url, "dsec_admission_promised", resource="memory_mb") <= budget
     assert healthy(s)
 
 
@@ -148,8 +134,8 @@ def test_the_sandboxes_parents_are_limited(sb: dsec.Sandbox, server: Server) -> 
     init_memory = Path(mounts["memory"]) / cgroup_line(pid, "memory").lstrip("/")
     assert init_memory.name == "inits", init_memory
     parent = init_memory.parent
-    capacity_mb = metric(server, "dsec_admission_capacity", resource="memory_mb")
-    capacity_pids = metric(server, "dsec_admission_capacity", resource="pids")
+    capacity_mb = metric(server.url, "dsec_admission_capacity", resource="memory_mb")
+    capacity_pids = metric(server.url, "dsec_admission_capacity", resource="pids")
     assert int((parent / "memory.limit_in_bytes").read_text()) == int(capacity_mb) << 20
     pids_dir = Path(mounts["pids"]) / cgroup_line(pid, "pids").lstrip("/")
     assert pids_dir.name == sb.id
@@ -180,7 +166,7 @@ def test_pids_above_the_hosts_limit_are_refused(
     client: dsec.Client, busybox_image: str, server: Server
 ) -> None:
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-    capacity = int(metric(server, "dsec_admission_capacity", resource="pids"))
+    capacity = int(metric(server.url, "dsec_admission_capacity", resource="pids"))
     assert capacity < pid_max
     with pytest.raises(dsec.InvalidArgument) as e:
         client.create(image=busybox_image, pids=pid_max + 1)
@@ -204,7 +190,7 @@ def test_kernel_memory_fillers_never_kill_init(
 ) -> None:
     sb = make_sandbox(memory_mb=32)
     init = init_pid(sb)
-    failures = metric(server, "dsec_sandbox_failures_total")
+    failures = metric(server.url, "dsec_sandbox_failures_total")
     r = sb.run(FILLERS[filler], timeout=120)
     assert not r.timed_out, f"{filler}: ran past its timeout"
     if filler == "negative dentries":
@@ -219,7 +205,7 @@ def test_kernel_memory_fillers_never_kill_init(
         assert ran_or_oom_killed(r), (r.exit_code, r.stdout, r.stderr)
     assert sb.info().state == "running"
     assert init_pid(sb) == init
-    assert metric(server, "dsec_sandbox_failures_total") == failures
+    assert metric(server.url, "dsec_sandbox_failures_total") == failures
     assert healthy(server)
 
 
@@ -279,7 +265,7 @@ def test_init_killed_from_the_host_answers_sandbox_failed(
 ) -> None:
     quiet = make_sandbox()
     sb = make_sandbox()
-    failures = metric(server, "dsec_sandbox_failures_total", cause="signal")
+    failures = metric(server.url, "dsec_sandbox_failures_total", cause="signal")
     os.kill(init_pid(sb), signal.SIGKILL)
 
     def failed() -> dsec.SandboxFailed | None:
@@ -297,7 +283,7 @@ def test_init_killed_from_the_host_answers_sandbox_failed(
     assert sb.info().state == "failed"
     with pytest.raises(dsec.SandboxFailed):
         sb.read_file("/etc/hostname")
-    assert metric(server, "dsec_sandbox_failures_total", cause="signal") == failures + 1
+    assert metric(server.url, "dsec_sandbox_failures_total", cause="signal") == failures + 1
     assert quiet.run("echo ok").stdout == "ok\n"
     sb.stop()
     assert_no_leftovers(server, sb.id)

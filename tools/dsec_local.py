@@ -12,6 +12,7 @@ process it signals is one it started, by pid.
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import signal
@@ -96,6 +97,18 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of metric ``name`` at ``{url}/metrics`` whose labels include
+    ``labels`` (no labels: every sample)."""
+    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+    total = 0.0
+    for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.MULTILINE):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
 
 
 def raise_open_file_limit() -> None:

@@ -9,6 +9,7 @@ from ._protocol import __version__
 from .aio import AsyncClient, AsyncSandbox, PendingSandbox
 from .client import Client, Sandbox
 from .errors import (
+    BatchError,
     CapacityExceeded,
     Conflict,
     ConnectionFailed,
@@ -36,6 +37,7 @@ from .types import (
 __all__ = [
     "AsyncClient",
     "AsyncSandbox",
+    "BatchError",
     "CapacityExceeded",
     "Client",
     "CommandResult",

@@ -19,16 +19,19 @@ import orjson
 
 from . import _http
 from .errors import (
+    BatchError,
     ConnectionFailed,
     DsecError,
     InvalidArgument,
     NotFound,
     RequestTimeout,
+    error_from_kind,
     error_from_response,
 )
 from .types import CommandResult, Event, FileInfo, Image, SandboxInfo, StreamEvent
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 __version__ = "0.1.0"
 
@@ -367,7 +370,7 @@ def _network(network: Network) -> Any:
     return {k: list(v) for k, v in network.items()}
 
 
-def create_call(
+def create_body(
     *,
     backend: str,
     image: str | None,
@@ -383,8 +386,9 @@ def create_call(
     labels: Labels | None,
     trajectory_id: str | None,
     ca_bundle: bool | None = None,
-) -> Call[SandboxInfo]:
-    body = _drop_none(
+) -> dict[str, Any]:
+    """The body of ``POST /v1/sandboxes`` (and each item of a batch)."""
+    return _drop_none(
         {
             "backend": backend,
             "image": image,
@@ -402,6 +406,16 @@ def create_call(
             "trajectory_id": trajectory_id,
         }
     )
+
+
+def create_args(scope: dict[str, Any]) -> dict[str, Any]:
+    """:func:`create_body`'s arguments from ``locals()`` taken first thing in a client's
+    ``create`` or ``create_many``, whose parameters are the contract (tests check that the
+    four agree): all but ``self`` and ``n``."""
+    return {k: v for k, v in scope.items() if k not in ("self", "n")}
+
+
+def create_call(body: dict[str, Any]) -> Call[SandboxInfo]:
     return Call(
         "POST",
         "/v1/sandboxes",
@@ -409,6 +423,68 @@ def create_call(
         json=body,
         read_timeout=CREATE_TIMEOUT_S,
         idempotency_key=uuid.uuid4().hex,
+    )
+
+
+#: Extra time to wait for a batch's answer, per sandbox in it.
+BATCH_TIMEOUT_PER_SANDBOX_S = 0.1
+
+
+def create_many_call(count: int, body: dict[str, Any]) -> Call[list[SandboxInfo | DsecError]]:
+    """``POST /v1/sandboxes/batch``: ``count`` sandboxes made from ``body``, one item each."""
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(f"n must be an int, not {type(count).__name__}")
+    return Call(
+        "POST",
+        "/v1/sandboxes/batch",
+        parse_batch,
+        json={"count": count, "sandbox": body},
+        read_timeout=CREATE_TIMEOUT_S + count * BATCH_TIMEOUT_PER_SANDBOX_S,
+        idempotency_key=uuid.uuid4().hex,
+    )
+
+
+def parse_batch(resp: _http.Response) -> list[SandboxInfo | DsecError]:
+    items = _obj(resp).get("items")
+    if not isinstance(items, list):
+        raise DsecError("server sent a batch answer without items", status=resp.status)
+    out: list[SandboxInfo | DsecError] = []
+    for item in items:
+        sandbox = item.get("sandbox") if isinstance(item, dict) else None
+        if isinstance(sandbox, dict):
+            out.append(SandboxInfo.from_json(sandbox))
+            continue
+        err = item.get("error") if isinstance(item, dict) else None
+        err = err if isinstance(err, dict) else {}
+        kind, message = err.get("kind"), err.get("message")
+        out.append(
+            error_from_kind(
+                kind if isinstance(kind, str) else None,
+                message if isinstance(message, str) else "the server gave no reason",
+            )
+        )
+    return out
+
+
+def settle_batch(items: list[SandboxInfo | DsecError], wrap: Callable[[SandboxInfo], S]) -> list[S]:
+    """The sandboxes of a batch that was wholly made; else raise: the items' error when
+    none was made, :class:`BatchError` (holding those made) when some were."""
+    made = [wrap(i) for i in items if isinstance(i, SandboxInfo)]
+    errors = {n: e for n, e in enumerate(items) if isinstance(e, DsecError)}
+    if not errors:
+        return made
+    index, first = next(iter(errors.items()))
+    if not made:
+        raise type(first)(
+            f"none of the {len(items)} sandboxes could be made: {first.message}",
+            status=first.status,
+            kind=first.kind,
+        )
+    raise BatchError(
+        f"{len(errors)} of {len(items)} sandboxes could not be made ({len(made)} were: "
+        f"BatchError.sandboxes holds them, use or stop them); item {index}: {first.message}",
+        sandboxes=made,
+        errors=errors,
     )
 
 

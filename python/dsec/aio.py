@@ -114,23 +114,31 @@ class AsyncClient:
     ) -> PendingSandbox:
         """Create a sandbox: ``sb = await client.create(...)``, or
         ``async with client.create(...) as sb:`` to stop it on exit."""
-        call = p.create_call(
-            backend=backend,
-            image=image,
-            cpus=cpus,
-            memory_mb=memory_mb,
-            pids=pids,
-            disk_mb=disk_mb,
-            ttl_s=ttl_s,
-            idle_ttl_s=idle_ttl_s,
-            env=env,
-            workdir=workdir,
-            network=network,
-            labels=labels,
-            trajectory_id=trajectory_id,
-            ca_bundle=ca_bundle,
-        )
+        call = p.create_call(p.create_body(**p.create_args(locals())))
         return PendingSandbox(self._create(call))
+
+    async def create_many(
+        self,
+        n: int,
+        backend: str = "container",
+        image: str | None = None,
+        cpus: float | None = None,
+        memory_mb: int | None = None,
+        pids: int | None = None,
+        disk_mb: int | None = None,
+        ttl_s: float | None = None,
+        idle_ttl_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        network: Network = False,
+        labels: Labels | None = None,
+        trajectory_id: str | None = None,
+        ca_bundle: bool | None = None,
+    ) -> builtins.list[AsyncSandbox]:
+        """Create ``n`` sandboxes alike in one request (see ``Client.create_many``)."""
+        body = p.create_body(**p.create_args(locals()))
+        items = await self._do(p.create_many_call(n, body))
+        return p.settle_batch(items, lambda info: AsyncSandbox(self, info))
 
     async def _create(self, call: p.Call[SandboxInfo]) -> AsyncSandbox:
         return AsyncSandbox(self, await self._do(call))

@@ -83,25 +83,36 @@ class Client:
         ca_bundle: bool | None = None,
     ) -> Sandbox:
         """Create a sandbox. ``with client.create(...) as sb:`` stops it on exit."""
-        info = self._do(
-            p.create_call(
-                backend=backend,
-                image=image,
-                cpus=cpus,
-                memory_mb=memory_mb,
-                pids=pids,
-                disk_mb=disk_mb,
-                ttl_s=ttl_s,
-                idle_ttl_s=idle_ttl_s,
-                env=env,
-                workdir=workdir,
-                network=network,
-                labels=labels,
-                trajectory_id=trajectory_id,
-                ca_bundle=ca_bundle,
-            )
-        )
+        info = self._do(p.create_call(p.create_body(**p.create_args(locals()))))
         return Sandbox(self, info)
+
+    def create_many(
+        self,
+        n: int,
+        backend: str = "container",
+        image: str | None = None,
+        cpus: float | None = None,
+        memory_mb: int | None = None,
+        pids: int | None = None,
+        disk_mb: int | None = None,
+        ttl_s: float | None = None,
+        idle_ttl_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        network: Network = False,
+        labels: Labels | None = None,
+        trajectory_id: str | None = None,
+        ca_bundle: bool | None = None,
+    ) -> builtins.list[Sandbox]:
+        """Create ``n`` sandboxes alike in one request (spread over a fleet's edges).
+
+        Raises the items' error when none could be made, and :class:`dsec.BatchError`
+        when some were: its ``sandboxes`` are running, its ``errors`` say why the others
+        were not.
+        """
+        body = p.create_body(**p.create_args(locals()))
+        items = self._do(p.create_many_call(n, body))
+        return p.settle_batch(items, lambda info: Sandbox(self, info))
 
     def get(self, id: str) -> Sandbox:
         """Reconnect to a sandbox by id (its step count starts at 0 again)."""

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 __all__ = [
+    "BatchError",
     "CapacityExceeded",
     "Conflict",
     "ConnectionFailed",
@@ -18,6 +19,7 @@ __all__ = [
     "TrajectoryDiverged",
     "Unauthorized",
     "Unavailable",
+    "error_from_kind",
     "error_from_response",
 ]
 
@@ -88,6 +90,20 @@ class RequestTimeout(DsecError):
     """The server did not answer in time."""
 
 
+class BatchError(DsecError):
+    """Some sandboxes of a ``create_many`` were made and some were not.
+
+    ``sandboxes`` holds those made, in request order: they are running, yours to use or
+    stop. ``errors`` maps the index of each item not made to the exception a single
+    ``create`` would have raised for it (``status`` is ``None``: items share one response).
+    """
+
+    def __init__(self, message: str, *, sandboxes: list[Any], errors: dict[int, DsecError]):
+        super().__init__(message)
+        self.sandboxes = sandboxes
+        self.errors = errors
+
+
 _BY_KIND: dict[str, type[DsecError]] = {
     "invalid_argument": InvalidArgument,
     "payload_too_large": PayloadTooLarge,
@@ -134,7 +150,12 @@ def error_from_response(status: int, body: bytes) -> DsecError:
     if message is None:
         text = body.decode("utf-8", "replace").strip()
         message = text[:1000] if text else f"HTTP {status}"
+    return error_from_kind(kind, message, status=status)
+
+
+def error_from_kind(kind: str | None, message: str, *, status: int | None = None) -> DsecError:
+    """The exception for a server error of ``kind`` (by ``status`` when the kind is unknown)."""
     cls = _BY_KIND.get(kind) if kind is not None else None
     if cls is None:
-        cls = _BY_STATUS.get(status, DsecError)
+        cls = _BY_STATUS.get(status, DsecError) if status is not None else DsecError
     return cls(message, status=status, kind=kind)

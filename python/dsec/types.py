@@ -234,6 +234,8 @@ class SandboxInfo:
     next_step: int | None = None
     #: ``microvm`` and ``vm`` sandboxes: the accelerator their guest runs on, ``kvm`` or ``tcg``.
     accelerator: str | None = None
+    #: The name of the edge that owns the sandbox (``dsec serve``: the server's ``--name``).
+    edge: str = ""
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -254,6 +256,7 @@ class SandboxInfo:
                 "trajectory_id": d.get("trajectory_id"),
                 "next_step": d.get("next_step"),
                 "accelerator": d.get("accelerator"),
+                "edge": d.get("edge") or "",
                 "raw": d,
             },
         )

@@ -147,6 +147,37 @@ pub struct CreateSandboxRequest {
     pub trajectory_id: Option<String>,
 }
 
+/// The most sandboxes one `POST /v1/sandboxes/batch` makes.
+pub const MAX_BATCH: u32 = 10_000;
+
+/// `POST /v1/sandboxes/batch`: `count` sandboxes made alike, in one request.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateManyRequest {
+    /// How many, 1 to [`MAX_BATCH`].
+    pub count: u32,
+    /// What each one is made from: a `POST /v1/sandboxes` body.
+    pub sandbox: CreateSandboxRequest,
+}
+
+/// The answer to `POST /v1/sandboxes/batch`: one item per sandbox asked for, in order.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct CreateManyResponse {
+    /// Item `i` is the `i`-th sandbox, or why it could not be made.
+    pub items: Vec<BatchItem>,
+}
+
+/// One sandbox of a batch: made, or refused with the error a single create would get.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct BatchItem {
+    /// The sandbox, when it was made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<SandboxInfo>,
+    /// Why it was not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorDetail>,
+}
+
 /// A connection attempt a sandbox's network policy refused.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct RefusedConnection {
@@ -250,6 +281,9 @@ pub struct Usage {
 pub struct SandboxInfo {
     /// `<edge>-<random>`: names the edge that owns it.
     pub id: String,
+    /// The name of the edge that owns it (`dsec serve`: the server's `--name`).
+    #[serde(default)]
+    pub edge: String,
     /// The backend it runs on.
     pub backend: String,
     /// The image it was created from.

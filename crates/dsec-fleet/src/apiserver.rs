@@ -13,10 +13,14 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use axum::{Json, Router};
-use dsec_api::{BackendKind, ErrorBody, ErrorKind};
-use dsec_server::api::{check_bearer, idempotency_key, IDEMPOTENCY_KEY};
+use dsec_api::{
+    BackendKind, CreateManyRequest, CreateManyResponse, ErrorBody, ErrorKind, SandboxInfo,
+};
+use dsec_server::api::{check_bearer, idempotency_key, ApiJson, IDEMPOTENCY_KEY};
+use dsec_server::edge::{batch_item, batch_item_key, check_batch};
 use dsec_server::error::ApiError;
 use futures::future::join_all;
+use futures::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::membership::{EdgeRecord, EdgeTable, Member};
@@ -195,6 +199,7 @@ pub fn router(fleet: Fleet, max_upload_bytes: usize) -> Router {
     // nested router would have stripped of its prefix.
     Router::new()
         .route("/v1/sandboxes", post(create).get(list))
+        .route("/v1/sandboxes/batch", post(create_many))
         .route("/v1/sandboxes/{id}", any(by_id))
         .route("/v1/sandboxes/{id}/{*rest}", any(by_id))
         .route("/v1/images", post(broadcast).get(from_any))
@@ -443,6 +448,87 @@ async fn create(
         key.as_deref(),
     )
     .await
+}
+
+/// How many items of one batch an apiserver has out to edges at once.
+const BATCH_IN_FLIGHT: usize = 64;
+
+/// `POST /v1/sandboxes/batch`: every item placed as a create of its own, so a batch
+/// spreads over the fleet by load and an edge's veto hands an item on; the answer has one
+/// item per sandbox, made or refused. Item `i` of a keyed batch is keyed
+/// [`batch_item_key`]`(key, i)`: a retried batch makes only what it did not make before.
+async fn create_many(
+    State(fleet): State<Fleet>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<CreateManyRequest>,
+) -> Result<Json<CreateManyResponse>, ApiError> {
+    check_batch(req.count)?;
+    let backend = req.sandbox.backend.as_str();
+    BackendKind::parse(backend).map_err(ApiError::invalid)?;
+    let key = idempotency_key(&headers)?;
+    metrics::counter!("dsec_fleet_creates_total", "backend" => backend.to_owned())
+        .increment(u64::from(req.count));
+    let body = Bytes::from(serde_json::to_vec(&req.sandbox).expect("a create request serializes"));
+    let fleet = &fleet;
+    let items = futures::stream::iter(0..req.count)
+        .map(|index| {
+            let item_key = key.map(|k| batch_item_key(k, index));
+            let body = body.clone();
+            async move {
+                let mut headers = HeaderMap::new();
+                headers.insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                );
+                if let Some(k) = &item_key {
+                    let value = HeaderValue::from_str(k)
+                        .map_err(|_| ApiError::invalid("Idempotency-Key must be printable ASCII"));
+                    match value {
+                        Ok(v) => headers.insert(IDEMPOTENCY_KEY, v),
+                        Err(e) => return batch_item(Err(e)),
+                    };
+                }
+                let placed = placed(
+                    fleet,
+                    backend,
+                    "/v1/sandboxes",
+                    &headers,
+                    body,
+                    item_key.as_deref(),
+                )
+                .await;
+                batch_item(match placed {
+                    Ok(answer) => created(answer).await,
+                    Err(e) => Err(e),
+                })
+            }
+        })
+        .buffered(BATCH_IN_FLIGHT)
+        .collect()
+        .await;
+    Ok(Json(CreateManyResponse { items }))
+}
+
+/// The sandbox an edge's answer to a create describes, or the error it answered.
+async fn created(answer: Response) -> Result<SandboxInfo, ApiError> {
+    let status = answer.status();
+    let body = axum::body::to_bytes(answer.into_body(), 16 << 20)
+        .await
+        .map_err(|e| ApiError::unavailable(format!("reading an edge's answer to a create: {e}")))?;
+    if status.is_success() {
+        return serde_json::from_slice(&body).map_err(|e| {
+            ApiError::internal(format!(
+                "an edge answered a create that does not parse: {e}"
+            ))
+        });
+    }
+    Err(match serde_json::from_slice::<ErrorBody>(&body) {
+        Ok(b) => ApiError::new(b.error.kind, b.error.message),
+        Err(_) => ApiError::unavailable(format!(
+            "an edge answered a create with {status}: {}",
+            String::from_utf8_lossy(&body)
+        )),
+    })
 }
 
 /// `POST /v1/calls[/stream]`: a one-shot fncall, placed like a create.

@@ -8,8 +8,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use dsec_server::edge::{Edge, EdgeLoad};
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
-    WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LeaseKeepAliveStream,
+    LeaseKeeper, PutOptions, Txn, TxnOp, WatchOptions,
 };
 use serde::{Deserialize, Serialize};
 
@@ -166,46 +166,64 @@ impl EdgeMembership {
     }
 
     /// Keeps the lease alive and publishes the load until `stop`; then revokes the lease.
+    ///
+    /// etcd may go away and come back meanwhile: a broken keep-alive stream is opened
+    /// again, and a lease that expired while this edge could not reach etcd is replaced by
+    /// registering anew, so the edge rejoins the fleet without a restart.
     async fn publish(
         &self,
         mut client: Client,
-        lease: i64,
+        mut lease: i64,
         edge: Arc<Edge>,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) {
         let key = self.key();
         let keep_every = Duration::from_millis((self.ttl_s as u64 * 1000 / 3).max(200));
-        let mut keeper = match client.lease_keep_alive(lease).await {
-            Ok(k) => Some(k),
-            Err(e) => {
-                tracing::error!(error = %e, "etcd: cannot keep the edge's lease alive");
-                None
-            }
-        };
+        let mut keeper = None;
+        let mut reachable = true;
         let mut publish = tokio::time::interval(PUBLISH_EVERY);
         let mut keep = tokio::time::interval(keep_every);
         loop {
             tokio::select! {
                 _ = stop.changed() => break,
                 _ = keep.tick() => {
-                    if let Some((k, responses)) = keeper.as_mut() {
-                        let kept = async {
-                            k.keep_alive().await?;
-                            responses.message().await
-                        };
-                        match tokio::time::timeout(keep_every, kept).await {
-                            Ok(Ok(Some(r))) if r.ttl() > 0 => {}
-                            Ok(Ok(_)) => tracing::error!(lease, "etcd: the edge's lease expired; apiservers no longer see this edge"),
-                            Ok(Err(e)) => tracing::warn!(error = %e, "etcd: lease keep-alive failed"),
-                            Err(_) => tracing::warn!("etcd: lease keep-alive timed out"),
+                    let state = tokio::time::timeout(
+                        keep_every,
+                        keep_lease(&mut client, lease, &mut keeper),
+                    )
+                    .await
+                    .unwrap_or_else(|_| Err("no answer in time".to_owned()));
+                    match state {
+                        Ok(LeaseState::Alive) => {
+                            if !reachable {
+                                tracing::info!(edge = %self.name, "etcd: reachable again; the lease held");
+                            }
+                            reachable = true;
+                        }
+                        Ok(LeaseState::Expired) => {
+                            tracing::warn!(edge = %self.name, lease, "etcd: the edge's lease expired while etcd was out of reach; registering again");
+                            match self.register().await {
+                                Ok((c, l)) => {
+                                    (client, lease, keeper, reachable) = (c, l, None, true);
+                                    tracing::info!(edge = %self.name, lease, "rejoined the fleet");
+                                }
+                                Err(e) => tracing::error!(edge = %self.name, error = %e, "etcd: cannot rejoin the fleet; retrying"),
+                            }
+                        }
+                        Err(why) => {
+                            keeper = None;
+                            if reachable {
+                                tracing::warn!(edge = %self.name, error = %why, "etcd: cannot keep the edge's lease alive; sandboxes keep running, retrying");
+                            }
+                            reachable = false;
                         }
                     }
                 }
-                _ = publish.tick() => {
+                _ = publish.tick(), if reachable => {
                     let value = self.record(true, edge.load());
                     let put = client.put(key.clone(), value, Some(PutOptions::new().with_lease(lease)));
                     if let Err(e) = put.await {
-                        tracing::warn!(error = %e, "etcd: publishing the edge's load failed");
+                        tracing::debug!(error = %e, "etcd: publishing the edge's load failed");
                     }
                 }
             }
@@ -217,6 +235,50 @@ impl EdgeMembership {
             }
         }
     }
+}
+
+/// What a keep-alive found.
+enum LeaseState {
+    Alive,
+    /// etcd answered: the lease is gone (and the edge's key with it).
+    Expired,
+}
+
+/// Renews `lease` once, opening the keep-alive stream first when there is none; when the
+/// stream is broken, asks etcd whether the lease still exists. `Err`: etcd is out of reach.
+async fn keep_lease(
+    client: &mut Client,
+    lease: i64,
+    keeper: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
+) -> Result<LeaseState, String> {
+    if keeper.is_none() {
+        *keeper = Some(
+            client
+                .lease_keep_alive(lease)
+                .await
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    let (k, responses) = keeper.as_mut().expect("opened above");
+    let kept = async {
+        k.keep_alive().await?;
+        responses.message().await
+    };
+    match kept.await {
+        Ok(Some(r)) if r.ttl() > 0 => return Ok(LeaseState::Alive),
+        Ok(Some(_)) => return Ok(LeaseState::Expired),
+        Ok(None) | Err(_) => *keeper = None,
+    }
+    let ttl = client
+        .lease_time_to_live(lease, None)
+        .await
+        .map_err(|e| e.to_string())?
+        .ttl();
+    Ok(if ttl > 0 {
+        LeaseState::Alive
+    } else {
+        LeaseState::Expired
+    })
 }
 
 #[async_trait::async_trait]

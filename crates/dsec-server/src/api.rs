@@ -16,8 +16,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use dsec_api::{
-    CommandResult, CreateSandboxRequest, ErrorBody, ErrorDetail, ErrorKind, ExecRequest, FileInfo,
-    ImageInfo, ImportEvent, ImportImageRequest, PruneResult, SandboxInfo, StoreInfo, StreamEvent,
+    CommandResult, CreateManyRequest, CreateManyResponse, CreateSandboxRequest, ErrorBody,
+    ErrorDetail, ErrorKind, ExecRequest, FileInfo, ImageInfo, ImportEvent, ImportImageRequest,
+    PruneResult, SandboxInfo, StoreInfo, StreamEvent,
 };
 use futures::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -76,6 +77,7 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for ApiJson<
 pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
     let v1 = Router::new()
         .route("/sandboxes", post(create_sandbox).get(list_sandboxes))
+        .route("/sandboxes/batch", post(create_sandboxes))
         .route("/sandboxes/{id}", get(get_sandbox).delete(delete_sandbox))
         .route("/sandboxes/{id}/exec", post(exec))
         .route("/sandboxes/{id}/exec/stream", post(exec_stream))
@@ -185,6 +187,20 @@ async fn create_sandbox(
         }
         None => Ok((StatusCode::CREATED, Json(state.edge.create(req).await?))),
     }
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/batch", request_body = CreateManyRequest,
+    responses((status = 200, body = CreateManyResponse, description = "one item per sandbox, made or refused"),
+        (status = 400, body = ErrorBody)))]
+async fn create_sandboxes(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<CreateManyRequest>,
+) -> Result<Json<CreateManyResponse>, ApiError> {
+    let key = idempotency_key(&headers)?;
+    Ok(Json(CreateManyResponse {
+        items: state.edge.create_many(key, req).await?,
+    }))
 }
 
 /// The `Idempotency-Key` header of a create: a retried create with the same key returns
@@ -717,6 +733,7 @@ async fn delete_image(
         snapshot_sandbox,
         fork_sandbox,
         create_sandbox,
+        create_sandboxes,
         list_sandboxes,
         get_sandbox,
         sandbox_by_idempotency_key,
@@ -780,6 +797,7 @@ mod tests {
         let doc = openapi_json();
         for route in [
             "/v1/sandboxes/{id}/exec/stream",
+            "/v1/sandboxes/batch",
             "/v1/sandboxes/{id}/network",
             "/v1/sandboxes/{id}/log",
             "/v1/images/{name}",

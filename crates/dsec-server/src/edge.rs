@@ -35,7 +35,7 @@ use crate::trajectory::{self, Decision, Position, Replayed};
 
 mod fleet;
 mod usage;
-pub use fleet::EdgeLoad;
+pub use fleet::{batch_item, batch_item_key, check_batch, EdgeLoad};
 
 /// Server-wide defaults and bounds, set by `dsec serve` flags.
 #[derive(Clone, Debug)]
@@ -569,6 +569,7 @@ impl Edge {
             .unwrap_or_else(|| "/".to_owned());
         let info = SandboxInfo {
             id: id.clone(),
+            edge: self.config.name.clone(),
             backend: req.backend,
             image: req.image,
             state: SandboxState::Running,

@@ -71,6 +71,15 @@ impl std::fmt::Display for ApiError {
     }
 }
 
+impl From<ApiError> for ErrorDetail {
+    fn from(e: ApiError) -> ErrorDetail {
+        ErrorDetail {
+            kind: e.kind,
+            message: e.message,
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         metrics::counter!("dsec_errors_total", "kind" => self.kind.as_str()).increment(1);
@@ -80,12 +89,7 @@ impl IntoResponse for ApiError {
         let status =
             StatusCode::from_u16(self.kind.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let close = self.kind == ErrorKind::PayloadTooLarge;
-        let body = ErrorBody {
-            error: ErrorDetail {
-                kind: self.kind,
-                message: self.message,
-            },
-        };
+        let body = ErrorBody { error: self.into() };
         let mut response = (status, Json(body)).into_response();
         if close {
             // The rest of the refused body is never read: the connection cannot carry

@@ -1,12 +1,13 @@
-//! What a fleet asks of an edge beyond the `/v1` API: its load, published for placement,
-//! and creates made at most once per idempotency key, so that a create retried after a
-//! lost reply (through any apiserver) returns the sandbox already made.
+//! What a fleet asks of an edge beyond the `/v1` API: its load, published for placement;
+//! creates made at most once per idempotency key, so that a create retried after a lost
+//! reply (through any apiserver) returns the sandbox already made; and batches of creates.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use dsec_api::{CreateSandboxRequest, SandboxInfo};
+use dsec_api::{BatchItem, CreateManyRequest, CreateSandboxRequest, SandboxInfo, MAX_BATCH};
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use super::Edge;
@@ -93,7 +94,71 @@ fn check_key(key: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// How many creates of one batch an edge runs at once: enough to keep the backends busy,
+/// few enough that one large batch does not hold every create slot of the host.
+const BATCH_CONCURRENCY: usize = 32;
+
+/// The idempotency key of item `index` of a batch sent with `key`: a retried batch makes
+/// only the items it did not make before, wherever they were placed.
+pub fn batch_item_key(key: &str, index: u32) -> String {
+    format!("{key}/{index}")
+}
+
+/// Refuses a batch size outside 1..=[`MAX_BATCH`].
+pub fn check_batch(count: u32) -> Result<(), ApiError> {
+    if (1..=MAX_BATCH).contains(&count) {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(format!(
+            "count must be 1 to {MAX_BATCH} sandboxes per batch, got {count}"
+        )))
+    }
+}
+
+/// A batch's item for one create's outcome.
+pub fn batch_item(made: Result<SandboxInfo, ApiError>) -> BatchItem {
+    match made {
+        Ok(info) => BatchItem {
+            sandbox: Some(info),
+            error: None,
+        },
+        Err(e) => BatchItem {
+            sandbox: None,
+            error: Some(e.into()),
+        },
+    }
+}
+
 impl Edge {
+    /// Makes `req.count` sandboxes alike, [`BATCH_CONCURRENCY`] at a time. Each item
+    /// succeeds or fails on its own, with the error a single create would get; with a
+    /// `key`, item `i` is made at most once for [`batch_item_key`]`(key, i)`.
+    pub async fn create_many(
+        &self,
+        key: Option<&str>,
+        req: CreateManyRequest,
+    ) -> Result<Vec<BatchItem>, ApiError> {
+        check_batch(req.count)?;
+        if let Some(key) = key {
+            check_key(&batch_item_key(key, req.count - 1))?;
+        }
+        let sandbox = &req.sandbox;
+        Ok(futures::stream::iter(0..req.count)
+            .map(|index| async move {
+                let made = match key {
+                    Some(key) => self
+                        .create_once(&batch_item_key(key, index), sandbox.clone())
+                        .await
+                        .map(|(info, _)| info),
+                    None => Box::pin(self.create(sandbox.clone())).await,
+                };
+                batch_item(made)
+            })
+            .buffered(BATCH_CONCURRENCY)
+            .collect()
+            .await)
+    }
+
     /// This edge's load now.
     pub fn load(&self) -> EdgeLoad {
         let mut sandboxes = BTreeMap::new();
