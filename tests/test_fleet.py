@@ -163,6 +163,29 @@ def test_streams_files_and_fleet_views_go_through_an_apiserver(fleet: Fleet) -> 
     assert "dsec_fleet_edges 3" in httpx.get(fleet.a.url + "/metrics", trust_env=False).text
 
 
+def test_sandboxfusion_requests_are_placed_on_an_edge(fleet: Fleet) -> None:
+    ping = httpx.get(fleet.b.url + "/v1/ping", timeout=10, trust_env=False)
+    assert (ping.status_code, ping.json()) == (200, "pong")
+    # An edge runs /run_code in an fncall worker of its --sandboxfusion-image; this fleet
+    # has only busybox, so the edge's own SandboxError naming the missing image comes back.
+    r = httpx.post(
+        fleet.a.url + "/run_code",
+        json={"code": "print(1)", "language": "python"},
+        timeout=120,
+        trust_env=False,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "SandboxError", r.json()
+    assert 'image "grader" not found' in r.json()["message"], r.json()
+    r = httpx.post(
+        fleet.a.url + "/run_code",
+        json={"code": "print(1)", "language": "no-such-language"},
+        timeout=60,
+        trust_env=False,
+    )
+    assert r.status_code == 422, r.text
+
+
 def test_a_retried_create_returns_the_sandbox_already_made(fleet: Fleet) -> None:
     body = {"image": "busybox", "labels": {"t": "idem"}}
     headers = {"Idempotency-Key": "retry-me-1"}

@@ -1,6 +1,7 @@
-//! `dsec apiserver`: the `/v1` API the SDK speaks, for a whole fleet. Stateless: it keeps
-//! only the edge table (watched from etcd) and forwards every request to the edge that
-//! owns the sandbox, named by the sandbox id. Authentication happens here.
+//! `dsec apiserver`: the `/v1` API the SDK speaks, and SandboxFusion's `/run_code`, for a
+//! whole fleet. Stateless: it keeps only the edge table (watched from etcd) and forwards
+//! every request to the edge that owns the sandbox, named by the sandbox id. Authentication
+//! happens here.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -208,6 +209,8 @@ pub fn router(fleet: Fleet, max_upload_bytes: usize) -> Router {
         .route("/v1/store/prune", post(broadcast))
         .route("/v1/calls", post(call))
         .route("/v1/calls/stream", post(call))
+        .route("/run_code", post(call))
+        .route("/v1/ping", get(from_any))
         .route("/v1/fleet/edges", get(edges))
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
@@ -531,7 +534,8 @@ async fn created(answer: Response) -> Result<SandboxInfo, ApiError> {
     })
 }
 
-/// `POST /v1/calls[/stream]`: a one-shot fncall, placed like a create.
+/// `POST /v1/calls[/stream]` and SandboxFusion's `POST /run_code`: one-shot fncalls,
+/// placed like a create.
 async fn call(
     State(fleet): State<Fleet>,
     headers: HeaderMap,
