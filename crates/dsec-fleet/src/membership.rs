@@ -389,7 +389,9 @@ impl EdgeTable {
         }
     }
 
-    fn apply(&self, upserts: Vec<EdgeRecord>, deletes: Vec<String>) {
+    /// Applies what a watch reported: records put (an edge joined or published its load:
+    /// its placed count starts again from zero) and edges deleted (left the fleet).
+    pub fn apply(&self, upserts: Vec<EdgeRecord>, deletes: Vec<String>) {
         let mut members = self.members.write().expect("lock");
         let mut records: HashMap<String, Arc<Member>> = members
             .list
