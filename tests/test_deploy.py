@@ -1,19 +1,24 @@
-"""deploy/kubernetes: the manifests render, are valid Kubernetes objects, and pass dsec
-only flags it accepts. (No cluster runs here: they are not applied; see its README.)"""
+"""deploy/: the Kubernetes manifests render, are valid Kubernetes objects, and pass dsec
+only flags it accepts (no cluster runs here: they are not applied; see their README); the
+Grafana dashboard queries only metrics dsec exports."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import dsec
+import httpx
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml  # type: ignore[import-untyped]
-from dsec_testlib import DSEC_BIN, REPO
+from dsec_testlib import DSEC_BIN, REPO, Server
 
 KUSTOMIZE_DIR = REPO / "deploy" / "kubernetes"
+DASHBOARD = REPO / "deploy" / "grafana" / "dsec.json"
 #: The Kubernetes version the objects are validated against.
 KUBERNETES_VERSION = "1.30.0"
 
@@ -100,3 +105,45 @@ def test_the_manifests_pass_only_flags_dsec_accepts() -> None:
             if arg.startswith(("--token-file=", "--edge-token-file=")):
                 path = Path(arg.split("=", 1)[1])
                 assert str(path.parent) in mounts, (role, arg, mounts)
+
+
+def dashboard_metrics(dashboard: dict[str, Any]) -> set[str]:
+    """The dsec metrics the dashboard's queries name (a histogram's series by its name)."""
+    names = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for name in re.findall(r"\b(dsec_[a-z_]+)\s*\{", target["expr"]):
+                names.add(re.sub(r"_(bucket|sum|count)$", "", name))
+    return names
+
+
+def test_the_grafana_dashboard_queries_only_metrics_dsec_exports(
+    server: Server, client: dsec.Client, busybox_image: str
+) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    # Importable as is: the data source is asked for at import, every query uses it.
+    assert [i["pluginId"] for i in dashboard["__inputs"]] == ["prometheus"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}", panel["title"]
+        assert panel["targets"], panel["title"]
+    names = dashboard_metrics(dashboard)
+    # Every metric it names is one dsec's code registers...
+    source = "\n".join(p.read_text() for p in (REPO / "crates").rglob("*.rs"))
+    registered = set(re.findall(r'(?:counter|gauge|histogram)!\(\s*"(dsec_[a-z_]+)"', source))
+    assert names <= registered, f"not metrics of dsec: {sorted(names - registered)}"
+    # ...and the core ones are on a live server's /metrics once it made a sandbox.
+    with client.create(image=busybox_image) as sb:
+        assert sb.run("true").exit_code == 0
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for name in (
+        "dsec_sandboxes",
+        "dsec_sandboxes_created_total",
+        "dsec_create_seconds",
+        "dsec_exec_seconds",
+        "dsec_admission_promised",
+        "dsec_admission_budget",
+    ):
+        assert name in names, f"the dashboard does not show {name}"
+        assert re.search(rf"^{name}(_bucket)?\{{", text, re.MULTILINE), f"{name} not exported"
