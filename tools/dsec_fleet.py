@@ -19,10 +19,20 @@ from typing import Any
 import httpx
 from dsec_local import Server, ServerError, free_port, wait_until
 
-__all__ = ["ETCD_BIN", "Apiserver", "Edge", "Etcd", "etcd_unavailable_reason"]
+__all__ = [
+    "ETCD_BIN",
+    "REGISTRY_BIN",
+    "Apiserver",
+    "Edge",
+    "Etcd",
+    "OciRegistry",
+    "etcd_unavailable_reason",
+]
 
 #: The etcd server binary: $DSEC_ETCD_BIN, else `etcd` on PATH (Debian's etcd-server).
 ETCD_BIN = os.environ.get("DSEC_ETCD_BIN") or shutil.which("etcd") or "etcd"
+#: The OCI registry binary (Debian's docker-registry, the CNCF distribution registry).
+REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
 
 
 def etcd_unavailable_reason() -> str | None:
@@ -79,6 +89,57 @@ class Etcd:
             time.sleep(0.1)
         self.stop()
         raise ServerError(f"etcd not healthy after {timeout}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+class OciRegistry:
+    """One OCI registry (docker-registry) on a loopback port, storing in ``data_dir``."""
+
+    def __init__(self, data_dir: Path, *, log_path: Path) -> None:
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> OciRegistry:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        config = self.data_dir / "config.yml"
+        config.write_text(
+            "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n"
+            f"    rootdirectory: {self.data_dir / 'data'}\n  delete:\n    enabled: true\n"
+            f"http:\n  addr: {self.host}\n"
+        )
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [REGISTRY_BIN, "serve", str(config)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"http://{self.host}/v2/", timeout=1, trust_env=False).is_success
+            except httpx.TransportError:
+                return False
+
+        if not wait_until(up, timeout):
+            self.stop()
+            raise ServerError(f"the registry did not start; see {self.log_path}")
+        return self
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

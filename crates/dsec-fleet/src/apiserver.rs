@@ -203,7 +203,7 @@ pub fn router(fleet: Fleet, max_upload_bytes: usize) -> Router {
         .route("/v1/sandboxes/batch", post(create_many))
         .route("/v1/sandboxes/{id}", any(by_id))
         .route("/v1/sandboxes/{id}/{*rest}", any(by_id))
-        .route("/v1/images", post(broadcast).get(from_any))
+        .route("/v1/images", post(import).get(from_any))
         .route("/v1/images/{*name}", get(from_any).delete(broadcast))
         .route("/v1/store", get(from_any))
         .route("/v1/store/prune", post(broadcast))
@@ -623,8 +623,29 @@ async fn from_any(State(fleet): State<Fleet>, request: Request) -> Result<Respon
         .await
 }
 
-/// Image changes go to every live edge (until images come from a shared registry): the
-/// first failure is the answer, else the first edge's.
+/// `POST /v1/images`: when every live edge shares images through one registry, one
+/// edge imports (and pushes) and the others pull on first use; the importing edge is the
+/// first by name, the one [`from_any`] reads images from. Otherwise every edge imports.
+async fn import(State(fleet): State<Fleet>, request: Request) -> Result<Response, ApiError> {
+    let members = fleet.ready_members();
+    let first = members.first().ok_or_else(|| fleet.no_edges())?;
+    let shared = first.record.load.registry.is_some()
+        && members
+            .iter()
+            .all(|m| m.record.load.registry == first.record.load.registry);
+    if !shared {
+        return broadcast(State(fleet), request).await;
+    }
+    let path = path_and_query(&request);
+    let (parts, body) = request.into_parts();
+    let body = reqwest::Body::wrap_stream(body.into_data_stream());
+    fleet
+        .forward(first, parts.method, &path, &parts.headers, body)
+        .await
+}
+
+/// Image changes go to every live edge (imports, without a shared registry; removals, of
+/// each edge's copy): the first failure is the answer, else the first edge's.
 async fn broadcast(State(fleet): State<Fleet>, request: Request) -> Result<Response, ApiError> {
     let path = path_and_query(&request);
     let (parts, body) = request.into_parts();

@@ -38,6 +38,16 @@ pub enum ImageError {
         /// What the registry or the transport said.
         reason: String,
     },
+    /// The image was stored here but could not be pushed to the fleet's registry.
+    #[error("image {image:?} was imported on this edge but not pushed to {reference}: {reason}; other edges cannot use it until it is imported again")]
+    Push {
+        /// The image.
+        image: String,
+        /// Where it was to go.
+        reference: String,
+        /// What the registry or the transport said.
+        reason: String,
+    },
     /// The layer store cannot take or give a layer: it is full, read-only or unreachable.
     /// Nothing half-written is left in it.
     #[error("the layer store {store}: {reason}")]

@@ -12,6 +12,8 @@
 //! `registry`, `docker`: the daemon, `tree`: directories) each turn their input into a
 //! `plan` or a layer (`unpack`), and only the store writes anything into itself (`blob`
 //! builds and publishes, `mount` mounts, `holds` keeps layers from the collector).
+//! A fleet's edges may share images through an OCI registry ([`Registry`]): imports are
+//! pushed there as their blobs, and `distribution` brings missing images back.
 //!
 //! Invariants the rest of dsec can rely on:
 //! - a blob is complete once its name exists: it is linked into place after being
@@ -29,6 +31,7 @@
 
 mod blob;
 mod digest;
+mod distribution;
 mod docker;
 mod error;
 mod holds;
@@ -43,6 +46,7 @@ mod trash;
 mod tree;
 mod unpack;
 
+pub use distribution::Registry;
 pub use error::ImageError;
 pub use image::{Fork, Image, ImageConfig};
 pub use store::{

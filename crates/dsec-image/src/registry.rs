@@ -1,4 +1,5 @@
-//! Pulling images from OCI registries.
+//! Pulling images from OCI registries (any OCI or Docker image; `distribution` shares
+//! dsec's own).
 //!
 //! Only the manifest, the config and the layers not already in the store are
 //! downloaded, into a staging directory; the layers then go through the same
@@ -110,18 +111,21 @@ pub(crate) async fn fetch(
 }
 
 fn client_for(reference: &Reference) -> Client {
-    let registry = reference.resolve_registry();
-    let insecure = std::env::var(INSECURE_ENV).unwrap_or_default();
-    let protocol = if is_insecure(registry, &insecure) {
-        ClientProtocol::Http
-    } else {
-        ClientProtocol::Https
-    };
     Client::new(ClientConfig {
-        protocol,
+        protocol: protocol_for(reference.resolve_registry()),
         platform_resolver: Some(Box::new(pick_platform)),
         ..ClientConfig::default()
     })
+}
+
+/// Plain HTTP for loopback registries and those in `DSEC_INSECURE_REGISTRIES`, else HTTPS.
+pub(crate) fn protocol_for(registry: &str) -> ClientProtocol {
+    let insecure = std::env::var(INSECURE_ENV).unwrap_or_default();
+    if is_insecure(registry, &insecure) {
+        ClientProtocol::Http
+    } else {
+        ClientProtocol::Https
+    }
 }
 
 /// linux/amd64 if the index offers it, else its first entry.

@@ -3,20 +3,22 @@
 //!
 //! It asks its sources for what to import — [`oci`] and [`registry`] for a [`Plan`],
 //! [`docker`] for an archive, [`tree`](crate::tree) and [`unpack`](crate::unpack) for
-//! layers — and carries it out; none of them knows the store.
+//! layers, [`distribution`] for images a fleet shares — and carries it out; none of them
+//! knows the store.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::{self, BufReader, Read};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
 use crate::blob;
 use crate::digest::{sha256, sha256_hex, HashingReader};
+use crate::distribution::{self, Registry};
 use crate::docker;
 use crate::error::{io_error, store_error, Fault, ImageError};
 use crate::holds::{unix_now, Held, HoldCounts, StoreLock};
@@ -97,6 +99,10 @@ pub(crate) struct Inner {
     pub(crate) edge: String,
     pub(crate) mounts: LayerMounts,
     pub(crate) holds: HoldCounts,
+    /// Where imports are pushed and missing images pulled from (`dsec edge --registry`).
+    registry: OnceLock<Registry>,
+    /// One pull at a time per image name: a batch of creates pulls a new image once.
+    pulls: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// An image's layers mounted for stacking, held until dropped.
@@ -137,6 +143,8 @@ impl ImageStore {
             mounts: LayerMounts::open(&local.join("mnt"))
                 .map_err(io_error(format!("cannot set up {}/mnt", local.display())))?,
             holds: HoldCounts::default(),
+            registry: OnceLock::new(),
+            pulls: Mutex::default(),
         };
         for dir in [inner.layers_dir(), inner.meta_dir(), inner.leases_dir()] {
             fs::create_dir_all(&dir)
@@ -159,17 +167,116 @@ impl ImageStore {
         &self.inner.root
     }
 
+    /// Shares this store's images through `registry`: every import is pushed there, and
+    /// [`resolve`](Self::resolve) pulls an image this store lacks from there. Set once.
+    pub fn share_through(&self, registry: Registry) {
+        if self.inner.registry.set(registry).is_err() {
+            tracing::warn!("the image store shares through a registry already; keeping it");
+        }
+    }
+
+    /// The registry images are shared through, if any.
+    pub fn registry(&self) -> Option<&Registry> {
+        self.inner.registry.get()
+    }
+
     /// Imports an image from an OCI layout directory, a rootfs directory, a
     /// `docker save` archive, a rootfs tarball (plain, gzip or zstd), a
     /// registry reference or `docker://REF` (exported from the Docker daemon),
     /// and stores it as `name` (default: the file's base name without archive
     /// extensions, or the reference itself), replacing any image of that name.
+    /// With a [`registry`](Self::share_through) it is pushed there too.
     pub async fn import(&self, source: &str, name: Option<&str>) -> Result<Image, ImageError> {
         self.import_with(source, name, Arc::new(|_| {})).await
     }
 
     /// [`import`](Self::import), telling `progress` about each layer as it lands.
     pub async fn import_with(
+        &self,
+        source: &str,
+        name: Option<&str>,
+        progress: Arc<dyn Fn(ImportProgress) + Send + Sync>,
+    ) -> Result<Image, ImageError> {
+        let image = self.import_here(source, name, progress).await?;
+        if let Some(registry) = self.registry() {
+            self.push(&image, registry).await?;
+        }
+        Ok(image)
+    }
+
+    /// Looks up an image by name; one this store lacks is pulled from the
+    /// [`registry`](Self::share_through) first, if there is one (concurrent lookups of
+    /// one name pull it once).
+    pub async fn resolve(&self, name: &str) -> Result<Image, ImageError> {
+        let registry = match self.get(name) {
+            Err(ImageError::NotFound { .. }) if self.registry().is_some() => {
+                self.registry().expect("checked").clone()
+            }
+            found => return found,
+        };
+        let gate = Arc::clone(
+            self.inner
+                .pulls
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(name.to_owned())
+                .or_default(),
+        );
+        let _pulling = gate.lock().await;
+        let pulled = match self.get(name) {
+            Err(ImageError::NotFound { .. }) => self.pull(name, &registry).await,
+            found => found,
+        };
+        self.inner
+            .pulls
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(name);
+        pulled
+    }
+
+    /// Sends `image` (its blobs as they are, and its record) to `registry`.
+    async fn push(&self, image: &Image, registry: &Registry) -> Result<(), ImageError> {
+        let blobs = self.blobs(image)?;
+        let sizes = image
+            .layers
+            .iter()
+            .map(|l| self.inner.layer_size(l))
+            .collect::<Result<Vec<_>, _>>()?;
+        distribution::push(registry, image, &blobs.blobs, &sizes).await?;
+        Ok(())
+    }
+
+    /// Stores image `name` from `registry`: the blobs this store lacks, then its record.
+    async fn pull(&self, name: &str, registry: &Registry) -> Result<Image, ImageError> {
+        tracing::info!(image = %name, registry = %registry, "pulling image from the fleet's registry");
+        let pulled = distribution::fetch(registry, name).await?;
+        let held = Held::new(self.inner.clone());
+        for (index, (diff_id, content)) in pulled.layers.iter().enumerate() {
+            if self.inner.hold_if_stored(&held, diff_id)? {
+                continue;
+            }
+            let download = self.inner.layers_dir().join(self.inner.temp_name());
+            if let Err(e) = pulled.download(index, &download).await {
+                let _ = fs::remove_file(&download);
+                return Err(e);
+            }
+            let (inner, diff_id, content) = (self.inner.clone(), diff_id.clone(), *content);
+            blocking(move || inner.publish(&diff_id, &download, content)).await?;
+        }
+        let image = pulled.image;
+        let inner = self.inner.clone();
+        let name = name.to_owned();
+        blocking(move || {
+            let pulled = inner.finish(name, image.id, image.size, image.layers, image.config, None);
+            drop(held);
+            pulled
+        })
+        .await
+    }
+
+    /// [`import`](Self::import) into this store only.
+    async fn import_here(
         &self,
         source: &str,
         name: Option<&str>,

@@ -110,7 +110,9 @@ impl From<ImageError> for ApiError {
             ImageError::InvalidSource { .. } | ImageError::Corrupt { .. } => {
                 ErrorKind::InvalidArgument
             }
-            ImageError::Registry { .. } | ImageError::Store { .. } => ErrorKind::Unavailable,
+            ImageError::Registry { .. } | ImageError::Push { .. } | ImageError::Store { .. } => {
+                ErrorKind::Unavailable
+            }
             ImageError::Io { .. } => ErrorKind::Internal,
         };
         let mut message = e.to_string();

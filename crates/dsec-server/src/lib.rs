@@ -69,6 +69,8 @@ pub struct ServerConfig {
     /// Where image layers and metadata live, when not in the state directory: possibly a
     /// network filesystem shared by many servers.
     pub layer_store: Option<PathBuf>,
+    /// The OCI registry a fleet's edges share images through (`--registry`).
+    pub registry: Option<dsec_image::Registry>,
     /// SandboxFusion's `/run_code`.
     pub sandboxfusion: sandboxfusion::SandboxFusionConfig,
     /// How much of the event stream is kept (in `<state-dir>/events/`).
@@ -535,7 +537,11 @@ fn open_images(config: &ServerConfig, tag: &str) -> Result<ImageStore, ServeErro
     let host = nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_else(|_| "host".into());
-    Ok(ImageStore::open(&root, &local, &format!("{host}-{tag}"))?)
+    let store = ImageStore::open(&root, &local, &format!("{host}-{tag}"))?;
+    if let Some(registry) = &config.registry {
+        store.share_through(registry.clone());
+    }
+    Ok(store)
 }
 
 async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, ServeError> {

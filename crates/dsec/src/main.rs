@@ -171,6 +171,12 @@ struct ServeArgs {
     /// directory: a layer is written there once and used by all. Mount it `nosuid,nodev`.
     #[arg(long)]
     layer_store: Option<PathBuf>,
+    /// An OCI registry (`HOST[:PORT][/PREFIX]`) a fleet's edges share images through:
+    /// every import is pushed there (the layers as they are stored), and a create of an
+    /// image this server lacks pulls it from there first. Plain HTTP for loopback hosts
+    /// and those in $DSEC_INSECURE_REGISTRIES, else HTTPS.
+    #[arg(long, value_parser = parse_registry)]
+    registry: Option<dsec_image::Registry>,
     /// Prefix of sandbox ids, naming this edge (default `e0`; `dsec edge`: the host name).
     #[arg(long, visible_alias = "name")]
     edge_name: Option<String>,
@@ -393,6 +399,10 @@ fn parse_ratio(s: &str) -> Result<f64, String> {
         Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
         _ => Err(format!("{s:?} is not a positive number")),
     }
+}
+
+fn parse_registry(s: &str) -> Result<dsec_image::Registry, String> {
+    dsec_image::Registry::parse(s).map_err(|e| e.to_string())
 }
 
 fn parse_base_fs(s: &str) -> Result<BaseFs, String> {
@@ -784,6 +794,7 @@ fn serve(
             debug_template: args.e2b_debug_template,
         },
         layer_store: args.layer_store,
+        registry: args.registry,
         sandboxfusion: SandboxFusionConfig {
             listen: args.sandboxfusion_listen,
             image: args.sandboxfusion_image,

@@ -92,7 +92,7 @@ impl Backend for ContainerBackend {
     }
 
     async fn create(&self, req: SandboxRequest) -> Result<Created, ApiError> {
-        let image = self.images.get(&req.image)?;
+        let image = self.images.resolve(&req.image).await?;
         let layers = self.images.mount(&image).await?;
         let opts = create_options(&req, layers.dirs.clone());
         // The address and the nftables rules are set up while the container is built.

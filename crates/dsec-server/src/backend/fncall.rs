@@ -205,7 +205,7 @@ impl FnCallBackend {
     }
 
     async fn pool(&self, req: &SandboxRequest) -> Result<Arc<Pool>, ApiError> {
-        let image = self.images.get(&req.image)?;
+        let image = self.images.resolve(&req.image).await?;
         let key = PoolKey {
             image: req.image.clone(),
             image_id: image.id.clone(),
@@ -384,7 +384,7 @@ impl Backend for FnCallBackend {
         let pool = self.pool(&req).await?;
         pool.record_call();
         pool.demand_changed.notify_one();
-        let image = self.images.get(&req.image)?;
+        let image = self.images.resolve(&req.image).await?;
         Ok(Created {
             sandbox: Box::new(FnCallSandbox {
                 total: Arc::clone(&self.total),

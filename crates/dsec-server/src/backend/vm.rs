@@ -472,7 +472,7 @@ impl Backend for VmBackend {
             )));
         }
         let host = &self.host;
-        let image = host.images.get(&req.image)?;
+        let image = host.images.resolve(&req.image).await?;
         let assets = host.assets().await?;
         let hardware = Hardware {
             machine: self.machine,

@@ -28,6 +28,10 @@ pub struct EdgeLoad {
     pub memory_budget_mb: u64,
     /// How much of it is promised, in MiB.
     pub memory_promised_mb: u64,
+    /// The registry its images are shared through (`--registry`), if any: apiservers
+    /// send an import to one edge when all share one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registry: Option<String>,
     /// The host's available memory (`MemAvailable`), in MiB.
     pub free_memory_mb: u64,
     /// The 1-minute load average per CPU.
@@ -175,6 +179,7 @@ impl Edge {
             creating: self.creating.load(Ordering::Relaxed) as u64,
             memory_budget_mb,
             memory_promised_mb,
+            registry: self.images.registry().map(ToString::to_string),
             free_memory_mb: mem_available_mb().unwrap_or(0),
             cpu_load: load_average().unwrap_or(0.0) / self.host_cpus.max(1.0),
         }

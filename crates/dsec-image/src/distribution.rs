@@ -1,0 +1,326 @@
+//! Images shared by a fleet through an OCI registry, in dsec's own form: the manifest's
+//! layers are the store's EROFS blobs themselves and its config is the store's record of
+//! the image, so an edge that pulls one stores the blobs as they come — nothing is
+//! unpacked or rebuilt — and every edge mounts byte-identical layers.
+//!
+//! An image `NAME[:TAG]` lives at `<registry>/NAME:TAG` (`latest` when the name has no
+//! tag). The registry must be trusted like the layer store itself: an edge mounts the
+//! blobs it pulls (after checking each against the manifest's digest), and a blob's diff
+//! id is the one the pushing edge recorded.
+//!
+//! A blob is sent whole from memory (the registry client takes a byte slice), so pushing
+//! a layer costs its size in memory for the time of its upload.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use oci_client::client::ClientConfig;
+use oci_client::errors::{OciDistributionError, OciErrorCode};
+use oci_client::manifest::{OciDescriptor, OciImageManifest, OCI_IMAGE_MEDIA_TYPE};
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference};
+use tokio::io::AsyncWriteExt;
+
+use crate::digest::sha256;
+use crate::error::{io_error, ImageError};
+use crate::image::Image;
+use crate::registry::protocol_for;
+
+/// The media type of the config: the store's JSON record of the image.
+pub(crate) const CONFIG_MEDIA_TYPE: &str = "application/vnd.dsec.image.config.v1+json";
+/// The media type of a layer: one EROFS blob of the store.
+pub(crate) const LAYER_MEDIA_TYPE: &str = "application/vnd.dsec.image.layer.v1.erofs";
+/// The annotation of a layer holding its diff id (what the store names the blob by).
+const DIFF_ID: &str = "dev.dsec.image.diff-id";
+/// The annotation of a layer holding the bytes of file content in it.
+const CONTENT_SIZE: &str = "dev.dsec.image.content-size";
+
+/// Where a fleet's edges share images: `HOST[:PORT][/PREFIX]` (`dsec edge --registry`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Registry {
+    base: String,
+}
+
+impl fmt::Debug for Registry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.base)
+    }
+}
+
+impl fmt::Display for Registry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.base)
+    }
+}
+
+impl Registry {
+    /// Parses `HOST[:PORT][/PREFIX]`; a scheme is refused (loopback registries and those
+    /// in `DSEC_INSECURE_REGISTRIES` are spoken to over plain HTTP, others over HTTPS).
+    pub fn parse(base: &str) -> Result<Registry, ImageError> {
+        let base = base.trim_end_matches('/');
+        let invalid = |reason: &str| ImageError::InvalidSource {
+            input: base.to_owned(),
+            reason: format!("not a registry (HOST[:PORT][/PREFIX]): {reason}"),
+        };
+        if base.contains("://") {
+            return Err(invalid("give it without a scheme"));
+        }
+        // The first part must be a registry host: without a dot or a port it would be
+        // read as a repository on Docker Hub.
+        let host = base.split('/').next().unwrap_or_default();
+        if !(host.contains(['.', ':']) || host == "localhost") {
+            return Err(invalid(
+                "the first part must be a host with a dot or a port, or localhost",
+            ));
+        }
+        let registry = Registry {
+            base: base.to_owned(),
+        };
+        registry.reference("probe")?;
+        Ok(registry)
+    }
+
+    /// Where image `name` is kept.
+    pub fn reference(&self, name: &str) -> Result<Reference, ImageError> {
+        let (repository, tag) = match name.rsplit_once(':') {
+            Some((repository, tag)) if !tag.contains('/') => (repository, tag),
+            _ => (name, "latest"),
+        };
+        format!("{}/{repository}:{tag}", self.base)
+            .parse()
+            .map_err(|e| ImageError::InvalidSource {
+                input: name.to_owned(),
+                reason: format!(
+                    "image name {name:?} cannot name a repository of registry {}: {e} (registry repositories are lowercase letters, digits and . _ - /)",
+                    self.base
+                ),
+            })
+    }
+
+    fn client(&self) -> Client {
+        Client::new(ClientConfig {
+            protocol: protocol_for(self.base.split('/').next().unwrap_or_default()),
+            ..ClientConfig::default()
+        })
+    }
+}
+
+/// What the registry holds of an image: enough to store it.
+pub(crate) struct Pulled {
+    /// The image as the pushing edge recorded it.
+    pub(crate) image: Image,
+    /// Its layers, in the image's order: diff id and content size.
+    pub(crate) layers: Vec<(String, u64)>,
+    manifest: OciImageManifest,
+    reference: Reference,
+    client: Client,
+}
+
+/// Pushes `image`, whose layer blobs are `blobs` (bottom first) with content sizes
+/// `sizes`, to `registry`; returns the manifest's digest.
+pub(crate) async fn push(
+    registry: &Registry,
+    image: &Image,
+    blobs: &[PathBuf],
+    sizes: &[u64],
+) -> Result<String, ImageError> {
+    let reference = registry.reference(&image.name)?;
+    let failed = |e: OciDistributionError| ImageError::Push {
+        image: image.name.clone(),
+        reference: reference.to_string(),
+        reason: e.to_string(),
+    };
+    let client = registry.client();
+    client
+        .store_auth_if_needed(reference.resolve_registry(), &RegistryAuth::Anonymous)
+        .await;
+    let mut layers = Vec::with_capacity(blobs.len());
+    for ((diff_id, blob), size) in image.layers.iter().zip(blobs).zip(sizes) {
+        let data = tokio::fs::read(blob)
+            .await
+            .map_err(io_error(format!("cannot read layer {diff_id}")))?;
+        let digest = sha256(&data);
+        client
+            .push_blob(&reference, &data, &digest)
+            .await
+            .map_err(failed)?;
+        tracing::debug!(image = %image.name, layer = %diff_id, blob = %digest, "pushed layer");
+        layers.push(OciDescriptor {
+            media_type: LAYER_MEDIA_TYPE.to_owned(),
+            digest,
+            size: data.len() as i64,
+            urls: None,
+            annotations: Some(BTreeMap::from([
+                (DIFF_ID.to_owned(), diff_id.clone()),
+                (CONTENT_SIZE.to_owned(), size.to_string()),
+            ])),
+        });
+    }
+    let record = Image {
+        fork: None,
+        ..image.clone()
+    };
+    let config = serde_json::to_vec(&record).expect("an image record serializes");
+    let config_digest = sha256(&config);
+    client
+        .push_blob(&reference, &config, &config_digest)
+        .await
+        .map_err(failed)?;
+    let manifest = OciImageManifest {
+        schema_version: 2,
+        media_type: Some(OCI_IMAGE_MEDIA_TYPE.to_owned()),
+        config: OciDescriptor {
+            media_type: CONFIG_MEDIA_TYPE.to_owned(),
+            digest: config_digest,
+            size: config.len() as i64,
+            urls: None,
+            annotations: None,
+        },
+        layers,
+        subject: None,
+        artifact_type: None,
+        annotations: None,
+    };
+    let url = client
+        .push_manifest(&reference, &manifest.into())
+        .await
+        .map_err(failed)?;
+    tracing::info!(image = %image.name, reference = %reference, "pushed image");
+    Ok(url)
+}
+
+/// Reads what the registry holds of image `name`: its manifest and record.
+pub(crate) async fn fetch(registry: &Registry, name: &str) -> Result<Pulled, ImageError> {
+    let reference = registry.reference(name)?;
+    let failed = |reason: String| ImageError::Registry {
+        reference: reference.to_string(),
+        reason,
+    };
+    let client = registry.client();
+    let (manifest, _) = client
+        .pull_image_manifest(&reference, &RegistryAuth::Anonymous)
+        .await
+        .map_err(|e| {
+            if not_there(&e) {
+                ImageError::NotFound {
+                    name: name.to_owned(),
+                }
+            } else {
+                failed(e.to_string())
+            }
+        })?;
+    if manifest.config.media_type != CONFIG_MEDIA_TYPE {
+        return Err(failed(format!(
+            "it is not a dsec image (config {:?}); import it instead: dsec image import {reference}",
+            manifest.config.media_type
+        )));
+    }
+    let mut config = Vec::new();
+    client
+        .pull_blob(&reference, &manifest.config, &mut config)
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    let mut image: Image = serde_json::from_slice(&config)
+        .map_err(|e| failed(format!("its image record is unreadable: {e}")))?;
+    image.name = name.to_owned();
+    image.fork = None;
+    let mut layers = Vec::with_capacity(manifest.layers.len());
+    for layer in &manifest.layers {
+        let annotation = |key: &str| layer.annotations.as_ref().and_then(|a| a.get(key));
+        let (Some(diff_id), Some(size)) = (annotation(DIFF_ID), annotation(CONTENT_SIZE)) else {
+            return Err(failed(format!(
+                "layer {} lacks dsec's annotations",
+                layer.digest
+            )));
+        };
+        let size = size
+            .parse()
+            .map_err(|_| failed(format!("layer {} has a bad content size", layer.digest)))?;
+        if layer.media_type != LAYER_MEDIA_TYPE || crate::digest::sha256_hex(diff_id).is_none() {
+            return Err(failed(format!(
+                "layer {} is not a dsec layer",
+                layer.digest
+            )));
+        }
+        layers.push((diff_id.clone(), size));
+    }
+    if layers.iter().map(|(d, _)| d).ne(image.layers.iter()) {
+        return Err(failed("its layers do not match its image record".into()));
+    }
+    Ok(Pulled {
+        image,
+        layers,
+        manifest,
+        reference,
+        client,
+    })
+}
+
+/// Whether the registry answered that it has no such image.
+fn not_there(e: &OciDistributionError) -> bool {
+    match e {
+        OciDistributionError::ImageManifestNotFoundError(_) => true,
+        OciDistributionError::RegistryError { envelope, .. } => envelope.errors.iter().any(|e| {
+            matches!(
+                e.code,
+                OciErrorCode::ManifestUnknown | OciErrorCode::NameUnknown | OciErrorCode::NotFound
+            )
+        }),
+        _ => false,
+    }
+}
+
+impl Pulled {
+    /// Downloads layer `index` into `out` (checked against the manifest's digest).
+    pub(crate) async fn download(&self, index: usize, out: &Path) -> Result<(), ImageError> {
+        let layer = &self.manifest.layers[index];
+        let mut file = tokio::fs::File::create(out)
+            .await
+            .map_err(io_error(format!("cannot create {}", out.display())))?;
+        self.client
+            .pull_blob(&self.reference, layer, &mut file)
+            .await
+            .map_err(|e| ImageError::Registry {
+                reference: self.reference.to_string(),
+                reason: e.to_string(),
+            })?;
+        file.flush()
+            .await
+            .map_err(io_error(format!("cannot write {}", out.display())))?;
+        file.sync_all()
+            .await
+            .map_err(io_error(format!("cannot sync {}", out.display())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_map_to_repositories_and_tags() {
+        let r = Registry::parse("127.0.0.1:5000/dsec").unwrap();
+        assert_eq!(
+            r.reference("busybox").unwrap().whole(),
+            "127.0.0.1:5000/dsec/busybox:latest"
+        );
+        assert_eq!(
+            r.reference("py:3.11").unwrap().whole(),
+            "127.0.0.1:5000/dsec/py:3.11"
+        );
+        assert_eq!(
+            r.reference("team/img").unwrap().whole(),
+            "127.0.0.1:5000/dsec/team/img:latest"
+        );
+        assert!(r.reference("Upper").is_err());
+    }
+
+    #[test]
+    fn a_registry_names_its_host() {
+        assert!(Registry::parse("localhost:5000").is_ok());
+        assert!(Registry::parse("registry.lan/dsec").is_ok());
+        assert!(Registry::parse("http://registry.lan").is_err());
+        assert!(Registry::parse("dsec").is_err());
+    }
+}
