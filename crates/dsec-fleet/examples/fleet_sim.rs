@@ -26,6 +26,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
+use std::sync::Arc;
 use std::time::Instant;
 
 use rustix::time::{clock_gettime, ClockId};
@@ -267,14 +268,20 @@ impl Sim {
         let api = self.rng.random_range(0..self.tables.len());
         let members = self.tables[api].members();
         let started = cpu_ns();
-        let placement = place(&members, "container", self.o.choices, None, &mut self.rng)
+        let mut placement = place(&members, "container", self.o.choices, None, &mut self.rng)
             .expect("every edge runs container");
-        let decide = cpu_ns() - started;
-        self.decide_cpu_ns += decide;
-        self.decisions += 1;
-        // Ask the edges in order; each refusal costs a hop back and forth.
-        let mut delay = decide;
-        for member in &placement.order {
+        let mut decide = cpu_ns() - started;
+        // Ask the edges in order, as the apiserver does; each refusal costs a hop.
+        let mut delay = 0;
+        let mut next = 0;
+        while next < placement.order.len() {
+            if next == placement.drawn {
+                let started = cpu_ns();
+                placement.narrow_fallbacks();
+                decide += cpu_ns() - started;
+            }
+            let member = Arc::clone(&placement.order[next]);
+            next += 1;
             delay += ns(self.o.hop_ms / 1e3);
             let edge = self
                 .names
@@ -283,6 +290,9 @@ impl Sim {
             let e = &mut self.edges[edge];
             if e.live + e.creating < self.o.capacity {
                 e.creating += 1;
+                self.decide_cpu_ns += decide;
+                self.decisions += 1;
+                delay += decide;
                 if self.warm() {
                     self.placement_ns.push(delay);
                 }
@@ -294,6 +304,8 @@ impl Sim {
                 self.vetoes += 1;
             }
         }
+        self.decide_cpu_ns += decide;
+        self.decisions += 1;
         if self.warm() {
             self.refused += 1;
         }

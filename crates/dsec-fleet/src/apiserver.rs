@@ -397,12 +397,19 @@ async fn placed(
             return Ok(existing);
         }
     }
+    let mut placement = placement;
     let mut refusals = Vec::new();
     let mut all_full = true;
-    for member in &placement.order {
+    let mut next = 0;
+    while next < placement.order.len() {
+        if next == placement.drawn {
+            placement.narrow_fallbacks();
+        }
+        let member = Arc::clone(&placement.order[next]);
+        next += 1;
         let answer = fleet
             .forward(
-                member,
+                &member,
                 Method::POST,
                 path,
                 headers,
@@ -423,7 +430,7 @@ async fn placed(
         refusals.push(format!("{}: {}", member.record.name, refused.message));
     }
     let message = format!(
-        "no edge could take a {backend:?} sandbox ({} tried): {}",
+        "no edge could take a {backend:?} sandbox ({} tried: the drawn and the least loaded others): {}",
         placement.order.len(),
         refusals.join("; ")
     );

@@ -1,6 +1,6 @@
 //! Power-of-k choices: of the live edges offering the backend, k are drawn and the least
-//! loaded is tried first, then the other drawn ones, then the rest (an edge may veto at
-//! capacity). A create with an idempotency key draws its k by rendezvous hashing of the
+//! loaded is tried first, then the other drawn ones, then (an edge may veto at capacity)
+//! the least loaded few of the rest. A create with an idempotency key draws its k by rendezvous hashing of the
 //! key, so every apiserver draws the same k for a retried create and can ask them whether
 //! it was already made.
 
@@ -12,13 +12,33 @@ use rand::Rng;
 
 use crate::membership::{Member, Members};
 
+/// Fallbacks asked after the drawn edges refused: a fleet whose least loaded edges all
+/// refuse is full, and asking every other edge would cost a round trip each.
+pub const MAX_FALLBACKS: usize = 8;
+
 /// The order in which edges are asked to take a create.
 #[derive(Debug)]
 pub struct Placement {
-    /// Every eligible edge, best first.
+    /// The edges to ask, best first: the drawn ones, then fallbacks.
     pub order: Vec<Arc<Member>>,
     /// How many of `order` were drawn (the rest are fallbacks after vetoes).
     pub drawn: usize,
+}
+
+impl Placement {
+    /// Keeps the [`MAX_FALLBACKS`] least loaded fallbacks, least loaded first. Called
+    /// once the drawn edges refused, so that a create placed at the first try pays no
+    /// sort.
+    pub fn narrow_fallbacks(&mut self) {
+        let mut rest: Vec<(f64, Arc<Member>)> = self
+            .order
+            .drain(self.drawn..)
+            .map(|m| (m.score(), m))
+            .collect();
+        rest.sort_by(|a, b| a.0.total_cmp(&b.0));
+        self.order
+            .extend(rest.into_iter().take(MAX_FALLBACKS).map(|(_, m)| m));
+    }
 }
 
 /// Why nothing can be placed.
@@ -169,6 +189,32 @@ mod tests {
             names
         };
         assert_eq!(drawn(&first), drawn(&second));
+    }
+
+    #[test]
+    fn after_vetoes_the_least_loaded_few_are_asked() {
+        let records: Vec<_> = (0..20)
+            .map(|i| edge(&format!("e{i:02}"), 50 * i, &["container"]))
+            .collect();
+        let members = Members::new(records);
+        let mut p = place(&members, "container", 2, None, &mut rand::rng()).unwrap();
+        let drawn: Vec<String> = p.order[..2].iter().map(|m| m.record.name.clone()).collect();
+        p.narrow_fallbacks();
+        assert_eq!(p.order.len(), 2 + MAX_FALLBACKS);
+        let fallbacks: Vec<u64> = p.order[2..]
+            .iter()
+            .map(|m| m.record.load.memory_promised_mb)
+            .collect();
+        let mut sorted = fallbacks.clone();
+        sorted.sort_unstable();
+        assert_eq!(fallbacks, sorted);
+        // The least loaded edges not drawn.
+        let expected: Vec<u64> = (0..20u64)
+            .map(|i| 50 * i)
+            .filter(|mb| !drawn.contains(&format!("e{:02}", mb / 50)))
+            .take(MAX_FALLBACKS)
+            .collect();
+        assert_eq!(fallbacks, expected);
     }
 
     #[test]
