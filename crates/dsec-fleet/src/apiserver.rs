@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
-use axum::extract::{RawQuery, Request, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, RawQuery, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -20,6 +21,7 @@ use dsec_api::{
 use dsec_server::api::{check_bearer, idempotency_key, ApiJson, IDEMPOTENCY_KEY};
 use dsec_server::edge::{batch_item, batch_item_key, check_batch};
 use dsec_server::error::ApiError;
+use dsec_trajectory::TrajectoryLog;
 use futures::future::join_all;
 use futures::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -40,6 +42,8 @@ pub struct ApiserverConfig {
     pub choices: usize,
     /// Largest request body.
     pub max_upload_bytes: usize,
+    /// The fleet's PostgreSQL trajectory log, read for sandboxes whose edge is gone.
+    pub trajectory_db: Option<String>,
 }
 
 /// What every handler shares.
@@ -51,6 +55,7 @@ pub struct Fleet {
     edge_token: Option<Arc<str>>,
     choices: usize,
     metrics: Option<PrometheusHandle>,
+    log: Option<TrajectoryLog>,
 }
 
 /// Headers a forwarded request keeps; everything else (hop-by-hop, the client's token)
@@ -89,7 +94,14 @@ impl Fleet {
             edge_token: config.edge_token.as_deref().map(Arc::from),
             choices: config.choices.max(1),
             metrics,
+            log: None,
         }
+    }
+
+    /// Serves the logs of sandboxes whose edge is gone from `log` (read only).
+    pub fn with_log(mut self, log: TrajectoryLog) -> Fleet {
+        self.log = Some(log);
+        self
     }
 
     /// Sends a request to `member` and passes its answer back as a stream.
@@ -202,6 +214,7 @@ pub fn router(fleet: Fleet, max_upload_bytes: usize) -> Router {
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/sandboxes/batch", post(create_many))
         .route("/v1/sandboxes/{id}", any(by_id))
+        .route("/v1/sandboxes/{id}/log", get(sandbox_log))
         .route("/v1/sandboxes/{id}/{*rest}", any(by_id))
         .route("/v1/images", post(import).get(from_any))
         .route("/v1/images/{*name}", get(from_any).delete(broadcast))
@@ -304,6 +317,36 @@ async fn by_id(State(fleet): State<Fleet>, request: Request) -> Result<Response,
         .map_err(|e| {
             ApiError::unavailable(format!("sandbox {id:?} cannot be reached: {}", e.message))
         })
+}
+
+/// The query of `GET /v1/sandboxes/{id}/log`.
+#[derive(serde::Deserialize)]
+struct LogQuery {
+    trajectory_id: Option<String>,
+}
+
+/// `GET /v1/sandboxes/{id}/log`: from the edge that owns the sandbox while it is in the
+/// fleet (its live usage counted); once that edge is gone, from the fleet's PostgreSQL
+/// log, when this apiserver reads it (`--trajectory-db`) — a log outlives its edge.
+async fn sandbox_log(
+    State(fleet): State<Fleet>,
+    Path(id): Path<String>,
+    query: Result<Query<LogQuery>, QueryRejection>,
+    request: Request,
+) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
+    let gone = crate::edge_of(&id).is_some_and(|edge| fleet.member(edge, &id).is_err());
+    let Some(log) = fleet.log.as_ref().filter(|_| gone) else {
+        return by_id(State(fleet), request).await;
+    };
+    let found = log.sandbox_log(&id, query.trajectory_id).await?;
+    let found = found.ok_or_else(|| {
+        ApiError::not_found(format!(
+            "sandbox {id:?} not found in the fleet's trajectory log: its edge is gone, and the \
+             log never held it or pruned it (the oldest stopped sandboxes' logs go first)"
+        ))
+    })?;
+    Ok(Json(found).into_response())
 }
 
 /// The backend a create or call asks for, checked here so a typo is a 400, not a 503.

@@ -173,6 +173,16 @@ impl TrajectoryLog {
         })
     }
 
+    /// Connects to the PostgreSQL log at `url` to read it only: the logs of every edge's
+    /// sandboxes, also of edges that are gone (an apiserver's `--trajectory-db`). Takes no
+    /// edge name; writes fail with [`LogError::WriterGone`].
+    pub async fn read_only(url: &str) -> Result<TrajectoryLog, LogError> {
+        let store = postgres::Store::connect_reader(url).await?;
+        Ok(TrajectoryLog {
+            store: Arc::new(Store::Postgres(store)),
+        })
+    }
+
     /// Opens the log in `db` for edge `edge` (a SQLite log belongs to one server: it needs
     /// no edge name).
     pub async fn open_database(

@@ -354,6 +354,10 @@ struct ApiserverArgs {
     /// Largest request body in MiB.
     #[arg(long, default_value_t = 256)]
     max_upload_mb: usize,
+    /// The fleet's PostgreSQL trajectory log (the edges' --trajectory-db), read only: the
+    /// log of a sandbox whose edge is gone is served from there.
+    #[arg(long)]
+    trajectory_db: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -689,14 +693,23 @@ fn apiserver(args: ApiserverArgs) -> Result<()> {
         edge_token: read_token(args.edge_token_file.as_ref())?,
         choices: args.choices.into(),
         max_upload_bytes: args.max_upload_mb << 20,
+        trajectory_db: args.trajectory_db,
     };
+    if let Some(db) = &config.trajectory_db {
+        if !db.starts_with("postgres://") && !db.starts_with("postgresql://") {
+            bail!("--trajectory-db of an apiserver must be the fleet's PostgreSQL log (postgres://…), got {db:?}");
+        }
+    }
     let runtime = server_runtime()?;
     runtime.block_on(async {
         let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
             .install_recorder()
             .context("installing the metrics recorder")?;
         let table = dsec_fleet::EdgeTable::watch(args.etcd).await?;
-        let fleet = dsec_fleet::apiserver::Fleet::new(table, &config, Some(metrics));
+        let mut fleet = dsec_fleet::apiserver::Fleet::new(table, &config, Some(metrics));
+        if let Some(db) = &config.trajectory_db {
+            fleet = fleet.with_log(dsec_trajectory::TrajectoryLog::read_only(db).await?);
+        }
         dsec_fleet::apiserver::serve(config, fleet).await
     })
 }

@@ -170,46 +170,14 @@ impl Store {
         edge: &str,
         config: LogConfig,
     ) -> Result<Arc<Store>, LogError> {
-        let mut pg: Config = url
-            .parse()
-            .map_err(|e: tokio_postgres::Error| LogError::Config {
-                db: redact(url),
-                reason: format!(
-                    "not a PostgreSQL URL ({}): postgres://USER:PASSWORD@HOST:PORT/DATABASE",
-                    pg_detail(&e)
-                ),
-            })?;
-        let db = describe_config(&pg);
-        if pg.get_ssl_mode() == SslMode::Require {
-            return Err(LogError::Config {
-                db,
-                reason: "TLS to PostgreSQL (sslmode=require) is not supported: connect over a private network or a local TLS proxy, with sslmode=disable or prefer".into(),
-            });
-        }
-        if pg.get_connect_timeout().is_none() {
-            pg.connect_timeout(CONNECT_TIMEOUT);
-        }
-        pg.application_name(format!("dsec-edge-{edge}"));
+        let (pg, db) = parse_url(url, &format!("dsec-edge-{edge}"))?;
         let mut session = write::Session::connect(&pg, &db, edge, config.sync).await?;
         schema::migrate(&mut session.client, &db).await?;
         session.lock_edge(&db, edge, EDGE_LOCK_WAIT).await?;
         schema::stop_earlier_sandboxes(&mut session.client, &db, edge).await?;
         let stored = schema::stored_bytes(&session.client, &db).await?;
         let (tx, rx) = mpsc::unbounded_channel();
-        let store = Arc::new(Store {
-            db,
-            config: pg,
-            edge: edge.to_owned(),
-            sync: config.sync,
-            jobs: Mutex::new(Some(tx)),
-            writer: Mutex::new(None),
-            readers: (0..READERS)
-                .map(|_| tokio::sync::Mutex::new(None))
-                .collect(),
-            next_reader: AtomicUsize::new(0),
-            usage: Usage::new(config.budgets, stored),
-            commits: CommitCounter::default(),
-        });
+        let store = Arc::new(Store::new(pg, db, edge, config, Some(tx), stored));
         // A reader now, so that a database that refuses reads fails here, not later.
         store.reader().await?;
         let writer = tokio::spawn(group_commit(Arc::downgrade(&store), rx, session));
@@ -218,6 +186,68 @@ impl Store {
         Ok(store)
     }
 
+    /// Connects to the database at `url` to read it only (an apiserver serving the logs
+    /// of sandboxes whose edge is gone): no edge name is taken, nothing is written or
+    /// pruned, and writes fail with [`LogError::WriterGone`].
+    pub(crate) async fn connect_reader(url: &str) -> Result<Arc<Store>, LogError> {
+        let (pg, db) = parse_url(url, "dsec-apiserver")?;
+        let store = Arc::new(Store::new(pg, db, "", LogConfig::default(), None, 0));
+        store.reader().await?;
+        Ok(store)
+    }
+
+    fn new(
+        config: Config,
+        db: String,
+        edge: &str,
+        log: LogConfig,
+        jobs: Option<mpsc::UnboundedSender<Job>>,
+        stored: u64,
+    ) -> Store {
+        Store {
+            db,
+            config,
+            edge: edge.to_owned(),
+            sync: log.sync,
+            jobs: Mutex::new(jobs),
+            writer: Mutex::new(None),
+            readers: (0..READERS)
+                .map(|_| tokio::sync::Mutex::new(None))
+                .collect(),
+            next_reader: AtomicUsize::new(0),
+            usage: Usage::new(log.budgets, stored),
+            commits: CommitCounter::default(),
+        }
+    }
+}
+
+/// The connection settings of `url` (connect timeout set when it sets none), and the
+/// database as messages name it.
+fn parse_url(url: &str, application: &str) -> Result<(Config, String), LogError> {
+    let mut pg: Config = url
+        .parse()
+        .map_err(|e: tokio_postgres::Error| LogError::Config {
+            db: redact(url),
+            reason: format!(
+                "not a PostgreSQL URL ({}): postgres://USER:PASSWORD@HOST:PORT/DATABASE",
+                pg_detail(&e)
+            ),
+        })?;
+    let db = describe_config(&pg);
+    if pg.get_ssl_mode() == SslMode::Require {
+        return Err(LogError::Config {
+            db,
+            reason: "TLS to PostgreSQL (sslmode=require) is not supported: connect over a private network or a local TLS proxy, with sslmode=disable or prefer".into(),
+        });
+    }
+    if pg.get_connect_timeout().is_none() {
+        pg.connect_timeout(CONNECT_TIMEOUT);
+    }
+    pg.application_name(application);
+    Ok((pg, db))
+}
+
+impl Store {
     /// Queues `job` for the writer task.
     pub(crate) fn send(&self, job: Job) {
         let jobs = self.jobs.lock().expect("lock");
