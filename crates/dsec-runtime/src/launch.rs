@@ -21,9 +21,10 @@
 //! [`REPORT_MAX`] bytes in all.
 
 use std::ffi::CString;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 use nix::sys::signal::{SigSet, SigmaskHow, Signal};
+use rustix::process::Pid;
 
 use crate::files::{FileError, SandboxRoot};
 use crate::proto::{ExecSpec, InitStage};
@@ -37,35 +38,35 @@ const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/s
 
 /// Writes all of `data` to `fd`, retrying interrupted writes; one system call per chunk
 /// written, so safe in any child.
-pub(crate) fn write_all_blocking(fd: RawFd, mut data: &[u8]) -> std::io::Result<()> {
+pub(crate) fn write_all_blocking(fd: impl AsFd, mut data: &[u8]) -> std::io::Result<()> {
     while !data.is_empty() {
-        // SAFETY: data points to data.len() initialised bytes.
-        let n = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
-        if n < 0 {
-            let err = std::io::Error::last_os_error();
-            if err.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(err);
+        match rustix::io::write(&fd, data) {
+            Ok(n) => data = &data[n..],
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
         }
-        data = &data[n as usize..];
     }
     Ok(())
+}
+
+/// `_exit(2)`: leaves a child at once, without unwinding into the frames of the process
+/// it was cloned from and without running the destructors or exit handlers of its copy.
+pub(crate) fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit(2) takes an integer and ends the process; nothing runs after it.
+    unsafe { libc::_exit(code) }
 }
 
 /// The zygote's preparation between the server's `fork` and its `execve`: its socket moved
 /// to descriptor `at`, and death with the server's thread that forked it. The server is
 /// multi-threaded, so this makes raw system calls only.
 pub(crate) fn zygote_child(socket: RawFd, at: RawFd) -> std::io::Result<()> {
-    // SAFETY: dup2(2) and prctl(2) with integer arguments only; `socket` is open in this
-    // child (inherited), and `at` is the number the zygote expects its socket at.
-    unsafe {
-        if libc::dup2(socket, at) < 0
-            || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) < 0
-        {
-            return Err(std::io::Error::last_os_error());
-        }
+    // SAFETY: dup2(2) with integer arguments only: `socket` is open in this child
+    // (inherited), and `at` is the number the zygote expects its socket at, which nothing
+    // in this child owns. (rustix's dup2 needs an `OwnedFd` to replace.)
+    if unsafe { libc::dup2(socket, at) } < 0 {
+        return Err(std::io::Error::last_os_error());
     }
+    rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
     Ok(())
 }
 
@@ -246,38 +247,40 @@ pub(crate) struct CallSetup {
     pub(crate) seccomp: SeccompProfile,
 }
 
-/// A stepped call's runner's descriptors, inherited from init.
-pub(crate) struct StepFds {
+/// A stepped call's runner's descriptors, inherited from init: the runner is a fork of
+/// init, so init's descriptors they borrow are open in it too.
+pub(crate) struct StepFds<'a> {
     /// Write ends of each step's (stdout, stderr) pipes.
-    pub(crate) outputs: Vec<(RawFd, RawFd)>,
+    pub(crate) outputs: Vec<(BorrowedFd<'a>, BorrowedFd<'a>)>,
     /// Where the runner reports each step's end and the fetched files.
-    pub(crate) reports: RawFd,
+    pub(crate) reports: BorrowedFd<'a>,
     /// `/dev/null`: the standard input of steps when the call has none.
-    pub(crate) devnull: RawFd,
+    pub(crate) devnull: BorrowedFd<'a>,
 }
 
-impl StepFds {
+impl StepFds<'_> {
     /// Every descriptor the runner needs.
     fn all(&self) -> Vec<RawFd> {
-        let mut fds = vec![self.reports, self.devnull];
+        let mut fds = vec![self.reports.as_raw_fd(), self.devnull.as_raw_fd()];
         for (out, err) in &self.outputs {
-            fds.extend([*out, *err]);
+            fds.extend([out.as_raw_fd(), err.as_raw_fd()]);
         }
         fds
     }
 }
 
-/// The descriptors a command's first process starts from, all open in init.
-pub(crate) struct ChildFds {
-    pub(crate) stdin: RawFd,
-    pub(crate) stdout: RawFd,
-    pub(crate) stderr: RawFd,
-    pub(crate) report: RawFd,
+/// The descriptors a command's first process starts from, all open in init (and so in
+/// its forks and clones).
+pub(crate) struct ChildFds<'a> {
+    pub(crate) stdin: BorrowedFd<'a>,
+    pub(crate) stdout: BorrowedFd<'a>,
+    pub(crate) stderr: BorrowedFd<'a>,
+    pub(crate) report: BorrowedFd<'a>,
     /// The file the child writes `0` to, to enter the commands' cgroup (see
     /// `Prepared::commands_cgroup` in [`crate::init`]).
-    pub(crate) join_cgroup: Option<RawFd>,
+    pub(crate) join_cgroup: Option<BorrowedFd<'a>>,
     /// A stepped call's runner: every step's pipes and the report pipe.
-    pub(crate) steps: Option<StepFds>,
+    pub(crate) steps: Option<StepFds<'a>>,
 }
 
 /// Everything the child needs, converted before `fork` so that the child only makes
@@ -321,7 +324,7 @@ impl Launch {
     /// directory, confines itself if it is a call (otherwise capabilities, no_new_privs and
     /// seccomp are inherited from init), and execs. Reports a failing step through the
     /// report pipe and exits.
-    pub(crate) fn exec_child(&self, fds: &ChildFds, call: Option<&CallSetup>) -> ! {
+    pub(crate) fn exec_child(&self, fds: &ChildFds<'_>, call: Option<&CallSetup>) -> ! {
         self.set_up(fds, call);
         if crate::fds::close_on_exec_above_stdio().is_err() {
             fail(fds, ChildStage::Stdio, last_errno());
@@ -333,11 +336,12 @@ impl Launch {
     /// exec'ing (see [`crate::steps`]): set up as [`Launch::exec_child`] would, but keeping
     /// its stdio and only the descriptors of `fds.steps`; then, with SIGCHLD blocked as
     /// init keeps it, it returns for the caller to run the steps.
-    pub(crate) fn become_runner(&self, fds: &ChildFds, call: &CallSetup) {
+    pub(crate) fn become_runner(&self, fds: &ChildFds<'_>, call: &CallSetup) {
         self.set_up(fds, Some(call));
         // Set up: init stops waiting for a failure report when this closes.
-        // SAFETY: closing our end of the report pipe, used no more.
-        unsafe { libc::close(fds.report) };
+        // SAFETY: closing this process's copy of the report pipe, used no more: the
+        // `OwnedFd` it borrows is init's, never dropped here (the runner only exits).
+        unsafe { libc::close(fds.report.as_raw_fd()) };
         // The runner waits for its steps with SIGCHLD blocked, as init keeps it.
         let mut chld = SigSet::empty();
         chld.add(Signal::SIGCHLD);
@@ -345,7 +349,7 @@ impl Launch {
     }
 
     /// Everything before the `execve` (or the runner's first step).
-    fn set_up(&self, fds: &ChildFds, call: Option<&CallSetup>) {
+    fn set_up(&self, fds: &ChildFds<'_>, call: Option<&CallSetup>) {
         let _ = nix::sys::signal::pthread_sigmask(
             SigmaskHow::SIG_SETMASK,
             Some(&SigSet::empty()),
@@ -353,14 +357,12 @@ impl Launch {
         );
         // SAFETY: restoring the default disposition before exec.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
-        // SAFETY: setsid(2) has no arguments.
-        unsafe { libc::setsid() };
+        let _ = rustix::process::setsid();
         // Into the commands' cgroup first: everything the command makes from here on is
         // charged under the sandbox's limit, and none of it to init.
         if let Some(file) = fds.join_cgroup {
-            // SAFETY: writing a constant to a descriptor this process owns.
-            if unsafe { libc::write(file, c"0".as_ptr().cast(), 1) } < 0 {
-                fail(fds, ChildStage::Cgroup, last_errno());
+            if let Err(e) = rustix::io::write(file, b"0") {
+                fail(fds, ChildStage::Cgroup, e.raw_os_error());
             }
         }
         match call {
@@ -369,18 +371,19 @@ impl Launch {
                     fail(fds, ChildStage::CallRoot, e.errno());
                 }
             }
-            // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) takes integer arguments only.
-            None if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } < 0 => {
-                fail(fds, ChildStage::Subreaper, last_errno());
+            // Any pid sets the flag (rustix passes it as prctl's non-zero argument).
+            None => {
+                if let Err(e) = rustix::process::set_child_subreaper(Some(Pid::INIT)) {
+                    fail(fds, ChildStage::Subreaper, e.raw_os_error());
+                }
             }
-            None => {}
         }
         match &fds.steps {
             // The runner keeps only its own descriptors, and stays exempt from the OOM
             // killer like init (its steps are not).
             Some(step_fds) => {
                 let mut keep = step_fds.all();
-                keep.push(fds.report);
+                keep.push(fds.report.as_raw_fd());
                 if let Err(e) = close_other_fds(&keep) {
                     fail(
                         fds,
@@ -405,24 +408,17 @@ impl Launch {
                 msg.extend_from_slice(&0i32.to_le_bytes());
                 serde_json::to_writer(&mut msg, &e).expect("serializes");
                 msg.truncate(REPORT_MAX);
-                // SAFETY: writing a local buffer to our pipe, then leaving without unwinding.
-                unsafe {
-                    libc::write(fds.report, msg.as_ptr().cast(), msg.len());
-                    libc::_exit(127)
-                }
+                let _ = rustix::io::write(fds.report, &msg);
+                exit_now(127)
             }
         }
         if fds.steps.is_none() {
-            for (from, to) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
-                // SAFETY: dup2 between descriptors this process owns.
-                if unsafe { libc::dup2(from, to) } < 0 {
-                    fail(fds, ChildStage::Stdio, last_errno());
-                }
+            if let Err(e) = dup2_stdio([fds.stdin, fds.stdout, fds.stderr]) {
+                fail(fds, ChildStage::Stdio, e.raw_os_error());
             }
         }
-        // SAFETY: cwd is a valid NUL-terminated string.
-        if unsafe { libc::chdir(self.cwd.as_ptr()) } < 0 {
-            fail(fds, ChildStage::Chdir, last_errno());
+        if let Err(e) = rustix::process::chdir(self.cwd.as_c_str()) {
+            fail(fds, ChildStage::Chdir, e.raw_os_error());
         }
         if let Some(call) = call {
             if crate::caps::drop_to_default().is_err() {
@@ -436,15 +432,19 @@ impl Launch {
 }
 
 /// Reports a failing step of a command's first process on its report pipe, and exits.
-fn fail(fds: &ChildFds, stage: ChildStage, errno: i32) -> ! {
+fn fail(fds: &ChildFds<'_>, stage: ChildStage, errno: i32) -> ! {
     let mut msg = [0u8; 8];
     msg[..4].copy_from_slice(&(stage as u32).to_le_bytes());
     msg[4..].copy_from_slice(&errno.to_le_bytes());
-    // SAFETY: writing a local buffer to our pipe, then leaving without unwinding.
-    unsafe {
-        libc::write(fds.report, msg.as_ptr().cast(), msg.len());
-        libc::_exit(127)
-    }
+    let _ = rustix::io::write(fds.report, &msg);
+    exit_now(127)
+}
+
+/// Makes `stdio` this process's standard input, output and error.
+fn dup2_stdio([stdin, stdout, stderr]: [BorrowedFd<'_>; 3]) -> rustix::io::Result<()> {
+    rustix::stdio::dup2_stdin(stdin)?;
+    rustix::stdio::dup2_stdout(stdout)?;
+    rustix::stdio::dup2_stderr(stderr)
 }
 
 fn last_errno() -> i32 {
@@ -459,12 +459,12 @@ fn last_errno() -> i32 {
 /// which is safe: init is single-threaded and waits, holding no lock.
 pub(crate) fn spawn_shared(
     launch: &Launch,
-    fds: &ChildFds,
+    fds: &ChildFds<'_>,
     stack: &mut [u8],
 ) -> std::io::Result<i32> {
     struct Args<'a> {
         launch: &'a Launch,
-        fds: &'a ChildFds,
+        fds: &'a ChildFds<'a>,
     }
     extern "C" fn entry(arg: *mut libc::c_void) -> libc::c_int {
         // SAFETY: `arg` points to the `Args` below, on the stack of the parent, which is
@@ -519,17 +519,14 @@ fn close_other_fds(keep: &[RawFd]) -> std::io::Result<()> {
 
 /// A stepped call's step, forked by its runner: standard descriptors wired, signals and
 /// OOM score reset, exec.
-pub(crate) fn exec_step(program: &Program, env: &[CString], stdio: [RawFd; 3]) -> ! {
+pub(crate) fn exec_step(program: &Program, env: &[CString], stdio: [BorrowedFd<'_>; 3]) -> ! {
     let _ =
         nix::sys::signal::pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
     // SAFETY: restoring the default disposition before exec.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     // The runner is exempt from the OOM killer (inherited from init); its steps are not.
     let _ = std::fs::write("/proc/self/oom_score_adj", "0");
-    for (to, from) in stdio.into_iter().enumerate() {
-        // SAFETY: dup2 between descriptors this process owns.
-        unsafe { libc::dup2(from, to as RawFd) };
-    }
+    let _ = dup2_stdio(stdio);
     // Nothing of the runner's but stdio reaches the step (see `crate::fds`).
     let errno = match crate::fds::close_on_exec_above_stdio() {
         Ok(()) => program.exec(env),
@@ -540,8 +537,6 @@ pub(crate) fn exec_step(program: &Program, env: &[CString], stdio: [RawFd; 3]) -
         program.name(),
         std::io::Error::from_raw_os_error(errno)
     );
-    let _ = write_all_blocking(2, msg.as_bytes());
-    let code = if errno == libc::ENOENT { 127 } else { 126 };
-    // SAFETY: leaving the forked child without unwinding.
-    unsafe { libc::_exit(code) }
+    let _ = write_all_blocking(rustix::stdio::stderr(), msg.as_bytes());
+    exit_now(if errno == libc::ENOENT { 127 } else { 126 })
 }

@@ -468,13 +468,13 @@ fn pivot(rootfs: &Path) -> Result<(), RootfsError> {
 
 /// Brings up `lo` in the sandbox's new network namespace.
 pub fn loopback_up() -> std::io::Result<()> {
-    // SAFETY: socket(2) with constant arguments; the result is checked below.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: fd was just returned by socket(2) and nothing else owns it.
-    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    let fd = rustix::net::socket_with(
+        AddressFamily::INET,
+        SocketType::DGRAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
     // SAFETY: ifreq is plain old data; all-zeroes is a valid value.
     let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
     for (dst, src) in ifr.ifr_name.iter_mut().zip(c"lo".to_bytes_with_nul()) {
@@ -497,6 +497,5 @@ pub fn loopback_up() -> std::io::Result<()> {
 
 /// Sets the hostname inside the sandbox's UTS namespace.
 pub fn set_hostname(name: &str) -> std::io::Result<()> {
-    nix::unistd::sethostname(name)?;
-    Ok(())
+    Ok(rustix::system::sethostname(name.as_bytes())?)
 }

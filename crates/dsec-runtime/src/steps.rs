@@ -19,13 +19,13 @@
 //! overlay filesystems, so no path can lead it to one of init's descriptors or to `/proc`.
 
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
-use rustix::fs::{Mode, OFlags, ResolveFlags};
+use rustix::fs::{Mode, OFlags, ResolveFlags, SeekFrom};
 
 use crate::launch::{write_all_blocking, Program, StepFds};
 use crate::proto::{self, ExecExit, ExecSpec, FetchedFile, FrameKind};
@@ -64,7 +64,7 @@ impl StepPlan {
 
     /// Runs every step, reports, and exits; never returns. Called in the confined runner
     /// with SIGCHLD blocked (inherited from init), in the call's working directory.
-    pub(crate) fn run(&self, env: &[CString], fds: &StepFds) -> ! {
+    pub(crate) fn run(&self, env: &[CString], fds: &StepFds<'_>) -> ! {
         let mut report = Vec::new();
         let stdin = match self.stdin_fd() {
             Ok(stdin) => stdin,
@@ -77,22 +77,23 @@ impl StepPlan {
                 };
                 proto::encode_json(&mut report, FrameKind::Exit, 0, &exit);
                 let _ = write_all_blocking(fds.reports, &report);
-                // SAFETY: _exit(2) ends the runner (and, as PID 1, its namespace).
-                unsafe { libc::_exit(0) }
+                // Ends the runner (and, as PID 1, its namespace).
+                crate::launch::exit_now(0)
             }
         };
         let last = self.steps.len() - 1;
         for (i, (program, timeout)) in self.steps.iter().enumerate() {
             let step_stdin = stdin.as_ref().map_or(fds.devnull, |f| {
-                // SAFETY: lseek on our own memfd; the previous step's processes are gone.
-                unsafe { libc::lseek(f.as_raw_fd(), 0, libc::SEEK_SET) };
-                f.as_raw_fd()
+                // Back to the start: the previous step's processes are gone.
+                let _ = rustix::fs::seek(f, SeekFrom::Start(0));
+                f.as_fd()
             });
             let exit = run_step(program, *timeout, env, step_stdin, fds.outputs[i]);
             // Its pipes are closed now: init relays all of its output before the report.
             for fd in [fds.outputs[i].0, fds.outputs[i].1] {
-                // SAFETY: closing our write ends of this step's pipes, used no more.
-                unsafe { libc::close(fd) };
+                // SAFETY: closing this process's write ends of the step's pipes, used no
+                // more; the `OwnedFd`s they borrow are init's, never dropped in the runner.
+                unsafe { libc::close(fd.as_raw_fd()) };
             }
             let succeeded = exit.exit_code == Some(0);
             if i == last || !succeeded {
@@ -105,8 +106,8 @@ impl StepPlan {
             let _ = write_all_blocking(fds.reports, &report);
             report.clear();
         }
-        // SAFETY: _exit(2) ends the runner (and, as PID 1, its namespace).
-        unsafe { libc::_exit(0) }
+        // Ends the runner (and, as PID 1, its namespace).
+        crate::launch::exit_now(0)
     }
 
     /// A memfd holding the call's stdin (every step rereads it), or `None` for none.
@@ -115,14 +116,14 @@ impl StepPlan {
             return Ok(None);
         }
         let fd = rustix::fs::memfd_create("stdin", rustix::fs::MemfdFlags::CLOEXEC)?;
-        write_all_blocking(fd.as_raw_fd(), &self.stdin)?;
+        write_all_blocking(&fd, &self.stdin)?;
         Ok(Some(fd))
     }
 
     /// Sends each fetched file that is a regular file of the call's own filesystems.
     /// They share one byte budget: the file that exceeds it is sent cut short (marked
     /// truncated) and the rest are not read.
-    fn fetch_files(&self, reports: RawFd) {
+    fn fetch_files(&self, reports: BorrowedFd<'_>) {
         let mut budget = self.fetch_max_bytes;
         for path in &self.fetch {
             let Some((data, truncated)) = read_own_file(path, budget) else {
@@ -154,8 +155,8 @@ fn run_step(
     program: &Program,
     timeout: Option<Duration>,
     env: &[CString],
-    stdin: RawFd,
-    (stdout, stderr): (RawFd, RawFd),
+    stdin: BorrowedFd<'_>,
+    (stdout, stderr): (BorrowedFd<'_>, BorrowedFd<'_>),
 ) -> ExecExit {
     let started = Instant::now();
     let pid = match crate::launch::fork_into(0) {

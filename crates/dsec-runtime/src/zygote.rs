@@ -189,8 +189,7 @@ const CLONE_FLAGS: libc::c_int = libc::CLONE_NEWNS
 pub fn serve() -> ! {
     // SAFETY: fd 3 was placed there by `Zygote::spawn` for this process alone.
     let socket = unsafe { OwnedFd::from_raw_fd(ZYGOTE_FD) };
-    // SAFETY: fcntl with integer arguments on our own descriptor.
-    unsafe { libc::fcntl(ZYGOTE_FD, libc::F_SETFD, libc::FD_CLOEXEC) };
+    let _ = rustix::io::fcntl_setfd(&socket, rustix::io::FdFlags::CLOEXEC);
     let seccomp = match SeccompProfile::docker_default() {
         Ok(p) => p,
         Err(e) => {
@@ -203,15 +202,13 @@ pub fn serve() -> ! {
     unsafe { libc::signal(libc::SIGCHLD, libc::SIG_IGN) };
     let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
-        // SAFETY: buf is a writable buffer of buf.len() bytes.
-        let n = unsafe { libc::recv(socket.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if n < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-            continue;
-        }
-        if n <= 0 {
-            std::process::exit(0);
-        }
-        let (reply, sent) = match serde_json::from_slice::<SandboxSpec>(&buf[..n as usize]) {
+        let n = match rustix::net::recv(&socket, &mut buf, rustix::net::RecvFlags::empty()) {
+            Ok((0, _)) => std::process::exit(0),
+            Ok((n, _)) => n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(_) => std::process::exit(0),
+        };
+        let (reply, sent) = match serde_json::from_slice::<SandboxSpec>(&buf[..n]) {
             Ok(spec) => match clone_sandbox(&spec, &socket, &seccomp) {
                 Ok((pid, channel, pidfd)) => (Reply::Created { pid }, vec![channel, pidfd]),
                 Err(e) => (

@@ -9,6 +9,10 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 
 use super::{encode_ready, io_setup_error, setup_error, signal_fd, Confine, Init, Prepared};
+use rustix::io::Errno;
+use rustix::process::DumpableBehavior;
+use rustix::time::{ClockId, Timespec};
+
 use crate::files::SandboxRoot;
 use crate::launch::write_all_blocking;
 use crate::proto::{self, FrameKind, InitError, InitStage};
@@ -32,7 +36,7 @@ impl GuestCgroup {
             return Ok(());
         };
         let text = limit.to_string();
-        write_all_blocking(self.pids_max.as_raw_fd(), text.as_bytes())
+        write_all_blocking(&self.pids_max, text.as_bytes())
     }
 }
 
@@ -61,13 +65,11 @@ pub fn serve_guest(
         .open("/dev/null")
         .map_err(|e| io_setup_error(InitStage::OpenDevNull, e))?;
     // As a container's init: /proc/1/fd (the channel) stays closed to commands.
-    // SAFETY: prctl(PR_SET_DUMPABLE) takes integer arguments only.
-    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    let _ = rustix::process::set_dumpable_behavior(DumpableBehavior::NotDumpable);
     let signals = signal_fd()?;
     let mut out = Vec::new();
     encode_ready(&mut out, None);
-    let fd = control.as_raw_fd();
-    write_all_blocking(fd, &out).map_err(|e| io_setup_error(InitStage::ReportReady, e))?;
+    write_all_blocking(&control, &out).map_err(|e| io_setup_error(InitStage::ReportReady, e))?;
     let mut inbuf = Vec::new();
     let identity = loop {
         match proto::decode(&mut inbuf) {
@@ -80,22 +82,15 @@ pub fn serve_guest(
                     None,
                 );
                 proto::encode_json(&mut answer, FrameKind::Error, frame.exec_id, &err);
-                let _ = write_all_blocking(fd, &answer);
+                let _ = write_all_blocking(&control, &answer);
             }
             Ok(None) => {
                 let mut chunk = [0u8; 4096];
-                // SAFETY: reading into a local buffer of chunk.len() bytes.
-                let n = unsafe { libc::read(fd, chunk.as_mut_ptr().cast(), chunk.len()) };
-                match n {
-                    0 => return Ok(()),
-                    n if n < 0 => {
-                        let err = std::io::Error::last_os_error();
-                        if err.kind() == std::io::ErrorKind::Interrupted {
-                            continue;
-                        }
-                        return Err(io_setup_error(InitStage::ReadChannel, err));
-                    }
-                    n => inbuf.extend_from_slice(&chunk[..n as usize]),
+                match rustix::io::read(&control, &mut chunk) {
+                    Ok(0) => return Ok(()),
+                    Ok(n) => inbuf.extend_from_slice(&chunk[..n]),
+                    Err(Errno::INTR) => continue,
+                    Err(e) => return Err(io_setup_error(InitStage::ReadChannel, e.into())),
                 }
             }
             Err(e) => return Err(setup_error(InitStage::Decode, e, None)),
@@ -115,7 +110,8 @@ pub fn serve_guest(
         Ok(()) => proto::encode(&mut answer, FrameKind::Done, identity.exec_id, &[]),
         Err(err) => proto::encode_json(&mut answer, FrameKind::Error, identity.exec_id, err),
     }
-    write_all_blocking(fd, &answer).map_err(|e| io_setup_error(InitStage::AnswerIdentity, e))?;
+    write_all_blocking(&control, &answer)
+        .map_err(|e| io_setup_error(InitStage::AnswerIdentity, e))?;
     taken?;
     crate::caps::drop_to_default()
         .map_err(|e| setup_error(InitStage::DropCapabilities, e, None))?;
@@ -172,13 +168,9 @@ fn take_identity(identity: &proto::Identity) -> std::io::Result<()> {
             return Err(std::io::Error::last_os_error());
         }
     }
-    let now = libc::timespec {
-        tv_sec: (identity.unix_time_ns / 1_000_000_000) as libc::time_t,
-        tv_nsec: (identity.unix_time_ns % 1_000_000_000) as libc::c_long,
+    let now = Timespec {
+        tv_sec: (identity.unix_time_ns / 1_000_000_000) as i64,
+        tv_nsec: (identity.unix_time_ns % 1_000_000_000) as i64,
     };
-    // SAFETY: clock_settime with a valid timespec.
-    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &now) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    Ok(rustix::time::clock_settime(ClockId::Realtime, now)?)
 }

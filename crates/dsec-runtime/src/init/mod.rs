@@ -34,8 +34,9 @@
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
-use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signal::SigSet;
 use nix::sys::signalfd::{SfdFlags, SignalFd};
+use rustix::process::{DumpableBehavior, Signal};
 
 use crate::files::SandboxRoot;
 use crate::launch::{write_all_blocking, CallSetup};
@@ -62,12 +63,12 @@ pub fn run(spec: &SandboxSpec, control: OwnedFd, seccomp: &SeccompProfile) -> ! 
         }
         Err(err) => {
             proto::encode_json(&mut out, FrameKind::Error, 0, &err);
-            let _ = write_all_blocking(control.as_raw_fd(), &out);
+            let _ = write_all_blocking(&control, &out);
             1
         }
     };
-    // SAFETY: _exit(2) ends the process without running destructors of a forked image.
-    unsafe { libc::_exit(code) }
+    // Ends the process without running destructors of a forked image.
+    crate::launch::exit_now(code)
 }
 
 fn encode_ready(out: &mut Vec<u8>, upper_fd: Option<RawFd>) {
@@ -118,7 +119,7 @@ impl Confine {
 
 fn signal_fd() -> Result<SignalFd, InitError> {
     let mut mask = SigSet::empty();
-    mask.add(Signal::SIGCHLD);
+    mask.add(nix::sys::signal::Signal::SIGCHLD);
     mask.thread_block()
         .map_err(|e| setup_error(InitStage::BlockSigchld, e, Some(e as i32)))?;
     SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
@@ -141,8 +142,7 @@ fn io_setup_error(stage: InitStage, err: std::io::Error) -> InitError {
 
 fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, InitError> {
     let io = io_setup_error;
-    // SAFETY: prctl(PR_SET_PDEATHSIG) takes integer arguments only.
-    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+    let _ = rustix::process::set_parent_process_death_signal(Some(Signal::KILL));
     // The zygote ignores SIGCHLD to auto-reap; init must see its children's status.
     // SAFETY: restoring default dispositions; no handler code is involved.
     unsafe {
@@ -193,12 +193,10 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
     };
     crate::rootfs::set_hostname(&spec.id).map_err(|e| io(InitStage::Sethostname, e))?;
     crate::rootfs::loopback_up().map_err(|e| io(InitStage::Loopback, e))?;
-    for fd in 0..3 {
-        // SAFETY: dup2 onto the standard descriptors, which init owns.
-        unsafe { libc::dup2(devnull.as_raw_fd(), fd) };
-    }
-    // SAFETY: prctl(PR_SET_DUMPABLE) takes integer arguments only.
-    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    let _ = rustix::stdio::dup2_stdin(&devnull);
+    let _ = rustix::stdio::dup2_stdout(&devnull);
+    let _ = rustix::stdio::dup2_stderr(&devnull);
+    let _ = rustix::process::set_dumpable_behavior(DumpableBehavior::NotDumpable);
     let signals = signal_fd()?;
     let confine = if spec.worker {
         Confine::Call(CallSetup {

@@ -9,11 +9,15 @@
 //! and the exit marked truncated).
 
 use std::collections::{HashMap, VecDeque};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
+use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::fs::OFlags;
+use rustix::io::Errno;
+use rustix::pipe::PipeFlags;
 
 use super::{agent, setup_error, Confine, Prepared};
 use crate::files::service::FileService;
@@ -42,34 +46,38 @@ enum Read {
     Eof,
 }
 
-fn read_nonblocking(fd: RawFd, buf: &mut [u8]) -> Read {
+fn read_nonblocking(fd: BorrowedFd<'_>, buf: &mut [u8]) -> Read {
     loop {
-        // SAFETY: buf is a valid, writable buffer of buf.len() bytes.
-        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
-        if n > 0 {
-            return Read::Data(n as usize);
-        }
-        if n == 0 {
-            return Read::Eof;
-        }
-        match std::io::Error::last_os_error().raw_os_error() {
-            Some(libc::EINTR) => continue,
-            Some(libc::EAGAIN) => return Read::WouldBlock,
-            _ => return Read::Eof,
-        }
+        return match rustix::io::read(fd, &mut *buf) {
+            Ok(0) => Read::Eof,
+            Ok(n) => Read::Data(n),
+            Err(Errno::INTR) => continue,
+            Err(Errno::AGAIN) => Read::WouldBlock,
+            Err(_) => Read::Eof,
+        };
     }
 }
 
-fn set_nonblocking(fd: RawFd) {
-    // SAFETY: fcntl on a descriptor this process owns, integer arguments only.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+fn set_nonblocking(fd: impl AsFd) {
+    if let Ok(flags) = rustix::fs::fcntl_getfl(&fd) {
+        let _ = rustix::fs::fcntl_setfl(&fd, flags | OFlags::NONBLOCK);
     }
 }
 
 fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
-    Ok(nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?)
+    Ok(rustix::pipe::pipe_with(PipeFlags::CLOEXEC)?)
+}
+
+/// `poll`'s timeout until `deadline`, in whole milliseconds plus one: woken just before
+/// its deadline, init would only poll again.
+fn poll_timeout(deadline: Instant) -> Timespec {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let wait = Duration::from_millis(u64::try_from(left.as_millis()).unwrap_or(u64::MAX))
+        .saturating_add(Duration::from_millis(1));
+    Timespec {
+        tv_sec: i64::try_from(wait.as_secs()).unwrap_or(i64::MAX),
+        tv_nsec: i64::from(wait.subsec_nanos()),
+    }
 }
 
 /// One running command.
@@ -138,7 +146,7 @@ impl Init {
         outbuf: Vec<u8>,
         inbuf: Vec<u8>,
     ) -> Self {
-        set_nonblocking(control.as_raw_fd());
+        set_nonblocking(&control);
         let oom_seen = if prepared.guest {
             agent::oom_kills()
         } else {
@@ -160,71 +168,61 @@ impl Init {
     }
 
     pub(super) fn serve(&mut self) {
-        let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut slots: Vec<Slot> = Vec::new();
+        let mut ready: Vec<(Slot, PollFlags)> = Vec::new();
         loop {
-            fds.clear();
             slots.clear();
-            let mut add = |fd: RawFd, events: libc::c_short, slot: Slot| {
-                fds.push(libc::pollfd {
-                    fd,
-                    events,
-                    revents: 0,
-                });
+            let mut fds: Vec<PollFd<'_>> = Vec::new();
+            let mut add = |fd, events, slot| {
+                fds.push(PollFd::from_borrowed_fd(fd, events));
                 slots.push(slot);
             };
             let control_events = if self.outbuf.is_empty() {
-                libc::POLLIN
+                PollFlags::IN
             } else {
-                libc::POLLIN | libc::POLLOUT
+                PollFlags::IN | PollFlags::OUT
             };
-            add(self.control.as_raw_fd(), control_events, Slot::Control);
-            add(
-                self.prepared.signals.as_raw_fd(),
-                libc::POLLIN,
-                Slot::Signals,
-            );
+            add(self.control.as_fd(), control_events, Slot::Control);
+            add(self.prepared.signals.as_fd(), PollFlags::IN, Slot::Signals);
             let reading = self.outbuf.len() < MAX_QUEUED;
             for (id, ex) in &self.execs {
                 if reading {
                     if let Some(fd) = &ex.stdout {
-                        add(fd.as_raw_fd(), libc::POLLIN, Slot::Stdout(*id));
+                        add(fd.as_fd(), PollFlags::IN, Slot::Stdout(*id));
                     }
                     if let Some(fd) = &ex.stderr {
-                        add(fd.as_raw_fd(), libc::POLLIN, Slot::Stderr(*id));
+                        add(fd.as_fd(), PollFlags::IN, Slot::Stderr(*id));
                     }
                 }
                 if let Some(fd) = &ex.stdin {
-                    add(fd.as_raw_fd(), libc::POLLOUT, Slot::Stdin(*id));
+                    add(fd.as_fd(), PollFlags::OUT, Slot::Stdin(*id));
                 }
                 if let Some(fd) = ex.relay.as_ref().and_then(|r| r.reports.as_ref()) {
                     if reading {
-                        add(fd.as_raw_fd(), libc::POLLIN, Slot::Reports(*id));
+                        add(fd.as_fd(), PollFlags::IN, Slot::Reports(*id));
                     }
                 }
             }
-            let timeout = self.next_deadline().map_or(-1, |d| {
-                d.saturating_duration_since(Instant::now())
-                    .as_millis()
-                    .min(i32::MAX as u128) as i32
-                    + 1
-            });
-            // SAFETY: fds is a valid array of fds.len() pollfd structs.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
-            if n < 0 {
+            let timeout = self.next_deadline().map(poll_timeout);
+            if rustix::event::poll(&mut fds, timeout.as_ref()).is_err() {
                 continue;
             }
-            for i in 0..fds.len() {
-                let revents = fds[i].revents;
-                if revents == 0 {
-                    continue;
-                }
-                match slots[i] {
+            ready.clear();
+            ready.extend(
+                slots
+                    .iter()
+                    .zip(&fds)
+                    .filter(|(_, fd)| !fd.revents().is_empty())
+                    .map(|(slot, fd)| (*slot, fd.revents())),
+            );
+            drop(fds);
+            for &(slot, revents) in &ready {
+                match slot {
                     Slot::Control => {
-                        if revents & libc::POLLOUT != 0 {
+                        if revents.contains(PollFlags::OUT) {
                             self.flush();
                         }
-                        if revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+                        if revents.intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR)
                             && !self.read_control()
                         {
                             return;
@@ -249,7 +247,7 @@ impl Init {
     /// Reads and handles requests; false when the edge has gone.
     fn read_control(&mut self) -> bool {
         loop {
-            match read_nonblocking(self.control.as_raw_fd(), &mut self.scratch) {
+            match read_nonblocking(self.control.as_fd(), &mut self.scratch) {
                 Read::Data(n) => self.inbuf.extend_from_slice(&self.scratch[..n]),
                 Read::WouldBlock => break,
                 Read::Eof => return false,
@@ -395,25 +393,21 @@ impl Init {
         };
         let stdin_child = stdin_pipe
             .as_ref()
-            .map_or(self.prepared.devnull.as_raw_fd(), |(r, _)| r.as_raw_fd());
+            .map_or(self.prepared.devnull.as_fd(), |(r, _)| r.as_fd());
         let started = Instant::now();
         let fds = ChildFds {
             stdin: stdin_child,
-            stdout: outputs[0].0 .1.as_raw_fd(),
-            stderr: outputs[0].1 .1.as_raw_fd(),
-            report: report_w.as_raw_fd(),
-            join_cgroup: self
-                .prepared
-                .commands_cgroup
-                .as_ref()
-                .map(AsRawFd::as_raw_fd),
+            stdout: outputs[0].0 .1.as_fd(),
+            stderr: outputs[0].1 .1.as_fd(),
+            report: report_w.as_fd(),
+            join_cgroup: self.prepared.commands_cgroup.as_ref().map(AsFd::as_fd),
             steps: reports.as_ref().map(|(_, w)| StepFds {
                 outputs: outputs
                     .iter()
-                    .map(|((_, out), (_, err))| (out.as_raw_fd(), err.as_raw_fd()))
+                    .map(|((_, out), (_, err))| (out.as_fd(), err.as_fd()))
                     .collect(),
-                reports: w.as_raw_fd(),
-                devnull: self.prepared.devnull.as_raw_fd(),
+                reports: w.as_fd(),
+                devnull: self.prepared.devnull.as_fd(),
             }),
         };
         let pid = match self.prepared.confine {
@@ -442,7 +436,7 @@ impl Init {
             .map(|((out_r, _), (err_r, _))| (out_r, err_r));
         let (out_r, err_r) = outputs.next().expect("one step at least");
         let relay = reports.map(|(r, _)| {
-            set_nonblocking(r.as_raw_fd());
+            set_nonblocking(&r);
             StepRelay {
                 later: outputs.collect(),
                 reports: Some(r),
@@ -451,7 +445,7 @@ impl Init {
         });
         let stdin_w = stdin_pipe.map(|(r, w)| {
             drop(r);
-            set_nonblocking(w.as_raw_fd());
+            set_nonblocking(&w);
             w
         });
         // The report pipe closes on a successful execve (close-on-exec); otherwise the
@@ -459,19 +453,11 @@ impl Init {
         let mut report = vec![0u8; REPORT_MAX];
         let mut got = 0;
         while got < report.len() {
-            // SAFETY: reading into the remaining part of a local buffer.
-            let n = unsafe {
-                libc::read(
-                    report_r.as_raw_fd(),
-                    report[got..].as_mut_ptr().cast(),
-                    report.len() - got,
-                )
-            };
-            if n > 0 {
-                got += n as usize;
-            } else if n == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR)
-            {
-                break;
+            match rustix::io::read(&report_r, &mut report[got..]) {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(Errno::INTR) => {}
+                Err(_) => break,
             }
         }
         if got >= 8 {
@@ -497,8 +483,8 @@ impl Init {
                 ),
             });
         }
-        set_nonblocking(out_r.as_raw_fd());
-        set_nonblocking(err_r.as_raw_fd());
+        set_nonblocking(&out_r);
+        set_nonblocking(&err_r);
         self.by_pid.insert(pid, id);
         self.execs.insert(
             id,
@@ -531,7 +517,7 @@ impl Init {
         } else {
             &mut ex.stderr
         };
-        let Some(fd) = pipe.as_ref().map(AsRawFd::as_raw_fd) else {
+        let Some(fd) = pipe.as_ref().map(AsFd::as_fd) else {
             return;
         };
         match read_nonblocking(fd, &mut self.scratch) {
@@ -549,7 +535,7 @@ impl Init {
         let Some(relay) = self.execs.get_mut(&id).and_then(|ex| ex.relay.as_mut()) else {
             return;
         };
-        let Some(fd) = relay.reports.as_ref().map(AsRawFd::as_raw_fd) else {
+        let Some(fd) = relay.reports.as_ref().map(AsFd::as_fd) else {
             return;
         };
         match read_nonblocking(fd, &mut self.scratch) {
@@ -592,8 +578,8 @@ impl Init {
                     ex.truncated = false;
                     ex.sent = [0, 0];
                     if let Some((out, err)) = relay.later.pop_front() {
-                        set_nonblocking(out.as_raw_fd());
-                        set_nonblocking(err.as_raw_fd());
+                        set_nonblocking(&out);
+                        set_nonblocking(&err);
                         (ex.stdout, ex.stderr) = (Some(out), Some(err));
                     }
                 }
@@ -618,16 +604,16 @@ impl Init {
         let Some(ex) = self.execs.get_mut(&id) else {
             return;
         };
-        let Some(fd) = ex.stdin.as_ref().map(AsRawFd::as_raw_fd) else {
+        let Some(fd) = ex.stdin.as_ref() else {
             return;
         };
-        let rest = &ex.stdin_data[ex.stdin_sent..];
-        // SAFETY: rest points to rest.len() initialised bytes.
-        let n = unsafe { libc::write(fd, rest.as_ptr().cast(), rest.len()) };
-        if n > 0 {
-            ex.stdin_sent += n as usize;
-        }
-        let failed = n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EAGAIN);
+        let failed = match rustix::io::write(fd, &ex.stdin_data[ex.stdin_sent..]) {
+            Ok(n) => {
+                ex.stdin_sent += n;
+                false
+            }
+            Err(e) => e != Errno::AGAIN,
+        };
         if failed || ex.stdin_sent == ex.stdin_data.len() {
             ex.stdin = None;
             ex.stdin_data = Vec::new();
@@ -667,7 +653,7 @@ impl Init {
         for stream in 0..2 {
             for _ in 0..DRAIN_READS {
                 let pipe = if stream == 0 { &ex.stdout } else { &ex.stderr };
-                let Some(fd) = pipe.as_ref().map(AsRawFd::as_raw_fd) else {
+                let Some(fd) = pipe.as_ref().map(AsFd::as_fd) else {
                     break;
                 };
                 match read_nonblocking(fd, &mut self.scratch) {
@@ -719,20 +705,14 @@ impl Init {
 
     fn flush(&mut self) {
         while !self.outbuf.is_empty() {
-            // SAFETY: outbuf holds outbuf.len() initialised bytes. The channel is
-            // non-blocking and SIGPIPE ignored; write(2), not send(2): a guest's channel
-            // may be a character device.
-            let n = unsafe {
-                libc::write(
-                    self.control.as_raw_fd(),
-                    self.outbuf.as_ptr().cast(),
-                    self.outbuf.len(),
-                )
-            };
-            if n <= 0 {
-                return;
+            // The channel is non-blocking and SIGPIPE ignored; write(2), not send(2): a
+            // guest's channel may be a character device.
+            match rustix::io::write(&self.control, &self.outbuf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    self.outbuf.drain(..n);
+                }
             }
-            self.outbuf.drain(..n as usize);
         }
     }
 }
