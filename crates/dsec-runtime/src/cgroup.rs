@@ -415,6 +415,8 @@ impl SandboxCgroup {
         for dir in &self.dirs {
             fs::create_dir(dir).map_err(io_err("create", dir))?;
         }
+        // A float-to-integer `as` saturates (NaN and negatives to 0), and 1000 is the floor.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let quota = ((limits.cpus * CFS_PERIOD_US as f64).round() as u64).max(1000);
         match self.version {
             CgroupVersion::V2 => {

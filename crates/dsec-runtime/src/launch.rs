@@ -115,7 +115,7 @@ fn raw_clone(flags: libc::c_int, parent_tid: *mut libc::c_int) -> std::io::Resul
     let pid = unsafe {
         libc::syscall(
             libc::SYS_clone,
-            (flags | libc::SIGCHLD) as libc::c_ulong,
+            clone_flags(flags | libc::SIGCHLD),
             std::ptr::null_mut::<libc::c_void>(),
             parent_tid,
             std::ptr::null_mut::<libc::c_int>(),
@@ -125,7 +125,16 @@ fn raw_clone(flags: libc::c_int, parent_tid: *mut libc::c_int) -> std::io::Resul
     if pid < 0 {
         return Err(std::io::Error::last_os_error());
     }
+    // The kernel returns a pid_t in the system call's long.
+    #[allow(clippy::cast_possible_truncation)]
     Ok(pid as i32)
+}
+
+/// clone(2)'s flags argument: the bits of `flags`, zero-extended (a flag in bit 31 must
+/// not sign-extend into the upper bits, which clone3 gives other meanings).
+#[allow(clippy::cast_sign_loss)]
+fn clone_flags(flags: libc::c_int) -> libc::c_ulong {
+    libc::c_ulong::from(flags as u32)
 }
 
 /// The step of the child's preparation that failed, as written to the report pipe.

@@ -477,10 +477,15 @@ pub fn loopback_up() -> std::io::Result<()> {
     )?;
     // SAFETY: ifreq is plain old data; all-zeroes is a valid value.
     let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, src) in ifr.ifr_name.iter_mut().zip(c"lo".to_bytes_with_nul()) {
-        *dst = *src as libc::c_char;
+    // An ASCII name, byte for byte (c_char is i8 or u8 by architecture); the flags are
+    // 0x41.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_possible_wrap)]
+    {
+        for (dst, src) in ifr.ifr_name.iter_mut().zip(c"lo".to_bytes_with_nul()) {
+            *dst = *src as libc::c_char;
+        }
+        ifr.ifr_ifru.ifru_flags = (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
     }
-    ifr.ifr_ifru.ifru_flags = (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
     // SAFETY: SIOCSIFFLAGS reads a valid, initialised ifreq that outlives the call.
     let rc = unsafe {
         libc::ioctl(

@@ -193,7 +193,7 @@ fn run_step(
         }
         wait_signal(&chld, remaining);
     }
-    let duration_us = started.elapsed().as_micros() as u64;
+    let duration_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
     // SAFETY: kill(2) with integer arguments: from PID 1 of the call's namespace, -1 is
     // every other process in it.
     unsafe { libc::kill(-1, libc::SIGKILL) };
@@ -216,8 +216,8 @@ fn run_step(
 /// Waits for a signal of `set` (blocked) for at most `timeout` (forever for `None`).
 fn wait_signal(set: &SigSet, timeout: Option<Duration>) {
     let ts = timeout.map(|t| libc::timespec {
-        tv_sec: t.as_secs() as libc::time_t,
-        tv_nsec: t.subsec_nanos() as libc::c_long,
+        tv_sec: libc::time_t::try_from(t.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: libc::c_long::from(t.subsec_nanos()),
     });
     // SAFETY: the set and the optional timespec are valid for the call; the siginfo
     // pointer may be null.
@@ -252,8 +252,12 @@ fn read_own_file(path: &str, max: u64) -> Option<(Vec<u8>, bool)> {
     }
     let mut data = Vec::new();
     let file = std::fs::File::from(fd);
-    std::io::Read::read_to_end(&mut std::io::Read::take(&file, max + 1), &mut data).ok()?;
+    std::io::Read::read_to_end(
+        &mut std::io::Read::take(&file, max.saturating_add(1)),
+        &mut data,
+    )
+    .ok()?;
     let truncated = data.len() as u64 > max;
-    data.truncate(max as usize);
+    data.truncate(usize::try_from(max).unwrap_or(usize::MAX));
     Some((data, truncated))
 }

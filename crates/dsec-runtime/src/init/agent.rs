@@ -152,10 +152,16 @@ fn take_identity(identity: &proto::Identity) -> std::io::Result<()> {
     let urandom = std::fs::OpenOptions::new()
         .write(true)
         .open("/dev/urandom")?;
+    let invalid = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, what);
     // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let buf_size =
+        i32::try_from(identity.entropy.len()).map_err(|_| invalid("too much entropy"))?;
+    let entropy_bits = buf_size
+        .checked_mul(8)
+        .ok_or_else(|| invalid("too much entropy"))?;
     let mut info = Vec::with_capacity(8 + identity.entropy.len());
-    info.extend_from_slice(&((identity.entropy.len() * 8) as i32).to_ne_bytes());
-    info.extend_from_slice(&(identity.entropy.len() as i32).to_ne_bytes());
+    info.extend_from_slice(&entropy_bits.to_ne_bytes());
+    info.extend_from_slice(&buf_size.to_ne_bytes());
     info.extend_from_slice(&identity.entropy);
     const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
     const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
@@ -169,7 +175,8 @@ fn take_identity(identity: &proto::Identity) -> std::io::Result<()> {
         }
     }
     let now = Timespec {
-        tv_sec: (identity.unix_time_ns / 1_000_000_000) as i64,
+        tv_sec: i64::try_from(identity.unix_time_ns / 1_000_000_000)
+            .map_err(|_| invalid("time out of range"))?,
         tv_nsec: (identity.unix_time_ns % 1_000_000_000) as i64,
     };
     Ok(rustix::time::clock_settime(ClockId::Realtime, now)?)

@@ -2,10 +2,10 @@
 //!
 //! init is a fork of the zygote, so it starts without `execve` and without a Rust
 //! runtime to initialise; it stays single-threaded, which is what makes `fork` for each
-//! command safe. One `poll(2)` loop ([`serve`]) serves the control channel, the output
+//! command safe. One `poll(2)` loop (`serve`) serves the control channel, the output
 //! pipes of every running command, `SIGCHLD` (through a signalfd) and the commands'
 //! deadlines; what a command's first process does before its `execve` is
-//! [`crate::launch`]'s.
+//! `crate::launch`'s.
 //!
 //! Invariants:
 //! - init never blocks on a pipe or on the channel: everything is non-blocking, and output
@@ -28,7 +28,7 @@
 //!   it.
 //!
 //! A VM guest's agent (`dsec-agent`) is this same loop, entered through [`serve_guest`]
-//! ([`agent`]) once the agent has built the guest's root: there the channel is a
+//! (`agent`) once the agent has built the guest's root: there the channel is a
 //! virtio-serial port or a vsock connection. The agent first takes the guest's identity
 //! with full privileges, then confines itself as init does.
 

@@ -674,7 +674,7 @@ impl Init {
             signal,
             timed_out: ex.timed_out,
             truncated: ex.truncated,
-            duration_us: ex.started.elapsed().as_micros() as u64,
+            duration_us: u64::try_from(ex.started.elapsed().as_micros()).unwrap_or(u64::MAX),
             oom_killed: exit_code == Some(128 + libc::SIGKILL) && self.oom_kill_since_last(),
         };
         proto::encode_json(&mut self.outbuf, FrameKind::Exit, id, &exit);
@@ -719,7 +719,7 @@ impl Init {
 
 /// Queues output for the edge, up to the command's bound; the rest is dropped.
 fn forward(outbuf: &mut Vec<u8>, id: u32, ex: &mut Exec, stream: usize, data: &[u8]) {
-    let room = ex.max_output.saturating_sub(ex.sent[stream]) as usize;
+    let room = usize::try_from(ex.max_output.saturating_sub(ex.sent[stream])).unwrap_or(usize::MAX);
     let n = room.min(data.len());
     if n < data.len() {
         ex.truncated = true;
