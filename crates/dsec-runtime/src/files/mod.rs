@@ -823,7 +823,8 @@ mod tests {
     fn fifos_are_refused_without_blocking() {
         let tmp = tempfile::tempdir().unwrap();
         let fifo = tmp.path().join("fifo");
-        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
+        let mode = rustix::fs::Mode::from_bits_truncate(0o644);
+        rustix::fs::mknodat(rustix::fs::CWD, &fifo, rustix::fs::FileType::Fifo, mode, 0).unwrap();
         std::os::unix::fs::symlink("fifo", tmp.path().join("result.txt")).unwrap();
         let sb = SandboxRoot::open(tmp.path()).unwrap();
         // An open of the FIFO would block these calls forever: they return at once.
