@@ -415,6 +415,8 @@ impl SandboxCgroup {
         for dir in &self.dirs {
             fs::create_dir(dir).map_err(io_err("create", dir))?;
         }
+        // A float-to-integer `as` saturates (NaN and negatives to 0), and 1000 is the floor.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let quota = ((limits.cpus * CFS_PERIOD_US as f64).round() as u64).max(1000);
         match self.version {
             CgroupVersion::V2 => {
@@ -761,12 +763,14 @@ fn kill_all(dir: &Path) {
     let Ok(procs) = fs::read_to_string(dir.join("cgroup.procs")) else {
         return;
     };
-    for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+    // A process outside this pid namespace reads as 0, which `Pid` leaves out: kill(0)
+    // would be our own process group.
+    let pids = procs
+        .lines()
+        .filter_map(|l| rustix::process::Pid::from_raw(l.trim().parse().ok()?));
+    for pid in pids {
         // Processes of a sandbox's own cgroup: found by dsec's path, not by name.
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid),
-            nix::sys::signal::Signal::SIGKILL,
-        );
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
     }
 }
 

@@ -138,11 +138,17 @@ impl Channel {
         if !self.is_alive() {
             return Err(RuntimeError::Gone);
         }
+        // init would refuse the frame and end the sandbox: refused here, it ends the request.
+        let len = parts.iter().map(|p| p.len()).sum();
+        if len > proto::MAX_PAYLOAD {
+            return Err(RuntimeError::Channel(
+                proto::ProtoError::TooLarge(len).to_string(),
+            ));
+        }
         let shared = &self.shared;
         let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
         shared.routes.lock().expect("routes lock").insert(id, tx);
-        let len = parts.iter().map(|p| p.len()).sum();
         let header = proto::header(kind, id, len);
         let written = async {
             let mut writer = shared.writer.lock().await;

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use rustix::event::{PollFd, PollFlags, Timespec};
 use serde::{Deserialize, Serialize};
 
 use crate::cgroup::{CgroupError, CgroupLayout, CgroupLimits, CgroupVersion, SandboxCgroup};
@@ -21,6 +22,11 @@ use crate::proto::{ExecSpec, InitError};
 use crate::spec::SandboxSpec;
 use crate::zygote::{Zygote, ZygoteError};
 
+/// How long [`Container::exit_status`] waits between looks at init's exit.
+const POLL_INTERVAL: Timespec = Timespec {
+    tv_sec: 0,
+    tv_nsec: 10_000_000,
+};
 /// How long a sandbox may take to report ready before create gives up.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -360,11 +366,6 @@ impl Container {
 
     /// How init ended as the kernel reports it (`PIDFD_INFO_EXIT`).
     fn exit_status(&self) -> InitExit {
-        let mut poll = [libc::pollfd {
-            fd: self.pidfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        }];
         for _ in 0..10 {
             // SAFETY: pidfd_info is plain old data; all-zeroes is a valid value.
             let mut info: libc::pidfd_info = unsafe { std::mem::zeroed() };
@@ -385,8 +386,8 @@ impl Container {
                 };
             }
             // Readable once the process has exited; the exit code follows at its reaping.
-            // SAFETY: poll(2) on one valid pollfd.
-            unsafe { libc::poll(poll.as_mut_ptr(), 1, 10) };
+            let mut poll = [PollFd::new(&self.pidfd, PollFlags::IN)];
+            let _ = rustix::event::poll(&mut poll, Some(&POLL_INTERVAL));
         }
         InitExit::Unknown
     }

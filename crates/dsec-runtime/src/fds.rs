@@ -28,16 +28,13 @@ pub fn close_on_exec_above_stdio() -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use std::os::fd::AsRawFd;
+    use rustix::io::{fcntl_getfd, fcntl_setfd, FdFlags};
 
     #[test]
     fn inherited_descriptors_become_close_on_exec() {
         let dir = std::fs::File::open("/").unwrap();
-        // SAFETY: fcntl on a descriptor this test owns, integer arguments only.
-        unsafe { libc::fcntl(dir.as_raw_fd(), libc::F_SETFD, 0) };
+        fcntl_setfd(&dir, FdFlags::empty()).unwrap();
         super::close_on_exec_above_stdio().unwrap();
-        // SAFETY: as above.
-        let flags = unsafe { libc::fcntl(dir.as_raw_fd(), libc::F_GETFD) };
-        assert_eq!(flags & libc::FD_CLOEXEC, libc::FD_CLOEXEC);
+        assert!(fcntl_getfd(&dir).unwrap().contains(FdFlags::CLOEXEC));
     }
 }

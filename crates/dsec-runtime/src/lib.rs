@@ -6,6 +6,8 @@
 //! - [`init`]: the sandbox's PID 1 (a fork of the zygote): joins its [`cgroup`]s, builds
 //!   the [`rootfs`], drops [`caps`] and installs the [`seccomp`] filter on itself, then
 //!   runs commands (which inherit both) for the edge over the [`proto`] channel;
+//! - `launch`: what runs between a `clone` and an `execve` — the zygote's start, each
+//!   command's first process, a stepped call's steps (`steps`) — in one file to audit;
 //! - [`container`]: the edge's async handle on a sandbox, talking to init through a
 //!   [`channel`]; [`files`]: the sandbox's files, served by init over that channel;
 //! - [`fds`]: what every process dsec starts may inherit (its standard descriptors only);
@@ -24,6 +26,7 @@ pub mod fds;
 pub mod files;
 pub mod guest;
 pub mod init;
+mod launch;
 pub mod pidfd;
 pub mod procfs;
 pub mod proto;

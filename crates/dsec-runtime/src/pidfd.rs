@@ -38,7 +38,7 @@ mod tests {
             .arg("30")
             .spawn()
             .unwrap();
-        let pid = child.id() as i32;
+        let pid = i32::try_from(child.id()).unwrap();
         assert!(super::open_if(pid, |_| false).is_none());
         let fd = super::open_if(pid, |p| p == pid).unwrap();
         assert!(super::alive(&fd));

@@ -106,7 +106,7 @@ mod tests {
 
     #[test]
     fn this_process_reads_as_itself() {
-        let me = std::process::id() as i32;
+        let me = i32::try_from(std::process::id()).unwrap();
         let stat = Stat::read(me).unwrap();
         assert_eq!(
             stat.ppid,

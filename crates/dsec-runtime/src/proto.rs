@@ -171,7 +171,9 @@ pub fn decode_header(buf: &[u8]) -> Result<Option<(FrameKind, u32, usize)>, Prot
 /// The 9 header bytes of a frame whose payload is `len` bytes.
 pub fn header(kind: FrameKind, exec_id: u32, len: usize) -> [u8; HEADER_LEN] {
     let mut h = [0; HEADER_LEN];
-    h[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    // Saturated, a length over the limit still reads as one: never as a shorter frame.
+    let len = u32::try_from(len).unwrap_or(u32::MAX);
+    h[..4].copy_from_slice(&len.to_le_bytes());
     h[4] = kind as u8;
     h[5..].copy_from_slice(&exec_id.to_le_bytes());
     h
@@ -497,7 +499,9 @@ pub fn encode_with_header<T: Serialize>(header: &T, data: &[u8]) -> Vec<u8> {
 pub fn json_header<T: Serialize>(header: &T) -> Vec<u8> {
     let json = serde_json::to_vec(header).expect("protocol types serialize");
     let mut out = Vec::with_capacity(4 + json.len());
-    out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    // Saturated, an impossible length reads as past the end, never as a shorter header.
+    let len = u32::try_from(json.len()).unwrap_or(u32::MAX);
+    out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(&json);
     out
 }
@@ -540,14 +544,21 @@ pub fn decode_exec(frame: &Frame) -> Result<ExecPayload<'_>, ProtoError> {
         reason: reason.to_owned(),
     };
     let (spec, rest): (ExecSpec, _) = decode_with_header(frame)?;
-    let data: u64 = spec.files.iter().map(|f| f.len).sum();
-    let stdin_len = (rest.len() as u64)
-        .checked_sub(data)
-        .ok_or_else(|| bad("file contents past the end"))? as usize;
+    let past_the_end = || bad("file contents past the end");
+    let lens = spec
+        .files
+        .iter()
+        .map(|f| usize::try_from(f.len).map_err(|_| past_the_end()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let data = lens
+        .iter()
+        .try_fold(0usize, |sum, len| sum.checked_add(*len))
+        .ok_or_else(past_the_end)?;
+    let stdin_len = rest.len().checked_sub(data).ok_or_else(past_the_end)?;
     let (stdin, mut tail) = rest.split_at(stdin_len);
-    let mut files = Vec::with_capacity(spec.files.len());
-    for f in &spec.files {
-        let (head, rest) = tail.split_at(f.len as usize);
+    let mut files = Vec::with_capacity(lens.len());
+    for len in lens {
+        let (head, rest) = tail.split_at(len);
         files.push(head);
         tail = rest;
     }
@@ -639,6 +650,26 @@ mod tests {
         let got = decode_exec(&frame).unwrap();
         assert_eq!(got.stdin, b"in");
         assert_eq!(got.files, vec![&b"aa"[..], &b"bbb"[..]]);
+    }
+
+    #[test]
+    fn file_lengths_that_overflow_are_refused() {
+        let file = |len| ExecFile {
+            path: "/f".into(),
+            mode: 0o644,
+            len,
+        };
+        let spec = ExecSpec {
+            files: vec![file(u64::MAX), file(2)],
+            ..Default::default()
+        };
+        let mut buf = Vec::new();
+        encode_exec(&mut buf, 1, &spec, b"", &[b"a"]);
+        let frame = decode(&mut buf).unwrap().unwrap();
+        assert!(matches!(
+            decode_exec(&frame),
+            Err(ProtoError::Payload { .. })
+        ));
     }
 
     #[test]

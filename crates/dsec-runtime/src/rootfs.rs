@@ -9,13 +9,17 @@
 //! image's read-only layers, then `/proc`, a minimal `/dev` and a read-only `/sys` go on
 //! top, with runc's masked and read-only paths, and `pivot_root` makes it `/`.
 
+use std::ffi::CString;
 use std::fs;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 
-use nix::mount::{mount, umount2, MntFlags, MsFlags};
-use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+use rustix::fs::{FileType, Mode};
+use rustix::mount::{
+    mount, mount_bind, mount_bind_recursive, mount_change, mount_move, mount_remount, MountFlags,
+    MountPropagationFlags, UnmountFlags,
+};
 
 use crate::spec::SandboxSpec;
 
@@ -87,7 +91,7 @@ const PID1_READONLY: &[&str] = &["/proc/1/oom_score_adj", "/proc/1/oom_adj"];
 const PID1_MASKED: &str = "/proc/1/task";
 
 /// Device nodes of the minimal `/dev`: name, major, minor.
-const DEVICES: &[(&str, u64, u64)] = &[
+const DEVICES: &[(&str, u32, u32)] = &[
     ("null", 1, 3),
     ("zero", 1, 5),
     ("full", 1, 7),
@@ -96,9 +100,9 @@ const DEVICES: &[(&str, u64, u64)] = &[
     ("tty", 5, 0),
 ];
 
-const NOSUID_NODEV_NOEXEC: MsFlags = MsFlags::MS_NOSUID
-    .union(MsFlags::MS_NODEV)
-    .union(MsFlags::MS_NOEXEC);
+const NOSUID_NODEV_NOEXEC: MountFlags = MountFlags::NOSUID
+    .union(MountFlags::NODEV)
+    .union(MountFlags::NOEXEC);
 
 /// Where a fncall worker keeps what its calls build their roots from.
 pub const WORKER_DIR: &str = "/.dsec";
@@ -153,21 +157,17 @@ pub fn setup_guest(lower: &Path, scratch: &Path, rootfs: &Path) -> Result<(), Ro
     }
     mount_overlay(&lower.to_string_lossy(), &upper, &work, rootfs)?;
     build_view(rootfs, Pid1::Protected)?;
-    nix::unistd::chdir(rootfs).step("chdir", rootfs)?;
-    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
-        .step("move the new root over", Path::new("/"))?;
-    nix::unistd::chroot(".").step("chroot", rootfs)?;
-    nix::unistd::chdir("/").step("chdir", Path::new("/"))
+    rustix::process::chdir(rootfs).step("chdir", rootfs)?;
+    mount_move(".", "/").step("move the new root over", Path::new("/"))?;
+    rustix::process::chroot(".").step("chroot", rootfs)?;
+    rustix::process::chdir("/").step("chdir", Path::new("/"))
 }
 
 fn make_private() -> Result<(), RootfsError> {
     let root = Path::new("/");
-    mount(
-        None::<&str>,
+    mount_change(
         root,
-        None::<&str>,
-        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
-        None::<&str>,
+        MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
     )
     .step("make private", root)
 }
@@ -180,13 +180,13 @@ fn build_overlay(
     layers: &[PathBuf],
     disk_bytes: u64,
 ) -> Result<OwnedFd, RootfsError> {
-    let size = format!("size={disk_bytes},mode=0755");
+    let size = options(format!("size={disk_bytes},mode=0755")).step("mount tmpfs on", rw)?;
     mount(
-        Some("tmpfs"),
+        "tmpfs",
         rw,
-        Some("tmpfs"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some(size.as_str()),
+        "tmpfs",
+        MountFlags::NOSUID | MountFlags::NODEV,
+        size.as_c_str(),
     )
     .step("mount writable layer on", rw)?;
     let (upper, work) = (rw.join("upper"), rw.join("work"));
@@ -204,7 +204,7 @@ fn build_overlay(
     let parent = layers.first().and_then(|l| l.parent());
     let shared = parent.filter(|p| layers.iter().all(|l| l.parent() == Some(*p)));
     if let Some(dir) = shared {
-        nix::unistd::chdir(dir).step("chdir", dir)?;
+        rustix::process::chdir(dir).step("chdir", dir)?;
     }
     let lower: Vec<String> = layers
         .iter()
@@ -236,17 +236,18 @@ fn mount_overlay(
     work: &Path,
     rootfs: &Path,
 ) -> Result<(), RootfsError> {
-    let opts = format!(
+    let opts = options(format!(
         "lowerdir={lowerdir},upperdir={},workdir={}",
         upper.display(),
         work.display()
-    );
+    ))
+    .step("mount overlay on", rootfs)?;
     mount(
-        Some("overlay"),
+        "overlay",
         rootfs,
-        Some("overlay"),
-        MsFlags::MS_NODEV,
-        Some(opts.as_str()),
+        "overlay",
+        MountFlags::NODEV,
+        opts.as_c_str(),
     )
     .step("mount overlay on", rootfs)
 }
@@ -292,63 +293,38 @@ fn expose_layers(rootfs: &Path, layers: &[PathBuf]) -> Result<(), RootfsError> {
     }
     for (i, layer) in layers.iter().enumerate() {
         let target = ensure_dir(&base.join("layers").join(i.to_string()))?;
-        mount(
-            Some(layer.as_path()),
-            &target,
-            None::<&str>,
-            MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .step("bind layer on", &target)?;
-        mount(
-            None::<&str>,
-            &target,
-            None::<&str>,
-            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY,
-            None::<&str>,
-        )
-        .step("remount read-only", &target)?;
+        mount_bind(layer, &target).step("bind layer on", &target)?;
+        mount_remount(&target, MountFlags::BIND | MountFlags::RDONLY, "")
+            .step("remount read-only", &target)?;
     }
     Ok(())
 }
 
 fn mount_proc_dev_sys(rootfs: &Path) -> Result<(), RootfsError> {
     let proc_dir = ensure_dir(&rootfs.join("proc"))?;
-    mount(
-        Some("proc"),
-        &proc_dir,
-        Some("proc"),
-        NOSUID_NODEV_NOEXEC,
-        None::<&str>,
-    )
-    .step("mount proc on", &proc_dir)?;
+    mount("proc", &proc_dir, "proc", NOSUID_NODEV_NOEXEC, None).step("mount proc on", &proc_dir)?;
 
     let dev = ensure_dir(&rootfs.join("dev"))?;
     mount(
-        Some("tmpfs"),
+        "tmpfs",
         &dev,
-        Some("tmpfs"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC | MsFlags::MS_STRICTATIME,
-        Some("mode=755,size=67108864"),
+        "tmpfs",
+        MountFlags::NOSUID | MountFlags::NOEXEC | MountFlags::STRICTATIME,
+        c"mode=755,size=67108864",
     )
     .step("mount tmpfs on", &dev)?;
     for (name, major, minor) in DEVICES {
         let node = dev.join(name);
-        mknod(
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
             &node,
-            SFlag::S_IFCHR,
+            FileType::CharacterDevice,
             Mode::from_bits_truncate(0o666),
-            makedev(*major, *minor),
+            rustix::fs::makedev(*major, *minor),
         )
         .step("mknod", &node)?;
         // mknod honours the umask; the nodes must be usable by every uid.
-        nix::sys::stat::fchmodat(
-            nix::fcntl::AT_FDCWD,
-            &node,
-            Mode::from_bits_truncate(0o666),
-            nix::sys::stat::FchmodatFlags::FollowSymlink,
-        )
-        .step("chmod", &node)?;
+        rustix::fs::chmod(&node, Mode::from_bits_truncate(0o666)).step("chmod", &node)?;
     }
     for (link, target) in [
         ("fd", "/proc/self/fd"),
@@ -362,11 +338,11 @@ fn mount_proc_dev_sys(rootfs: &Path) -> Result<(), RootfsError> {
     }
     let pts = ensure_dir(&dev.join("pts"))?;
     mount(
-        Some("devpts"),
+        "devpts",
         &pts,
-        Some("devpts"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
-        Some("newinstance,ptmxmode=0666,mode=0620"),
+        "devpts",
+        MountFlags::NOSUID | MountFlags::NOEXEC,
+        c"newinstance,ptmxmode=0666,mode=0620",
     )
     .step("mount devpts on", &pts)?;
     // POSIX shared memory only needs a world-writable directory on a tmpfs: /dev is one,
@@ -377,11 +353,11 @@ fn mount_proc_dev_sys(rootfs: &Path) -> Result<(), RootfsError> {
 
     let sys = ensure_dir(&rootfs.join("sys"))?;
     mount(
-        Some("sysfs"),
+        "sysfs",
         &sys,
-        Some("sysfs"),
-        NOSUID_NODEV_NOEXEC | MsFlags::MS_RDONLY,
-        None::<&str>,
+        "sysfs",
+        NOSUID_NODEV_NOEXEC | MountFlags::RDONLY,
+        None,
     )
     .step("mount sysfs on", &sys)?;
     Ok(())
@@ -412,11 +388,11 @@ fn mask(rootfs: &Path, path: &str, empty_dir: &mut Option<PathBuf>) -> Result<()
         return bind(empty, &target);
     }
     mount(
-        Some("tmpfs"),
+        "tmpfs",
         &target,
-        Some("tmpfs"),
-        MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC,
-        Some("size=0,nr_inodes=1"),
+        "tmpfs",
+        MountFlags::RDONLY | NOSUID_NODEV_NOEXEC,
+        c"size=0,nr_inodes=1",
     )
     .step("mask", &target)?;
     *empty_dir = Some(target);
@@ -424,34 +400,18 @@ fn mask(rootfs: &Path, path: &str, empty_dir: &mut Option<PathBuf>) -> Result<()
 }
 
 fn bind(source: &Path, target: &Path) -> Result<(), RootfsError> {
-    mount(
-        Some(source),
-        target,
-        None::<&str>,
-        MsFlags::MS_BIND,
-        None::<&str>,
-    )
-    .step("mask", target)
+    mount_bind(source, target).step("mask", target)
 }
 
 fn make_readonly(target: &Path) -> Result<(), RootfsError> {
     if fs::symlink_metadata(target).is_err() {
         return Ok(());
     }
-    mount(
-        Some(target),
+    mount_bind_recursive(target, target).step("bind", target)?;
+    mount_remount(
         target,
-        None::<&str>,
-        MsFlags::MS_BIND | MsFlags::MS_REC,
-        None::<&str>,
-    )
-    .step("bind", target)?;
-    mount(
-        None::<&str>,
-        target,
-        None::<&str>,
-        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC,
-        None::<&str>,
+        MountFlags::BIND | MountFlags::RDONLY | NOSUID_NODEV_NOEXEC,
+        "",
     )
     .step("remount read-only", target)
 }
@@ -459,28 +419,40 @@ fn make_readonly(target: &Path) -> Result<(), RootfsError> {
 /// `pivot_root(".", ".")` then detaching the old root, as runc does: no temporary
 /// directory is needed inside the image.
 fn pivot(rootfs: &Path) -> Result<(), RootfsError> {
-    nix::unistd::chdir(rootfs).step("chdir", rootfs)?;
-    nix::unistd::pivot_root(".", ".").step("pivot_root", rootfs)?;
-    umount2(".", MntFlags::MNT_DETACH).step("detach old root", rootfs)?;
-    nix::unistd::chdir("/").step("chdir", Path::new("/"))?;
+    rustix::process::chdir(rootfs).step("chdir", rootfs)?;
+    rustix::process::pivot_root(".", ".").step("pivot_root", rootfs)?;
+    rustix::mount::unmount(".", UnmountFlags::DETACH).step("detach old root", rootfs)?;
+    rustix::process::chdir("/").step("chdir", Path::new("/"))?;
     Ok(())
+}
+
+/// A mount's option string, as the kernel takes it.
+fn options(text: String) -> std::io::Result<CString> {
+    CString::new(text).map_err(|_| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, "mount options hold a NUL")
+    })
 }
 
 /// Brings up `lo` in the sandbox's new network namespace.
 pub fn loopback_up() -> std::io::Result<()> {
-    // SAFETY: socket(2) with constant arguments; the result is checked below.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: fd was just returned by socket(2) and nothing else owns it.
-    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    let fd = rustix::net::socket_with(
+        AddressFamily::INET,
+        SocketType::DGRAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
     // SAFETY: ifreq is plain old data; all-zeroes is a valid value.
     let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, src) in ifr.ifr_name.iter_mut().zip(c"lo".to_bytes_with_nul()) {
-        *dst = *src as libc::c_char;
+    // An ASCII name, byte for byte (c_char is i8 or u8 by architecture); the flags are
+    // 0x41.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_possible_wrap)]
+    {
+        for (dst, src) in ifr.ifr_name.iter_mut().zip(c"lo".to_bytes_with_nul()) {
+            *dst = *src as libc::c_char;
+        }
+        ifr.ifr_ifru.ifru_flags = (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
     }
-    ifr.ifr_ifru.ifru_flags = (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
     // SAFETY: SIOCSIFFLAGS reads a valid, initialised ifreq that outlives the call.
     let rc = unsafe {
         libc::ioctl(
@@ -497,6 +469,5 @@ pub fn loopback_up() -> std::io::Result<()> {
 
 /// Sets the hostname inside the sandbox's UTS namespace.
 pub fn set_hostname(name: &str) -> std::io::Result<()> {
-    nix::unistd::sethostname(name)?;
-    Ok(())
+    Ok(rustix::system::sethostname(name.as_bytes())?)
 }

@@ -205,6 +205,8 @@ fn merged_json(arch: &Arch) -> Result<Vec<u8>, SeccompError> {
 ///
 /// It reads the architecture and syscall number only, so the kernel can still cache the
 /// verdict of every unconditionally allowed syscall.
+// BPF opcodes are 16-bit and seccomp_data's offsets are below 64: all constants.
+#[allow(clippy::cast_possible_truncation)]
 fn prologue(audit_arch: u32) -> [sock_filter; 8] {
     const LD_ABS: u16 = (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16;
     const JEQ: u16 = (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16;
@@ -287,9 +289,10 @@ mod tests {
             Ok(0) => unsafe { libc::_exit(0) },
             Ok(pid) => {
                 let mut status = 0;
+                let pid = libc::pid_t::try_from(pid).unwrap();
                 // SAFETY: `status` is a live local the kernel writes the exit status to.
-                let waited = unsafe { libc::waitpid(pid as libc::pid_t, &mut status, 0) };
-                waited == pid as libc::pid_t && libc::WIFEXITED(status)
+                let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+                waited == pid && libc::WIFEXITED(status)
             }
             Err(_) => false,
         }
@@ -374,7 +377,7 @@ mod tests {
                 Ok(()) => CHECKS
                     .iter()
                     .position(|(_, check)| !check())
-                    .map_or(0, |index| index as i32 + 1),
+                    .map_or(0, |index| i32::try_from(index + 1).unwrap()),
             };
             // SAFETY: ends the child without running the test harness's exit handlers.
             unsafe { libc::_exit(code) };
@@ -386,7 +389,10 @@ mod tests {
         match libc::WEXITSTATUS(status) {
             0 => {}
             100 => panic!("installing the filter failed"),
-            code => panic!("check failed: {}", CHECKS[code as usize - 1].0),
+            code => panic!(
+                "check failed: {}",
+                CHECKS[usize::try_from(code - 1).unwrap()].0
+            ),
         }
     }
 }

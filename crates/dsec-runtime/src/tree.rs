@@ -116,7 +116,7 @@ mod tests {
             assert!(Instant::now() < deadline, "the test's tree did not start");
             std::thread::sleep(Duration::from_millis(10));
         };
-        let main = child.id() as i32;
+        let main = i32::try_from(child.id()).unwrap();
         kill_tree(main, pid_namespace(main));
         child.wait().unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -135,7 +135,7 @@ mod tests {
             .arg("60")
             .spawn()
             .unwrap();
-        let pid = child.id() as i32;
+        let pid = i32::try_from(child.id()).unwrap();
         kill_tree(pid, Some(0));
         assert!(!dead(pid));
         kill_tree(pid, None);

@@ -32,6 +32,7 @@ use nix::sys::socket::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::launch::{fork_with_pidfd, Forked};
 use crate::seccomp::SeccompProfile;
 use crate::spec::SandboxSpec;
 
@@ -103,16 +104,10 @@ impl Zygote {
             .arg(ZYGOTE_ARG)
             .env_clear()
             .stdin(Stdio::null());
-        // SAFETY: the closure runs between fork and exec and only makes syscalls.
+        // SAFETY: the closure runs between fork and exec, and `zygote_child` makes raw
+        // system calls only.
         unsafe {
-            cmd.pre_exec(move || {
-                if libc::dup2(theirs_raw, ZYGOTE_FD) < 0
-                    || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) < 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
+            cmd.pre_exec(move || crate::launch::zygote_child(theirs_raw, ZYGOTE_FD));
         }
         let child = cmd.spawn().map_err(ZygoteError::Spawn)?;
         drop(theirs);
@@ -194,8 +189,7 @@ const CLONE_FLAGS: libc::c_int = libc::CLONE_NEWNS
 pub fn serve() -> ! {
     // SAFETY: fd 3 was placed there by `Zygote::spawn` for this process alone.
     let socket = unsafe { OwnedFd::from_raw_fd(ZYGOTE_FD) };
-    // SAFETY: fcntl with integer arguments on our own descriptor.
-    unsafe { libc::fcntl(ZYGOTE_FD, libc::F_SETFD, libc::FD_CLOEXEC) };
+    let _ = rustix::io::fcntl_setfd(&socket, rustix::io::FdFlags::CLOEXEC);
     let seccomp = match SeccompProfile::docker_default() {
         Ok(p) => p,
         Err(e) => {
@@ -208,15 +202,13 @@ pub fn serve() -> ! {
     unsafe { libc::signal(libc::SIGCHLD, libc::SIG_IGN) };
     let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
-        // SAFETY: buf is a writable buffer of buf.len() bytes.
-        let n = unsafe { libc::recv(socket.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if n < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-            continue;
-        }
-        if n <= 0 {
-            std::process::exit(0);
-        }
-        let (reply, sent) = match serde_json::from_slice::<SandboxSpec>(&buf[..n as usize]) {
+        let n = match rustix::net::recv(&socket, &mut buf, rustix::net::RecvFlags::empty()) {
+            Ok((0, _)) => std::process::exit(0),
+            Ok((n, _)) => n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(_) => std::process::exit(0),
+        };
+        let (reply, sent) = match serde_json::from_slice::<SandboxSpec>(&buf[..n]) {
             Ok(spec) => match clone_sandbox(&spec, &socket, &seccomp) {
                 Ok((pid, channel, pidfd)) => (Reply::Created { pid }, vec![channel, pidfd]),
                 Err(e) => (
@@ -265,48 +257,14 @@ fn clone_sandbox(
         None,
         SockFlag::SOCK_CLOEXEC,
     )?;
-    let mut pidfd: libc::c_int = -1;
-    let pid = raw_clone(CLONE_FLAGS | libc::CLONE_PIDFD, &mut pidfd)?;
-    if pid == 0 {
-        // SAFETY: the child owns copies of these descriptors; closing them is local.
-        unsafe {
-            libc::close(zygote_socket.as_raw_fd());
-            libc::close(edge_end.as_raw_fd());
+    match fork_with_pidfd(CLONE_FLAGS)? {
+        Forked::Child => {
+            // SAFETY: the child's copy of the zygote's socket, closed here only: its
+            // `OwnedFd` is never dropped in this child, which becomes init and never returns.
+            unsafe { libc::close(zygote_socket.as_raw_fd()) };
+            drop(edge_end);
+            crate::init::run(spec, init_end, seccomp)
         }
-        std::mem::forget(edge_end);
-        crate::init::run(spec, init_end, seccomp);
+        Forked::Parent { pid, pidfd } => Ok((pid, edge_end, pidfd)),
     }
-    // SAFETY: CLONE_PIDFD stored a new descriptor of ours there; nothing else owns it.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
-    Ok((pid, edge_end, pidfd))
-}
-
-/// `fork(2)` into new namespaces: `clone(2)` with `flags` (`CLONE_NEW*`), no `CLONE_VM`
-/// and a null stack, so the child continues on a private copy of the caller. Returns 0 in
-/// the child. Only for single-threaded callers (the zygote, a sandbox's init): the child
-/// runs arbitrary code.
-pub(crate) fn fork_into(flags: libc::c_int) -> std::io::Result<i32> {
-    raw_clone(flags, std::ptr::null_mut())
-}
-
-/// [`fork_into`], with `parent_tid` for `CLONE_PIDFD` (where the kernel stores the pidfd).
-fn raw_clone(flags: libc::c_int, parent_tid: *mut libc::c_int) -> std::io::Result<i32> {
-    // SAFETY: clone(2) without CLONE_VM and with a null stack behaves like fork(2); the
-    // callers are single-threaded, so the child's copy holds no lock another thread owns.
-    // `parent_tid` is null or points to an int the caller owns (its third argument on
-    // every architecture).
-    let pid = unsafe {
-        libc::syscall(
-            libc::SYS_clone,
-            (flags | libc::SIGCHLD) as libc::c_ulong,
-            std::ptr::null_mut::<libc::c_void>(),
-            parent_tid,
-            std::ptr::null_mut::<libc::c_int>(),
-            0 as libc::c_ulong,
-        )
-    };
-    if pid < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(pid as i32)
 }

@@ -364,8 +364,7 @@ impl SandboxRoot {
         let root_fd = rustix::fs::open(root, dir, Mode::empty())?;
         let proc_fd = rustix::fs::open("/proc", dir, Mode::empty())?;
         let proc_stat = rustix::fs::fstat(&proc_fd)?;
-        if rustix::fs::fstatfs(&proc_fd)?.f_type as u32 != PROC_SUPER_MAGIC || proc_stat.st_ino != 1
-        {
+        if fs_magic(&rustix::fs::fstatfs(&proc_fd)?) != PROC_SUPER_MAGIC || proc_stat.st_ino != 1 {
             return Err(io::Error::other("/proc is not the root of a procfs"));
         }
         let root_dev = rustix::fs::fstat(&root_fd)?.st_dev;
@@ -502,7 +501,7 @@ impl SandboxRoot {
             };
             entries.push(Entry {
                 name,
-                size: stat.st_size as u64,
+                size: size(&stat),
                 is_dir: FileType::from_raw_mode(stat.st_mode) == FileType::Directory,
                 mode: stat.st_mode & 0o7777,
             });
@@ -532,13 +531,11 @@ impl SandboxRoot {
             (_, _) => return Err(wrong("is of an unknown type")),
         }
         self.check_filesystem(fd, stat.st_dev)?;
-        Ok(stat.st_size as u64)
+        Ok(size(&stat))
     }
 
     fn check_filesystem(&self, fd: &OwnedFd, st_dev: u64) -> Result<(), Fault> {
-        let magic = rustix::fs::fstatfs(fd)
-            .map_err(|e| Fault::Os(e.into()))?
-            .f_type as u32;
+        let magic = fs_magic(&rustix::fs::fstatfs(fd).map_err(|e| Fault::Os(e.into()))?);
         if !ALLOWED_FILESYSTEMS.iter().any(|(m, _)| *m == magic) {
             return Err(Fault::Refused(Refusal::Filesystem {
                 name: filesystem_name(magic),
@@ -704,6 +701,19 @@ pub fn relative(path: &str) -> Result<PathBuf, FileError> {
     Ok(out)
 }
 
+/// A filesystem's magic number. `f_type` holds it in a wider type whose width and
+/// signedness vary by architecture; the magic numbers are 32-bit.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn fs_magic(stat: &rustix::fs::StatFs) -> u32 {
+    stat.f_type as u32
+}
+
+/// An inode's size: the kernel's `i_size` is never negative.
+#[allow(clippy::cast_sign_loss)]
+fn size(stat: &rustix::fs::Stat) -> u64 {
+    stat.st_size as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -813,7 +823,8 @@ mod tests {
     fn fifos_are_refused_without_blocking() {
         let tmp = tempfile::tempdir().unwrap();
         let fifo = tmp.path().join("fifo");
-        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
+        let mode = rustix::fs::Mode::from_bits_truncate(0o644);
+        rustix::fs::mknodat(rustix::fs::CWD, &fifo, rustix::fs::FileType::Fifo, mode, 0).unwrap();
         std::os::unix::fs::symlink("fifo", tmp.path().join("result.txt")).unwrap();
         let sb = SandboxRoot::open(tmp.path()).unwrap();
         // An open of the FIFO would block these calls forever: they return at once.

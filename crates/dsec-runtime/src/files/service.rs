@@ -286,7 +286,9 @@ mod tests {
     #[test]
     fn a_large_file_travels_in_chunks_and_a_small_one_in_one_answer() {
         let tmp = tempfile::tempdir().unwrap();
-        let big: Vec<u8> = (0..proto::FILE_CHUNK * 2 + 10).map(|i| i as u8).collect();
+        let big: Vec<u8> = (0..proto::FILE_CHUNK * 2 + 10)
+            .map(|i| i.to_le_bytes()[0])
+            .collect();
         std::fs::write(tmp.path().join("big"), &big).unwrap();
         std::fs::write(tmp.path().join("small"), b"tiny").unwrap();
         let mut service = FileService::new(Some(SandboxRoot::open(tmp.path()).unwrap()));

@@ -1,0 +1,551 @@
+//! Starting processes: the `clone`s, and everything a child runs between its `clone` and
+//! its `execve`, in one place to audit.
+//!
+//! Three kinds of children run this code, under different rules:
+//! - the zygote between the multi-threaded server's `fork` and its `execve`
+//!   ([`zygote_child`]): async-signal-safe calls only — raw system calls, no allocation, no
+//!   lock;
+//! - a container command's first process ([`spawn_shared`]): `clone(CLONE_VM |
+//!   CLONE_VFORK)`, so it runs in init's memory while init is suspended. init is
+//!   single-threaded and holds no lock, so the child may make small allocations, but it
+//!   reads only what [`Launch`] converted before the clone, and it leaves by `execve` or
+//!   `_exit`, never by returning or unwinding into init's frames;
+//! - a fncall call's first process and each step of a stepped call ([`fork_into`]): a
+//!   private copy of single-threaded init (or of the call's runner), free to run ordinary
+//!   code — it builds the call's root and writes its files — and it too leaves by `execve`
+//!   or `_exit` only.
+//!
+//! A child that fails reports why on its report pipe, which is close-on-exec so that a
+//! successful `execve` closes it: a [`ChildStage`] and an errno (little-endian `u32` and
+//! `i32`), then, when a call's file could not be written, that `FileError` as JSON; at most
+//! [`REPORT_MAX`] bytes in all.
+
+use std::ffi::CString;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+use nix::sys::signal::{SigSet, SigmaskHow, Signal};
+use rustix::process::Pid;
+
+use crate::files::{FileError, SandboxRoot};
+use crate::proto::{ExecSpec, InitStage};
+use crate::seccomp::SeccompProfile;
+
+/// Most bytes of a failing command child's report (stage, errno, a file error).
+pub(crate) const REPORT_MAX: usize = 8 << 10;
+
+/// `PATH` when a command's environment has none.
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Writes all of `data` to `fd`, retrying interrupted writes; one system call per chunk
+/// written, so safe in any child.
+pub(crate) fn write_all_blocking(fd: impl AsFd, mut data: &[u8]) -> std::io::Result<()> {
+    while !data.is_empty() {
+        match rustix::io::write(&fd, data) {
+            Ok(n) => data = &data[n..],
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// `_exit(2)`: leaves a child at once, without unwinding into the frames of the process
+/// it was cloned from and without running the destructors or exit handlers of its copy.
+pub(crate) fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit(2) takes an integer and ends the process; nothing runs after it.
+    unsafe { libc::_exit(code) }
+}
+
+/// The zygote's preparation between the server's `fork` and its `execve`: its socket moved
+/// to descriptor `at`, and death with the server's thread that forked it. The server is
+/// multi-threaded, so this makes raw system calls only.
+pub(crate) fn zygote_child(socket: RawFd, at: RawFd) -> std::io::Result<()> {
+    // SAFETY: dup2(2) with integer arguments only: `socket` is open in this child
+    // (inherited), and `at` is the number the zygote expects its socket at, which nothing
+    // in this child owns. (rustix's dup2 needs an `OwnedFd` to replace.)
+    if unsafe { libc::dup2(socket, at) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
+    Ok(())
+}
+
+/// What [`fork_with_pidfd`] returns on each side.
+pub(crate) enum Forked {
+    /// In the child.
+    Child,
+    /// In the parent: the child's pid and a pidfd of it.
+    Parent {
+        /// The child's pid.
+        pid: i32,
+        /// A pidfd of the child, made by the clone itself.
+        pidfd: OwnedFd,
+    },
+}
+
+/// [`fork_into`], with a pidfd of the child made by the clone (`CLONE_PIDFD`): the pidfd
+/// names the child even after it died and its pid was reused.
+pub(crate) fn fork_with_pidfd(flags: libc::c_int) -> std::io::Result<Forked> {
+    let mut pidfd: libc::c_int = -1;
+    match raw_clone(flags | libc::CLONE_PIDFD, &mut pidfd)? {
+        0 => Ok(Forked::Child),
+        pid => Ok(Forked::Parent {
+            pid,
+            // SAFETY: CLONE_PIDFD stored a new descriptor of ours there; nothing else
+            // owns it.
+            pidfd: unsafe { OwnedFd::from_raw_fd(pidfd) },
+        }),
+    }
+}
+
+/// `fork(2)` into new namespaces: `clone(2)` with `flags` (`CLONE_NEW*`), no `CLONE_VM`
+/// and a null stack, so the child continues on a private copy of the caller. Returns 0 in
+/// the child. Only for single-threaded callers (the zygote, a sandbox's init, a stepped
+/// call's runner): the child runs arbitrary code.
+pub(crate) fn fork_into(flags: libc::c_int) -> std::io::Result<i32> {
+    raw_clone(flags, std::ptr::null_mut())
+}
+
+/// [`fork_into`], with `parent_tid` for `CLONE_PIDFD` (where the kernel stores the pidfd).
+fn raw_clone(flags: libc::c_int, parent_tid: *mut libc::c_int) -> std::io::Result<i32> {
+    // SAFETY: clone(2) without CLONE_VM and with a null stack behaves like fork(2); the
+    // callers are single-threaded, so the child's copy holds no lock another thread owns.
+    // `parent_tid` is null or points to an int the caller owns (its third argument on
+    // every architecture).
+    let pid = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            clone_flags(flags | libc::SIGCHLD),
+            std::ptr::null_mut::<libc::c_void>(),
+            parent_tid,
+            std::ptr::null_mut::<libc::c_int>(),
+            0 as libc::c_ulong,
+        )
+    };
+    if pid < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // The kernel returns a pid_t in the system call's long.
+    #[allow(clippy::cast_possible_truncation)]
+    Ok(pid as i32)
+}
+
+/// clone(2)'s flags argument: the bits of `flags`, zero-extended (a flag in bit 31 must
+/// not sign-extend into the upper bits, which clone3 gives other meanings).
+#[allow(clippy::cast_sign_loss)]
+fn clone_flags(flags: libc::c_int) -> libc::c_ulong {
+    libc::c_ulong::from(flags as u32)
+}
+
+/// The step of the child's preparation that failed, as written to the report pipe.
+#[derive(Clone, Copy)]
+#[repr(u32)]
+pub(crate) enum ChildStage {
+    Subreaper = 1,
+    Stdio = 2,
+    Chdir = 3,
+    Exec = 4,
+    CallRoot = 5,
+    Confine = 6,
+    Files = 7,
+    Cgroup = 8,
+}
+
+impl ChildStage {
+    /// The stage a report names; an unknown number reads as [`ChildStage::Exec`].
+    pub(crate) fn from_u32(v: u32) -> ChildStage {
+        match v {
+            1 => ChildStage::Subreaper,
+            5 => ChildStage::CallRoot,
+            6 => ChildStage::Confine,
+            7 => ChildStage::Files,
+            8 => ChildStage::Cgroup,
+            2 => ChildStage::Stdio,
+            3 => ChildStage::Chdir,
+            _ => ChildStage::Exec,
+        }
+    }
+
+    /// The stage init reports to the edge.
+    pub(crate) fn stage(self) -> InitStage {
+        match self {
+            ChildStage::Subreaper => InitStage::Subreaper,
+            ChildStage::CallRoot => InitStage::CallRoot,
+            ChildStage::Confine => InitStage::Confine,
+            ChildStage::Files => InitStage::CallFiles,
+            ChildStage::Cgroup => InitStage::CommandsCgroup,
+            ChildStage::Stdio => InitStage::Stdio,
+            ChildStage::Chdir => InitStage::Chdir,
+            ChildStage::Exec => InitStage::Exec,
+        }
+    }
+}
+
+/// A program to exec: its argv and the paths `argv[0]` may be at.
+pub(crate) struct Program {
+    argv: Vec<CString>,
+    candidates: Vec<CString>,
+}
+
+fn cstring(s: &str, what: &str) -> Result<CString, String> {
+    CString::new(s).map_err(|_| format!("{what} contains a NUL byte"))
+}
+
+/// The `PATH` of a command's environment (`K=V` entries), or the usual default.
+pub(crate) fn search_path(env: &[String]) -> &str {
+    env.iter()
+        .find_map(|e| e.strip_prefix("PATH="))
+        .unwrap_or(DEFAULT_PATH)
+}
+
+impl Program {
+    /// `argv[0]` is looked up in `path` (a `PATH` value) when it has no `/`.
+    pub(crate) fn new(argv: &[String], path: &str) -> Result<Program, String> {
+        let program = argv.first().ok_or("empty command")?;
+        let candidates = if program.contains('/') {
+            vec![cstring(program, "program")?]
+        } else {
+            path.split(':')
+                .filter(|d| !d.is_empty())
+                .map(|d| cstring(&format!("{d}/{program}"), "program"))
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        Ok(Program {
+            argv: argv
+                .iter()
+                .map(|a| cstring(a, "argument"))
+                .collect::<Result<_, _>>()?,
+            candidates,
+        })
+    }
+
+    /// Tries every candidate; returns only when none could be executed, with the errno a
+    /// shell would report (the last error that was not "no such file").
+    pub(crate) fn exec(&self, env: &[CString]) -> i32 {
+        let mut argv: Vec<*const libc::c_char> = self.argv.iter().map(|a| a.as_ptr()).collect();
+        argv.push(std::ptr::null());
+        let mut envp: Vec<*const libc::c_char> = env.iter().map(|e| e.as_ptr()).collect();
+        envp.push(std::ptr::null());
+        let mut errno = libc::ENOENT;
+        for path in &self.candidates {
+            // SAFETY: path, argv and envp are NUL-terminated and outlive the call.
+            unsafe { libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
+            let e = std::io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::ENOENT);
+            if e != libc::ENOENT && e != libc::ENOTDIR {
+                errno = e;
+            }
+        }
+        errno
+    }
+
+    /// `argv[0]`, for messages.
+    pub(crate) fn name(&self) -> String {
+        self.argv
+            .first()
+            .map(|a| a.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    }
+}
+
+/// How a fncall worker's commands are set up (see [`crate::spec::SandboxSpec::worker`]).
+pub(crate) struct CallSetup {
+    pub(crate) layer_count: usize,
+    pub(crate) disk_bytes: u64,
+    pub(crate) seccomp: SeccompProfile,
+}
+
+/// A stepped call's runner's descriptors, inherited from init: the runner is a fork of
+/// init, so init's descriptors they borrow are open in it too.
+pub(crate) struct StepFds<'a> {
+    /// Write ends of each step's (stdout, stderr) pipes.
+    pub(crate) outputs: Vec<(BorrowedFd<'a>, BorrowedFd<'a>)>,
+    /// Where the runner reports each step's end and the fetched files.
+    pub(crate) reports: BorrowedFd<'a>,
+    /// `/dev/null`: the standard input of steps when the call has none.
+    pub(crate) devnull: BorrowedFd<'a>,
+}
+
+impl StepFds<'_> {
+    /// Every descriptor the runner needs.
+    fn all(&self) -> Vec<RawFd> {
+        let mut fds = vec![self.reports.as_raw_fd(), self.devnull.as_raw_fd()];
+        for (out, err) in &self.outputs {
+            fds.extend([out.as_raw_fd(), err.as_raw_fd()]);
+        }
+        fds
+    }
+}
+
+/// The descriptors a command's first process starts from, all open in init (and so in
+/// its forks and clones).
+pub(crate) struct ChildFds<'a> {
+    pub(crate) stdin: BorrowedFd<'a>,
+    pub(crate) stdout: BorrowedFd<'a>,
+    pub(crate) stderr: BorrowedFd<'a>,
+    pub(crate) report: BorrowedFd<'a>,
+    /// The file the child writes `0` to, to enter the commands' cgroup (see
+    /// `Prepared::commands_cgroup` in [`crate::init`]).
+    pub(crate) join_cgroup: Option<BorrowedFd<'a>>,
+    /// A stepped call's runner: every step's pipes and the report pipe.
+    pub(crate) steps: Option<StepFds<'a>>,
+}
+
+/// Everything the child needs, converted before `fork` so that the child only makes
+/// syscalls.
+pub(crate) struct Launch {
+    program: Program,
+    env: Vec<CString>,
+    cwd: CString,
+    /// Files to write in the command's root first: (path, mode, contents).
+    files: Vec<(String, u32, Vec<u8>)>,
+}
+
+impl Launch {
+    /// `contents` are those of `spec.files`, in order.
+    pub(crate) fn new(spec: &ExecSpec, contents: Vec<Vec<u8>>) -> Result<Launch, String> {
+        let env = spec
+            .env
+            .iter()
+            .map(|e| cstring(e, "environment"))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Launch {
+            program: Program::new(&spec.argv, search_path(&spec.env))?,
+            env,
+            cwd: cstring(&spec.cwd, "working directory")?,
+            files: spec
+                .files
+                .iter()
+                .zip(contents)
+                .map(|(f, data)| (f.path.clone(), f.mode, data))
+                .collect(),
+        })
+    }
+
+    /// The command's environment, as its runner gives it to each step.
+    pub(crate) fn env(&self) -> &[CString] {
+        &self.env
+    }
+
+    /// Runs in the command's first process: enters the commands' cgroup, becomes a
+    /// subreaper (or builds a fncall call's root, `call`), wires stdio, enters the working
+    /// directory, confines itself if it is a call (otherwise capabilities, no_new_privs and
+    /// seccomp are inherited from init), and execs. Reports a failing step through the
+    /// report pipe and exits.
+    pub(crate) fn exec_child(&self, fds: &ChildFds<'_>, call: Option<&CallSetup>) -> ! {
+        self.set_up(fds, call);
+        if crate::fds::close_on_exec_above_stdio().is_err() {
+            fail(fds, ChildStage::Stdio, last_errno());
+        }
+        fail(fds, ChildStage::Exec, self.program.exec(&self.env))
+    }
+
+    /// Runs in a stepped call's first process, which becomes the call's runner instead of
+    /// exec'ing (see [`crate::steps`]): set up as [`Launch::exec_child`] would, but keeping
+    /// its stdio and only the descriptors of `fds.steps`; then, with SIGCHLD blocked as
+    /// init keeps it, it returns for the caller to run the steps.
+    pub(crate) fn become_runner(&self, fds: &ChildFds<'_>, call: &CallSetup) {
+        self.set_up(fds, Some(call));
+        // Set up: init stops waiting for a failure report when this closes.
+        // SAFETY: closing this process's copy of the report pipe, used no more: the
+        // `OwnedFd` it borrows is init's, never dropped here (the runner only exits).
+        unsafe { libc::close(fds.report.as_raw_fd()) };
+        // The runner waits for its steps with SIGCHLD blocked, as init keeps it.
+        let mut chld = SigSet::empty();
+        chld.add(Signal::SIGCHLD);
+        let _ = nix::sys::signal::pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(&chld), None);
+    }
+
+    /// Everything before the `execve` (or the runner's first step).
+    fn set_up(&self, fds: &ChildFds<'_>, call: Option<&CallSetup>) {
+        let _ = nix::sys::signal::pthread_sigmask(
+            SigmaskHow::SIG_SETMASK,
+            Some(&SigSet::empty()),
+            None,
+        );
+        // SAFETY: restoring the default disposition before exec.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        let _ = rustix::process::setsid();
+        // Into the commands' cgroup first: everything the command makes from here on is
+        // charged under the sandbox's limit, and none of it to init.
+        if let Some(file) = fds.join_cgroup {
+            if let Err(e) = rustix::io::write(file, b"0") {
+                fail(fds, ChildStage::Cgroup, e.raw_os_error());
+            }
+        }
+        match call {
+            Some(call) => {
+                if let Err(e) = crate::rootfs::setup_call(call.layer_count, call.disk_bytes) {
+                    fail(fds, ChildStage::CallRoot, e.errno());
+                }
+            }
+            // Any pid sets the flag (rustix passes it as prctl's non-zero argument).
+            None => {
+                if let Err(e) = rustix::process::set_child_subreaper(Some(Pid::INIT)) {
+                    fail(fds, ChildStage::Subreaper, e.raw_os_error());
+                }
+            }
+        }
+        match &fds.steps {
+            // The runner keeps only its own descriptors, and stays exempt from the OOM
+            // killer like init (its steps are not).
+            Some(step_fds) => {
+                let mut keep = step_fds.all();
+                keep.push(fds.report.as_raw_fd());
+                if let Err(e) = close_other_fds(&keep) {
+                    fail(
+                        fds,
+                        ChildStage::CallRoot,
+                        e.raw_os_error().unwrap_or(libc::EIO),
+                    );
+                }
+            }
+            // init is exempt from the OOM killer where the host allows it; its commands
+            // must not be (see `protect_from_oom_killer` in `crate::init`). Not through
+            // the shared memory: the kernel gives a vfork child its own score.
+            None => {
+                let _ = std::fs::write("/proc/self/oom_score_adj", "0");
+            }
+        }
+        if !self.files.is_empty() {
+            // A fncall call's files, in its fresh root: written with the same checks as
+            // the files API, since the image itself may carry hostile links.
+            if let Err(e) = write_call_files(&self.files) {
+                let mut msg = Vec::with_capacity(REPORT_MAX);
+                msg.extend_from_slice(&(ChildStage::Files as u32).to_le_bytes());
+                msg.extend_from_slice(&0i32.to_le_bytes());
+                serde_json::to_writer(&mut msg, &e).expect("serializes");
+                msg.truncate(REPORT_MAX);
+                let _ = rustix::io::write(fds.report, &msg);
+                exit_now(127)
+            }
+        }
+        if fds.steps.is_none() {
+            if let Err(e) = dup2_stdio([fds.stdin, fds.stdout, fds.stderr]) {
+                fail(fds, ChildStage::Stdio, e.raw_os_error());
+            }
+        }
+        if let Err(e) = rustix::process::chdir(self.cwd.as_c_str()) {
+            fail(fds, ChildStage::Chdir, e.raw_os_error());
+        }
+        if let Some(call) = call {
+            if crate::caps::drop_to_default().is_err() {
+                fail(fds, ChildStage::Confine, libc::EPERM);
+            }
+            if call.seccomp.apply().is_err() {
+                fail(fds, ChildStage::Confine, last_errno());
+            }
+        }
+    }
+}
+
+/// Reports a failing step of a command's first process on its report pipe, and exits.
+fn fail(fds: &ChildFds<'_>, stage: ChildStage, errno: i32) -> ! {
+    let mut msg = [0u8; 8];
+    msg[..4].copy_from_slice(&(stage as u32).to_le_bytes());
+    msg[4..].copy_from_slice(&errno.to_le_bytes());
+    let _ = rustix::io::write(fds.report, &msg);
+    exit_now(127)
+}
+
+/// Makes `stdio` this process's standard input, output and error.
+fn dup2_stdio([stdin, stdout, stderr]: [BorrowedFd<'_>; 3]) -> rustix::io::Result<()> {
+    rustix::stdio::dup2_stdin(stdin)?;
+    rustix::stdio::dup2_stdout(stdout)?;
+    rustix::stdio::dup2_stderr(stderr)
+}
+
+fn last_errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// Starts a command the way `posix_spawn` does: `clone(CLONE_VM | CLONE_VFORK)` onto a
+/// stack of its own. The child shares init's memory until its `execve` while init is
+/// suspended, so nothing is copied — no page tables, no copy-on-write faults afterwards.
+/// That is a large share of an exec's cost in a VM guest under binary translation (and
+/// free to save in a container). The child makes syscalls and small allocations only,
+/// which is safe: init is single-threaded and waits, holding no lock.
+pub(crate) fn spawn_shared(
+    launch: &Launch,
+    fds: &ChildFds<'_>,
+    stack: &mut [u8],
+) -> std::io::Result<i32> {
+    struct Args<'a> {
+        launch: &'a Launch,
+        fds: &'a ChildFds<'a>,
+    }
+    extern "C" fn entry(arg: *mut libc::c_void) -> libc::c_int {
+        // SAFETY: `arg` points to the `Args` below, on the stack of the parent, which is
+        // suspended (CLONE_VFORK) until this child execs or exits.
+        let args = unsafe { &*(arg as *const Args<'_>) };
+        args.launch.exec_child(args.fds, None)
+    }
+    let args = Args { launch, fds };
+    let end = stack.as_mut_ptr_range().end as usize;
+    let top = (end & !15) as *mut libc::c_void;
+    // SAFETY: `top` is the 16-byte aligned end of a writable buffer that outlives the
+    // child's use of it (the parent resumes only after the child's execve or exit), and
+    // `entry` never returns into the parent's frames.
+    let pid = unsafe {
+        libc::clone(
+            entry,
+            top,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            (&raw const args).cast_mut().cast(),
+        )
+    };
+    if pid < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(pid)
+}
+
+/// Writes a fncall call's files in its root (the child's `/`, after the call's root is
+/// built). Only ever runs in a forked child (not a vfork), so it may allocate.
+fn write_call_files(files: &[(String, u32, Vec<u8>)]) -> Result<(), FileError> {
+    let root = SandboxRoot::open(std::path::Path::new("/")).map_err(|e| FileError::os("/", e))?;
+    files
+        .iter()
+        .try_for_each(|(path, mode, data)| root.write_all(path, data, *mode))
+}
+
+/// Closes every descriptor but the standard ones and `keep`. Runs in the call's root,
+/// whose `/proc` is the call's own.
+fn close_other_fds(keep: &[RawFd]) -> std::io::Result<()> {
+    let open: Vec<RawFd> = std::fs::read_dir("/proc/self/fd")?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    for fd in open {
+        if fd > 2 && !keep.contains(&fd) {
+            // SAFETY: closing a descriptor of this process that nothing here uses; the
+            // directory stream that listed it is already closed (its fd fails harmlessly).
+            unsafe { libc::close(fd) };
+        }
+    }
+    Ok(())
+}
+
+/// A stepped call's step, forked by its runner: standard descriptors wired, signals and
+/// OOM score reset, exec.
+pub(crate) fn exec_step(program: &Program, env: &[CString], stdio: [BorrowedFd<'_>; 3]) -> ! {
+    let _ =
+        nix::sys::signal::pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
+    // SAFETY: restoring the default disposition before exec.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    // The runner is exempt from the OOM killer (inherited from init); its steps are not.
+    let _ = std::fs::write("/proc/self/oom_score_adj", "0");
+    let _ = dup2_stdio(stdio);
+    // Nothing of the runner's but stdio reaches the step (see `crate::fds`).
+    let errno = match crate::fds::close_on_exec_above_stdio() {
+        Ok(()) => program.exec(env),
+        Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
+    };
+    let msg = format!(
+        "dsec: cannot execute {:?}: {}\n",
+        program.name(),
+        std::io::Error::from_raw_os_error(errno)
+    );
+    let _ = write_all_blocking(rustix::stdio::stderr(), msg.as_bytes());
+    exit_now(if errno == libc::ENOENT { 127 } else { 126 })
+}
