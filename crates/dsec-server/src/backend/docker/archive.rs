@@ -185,7 +185,8 @@ impl FileRead for SpooledRead {
         if self.left == 0 {
             return None;
         }
-        let mut chunk = vec![0; self.left.min(FILE_CHUNK as u64) as usize];
+        let mut chunk =
+            vec![0; usize::try_from(self.left).map_or(FILE_CHUNK, |l| l.min(FILE_CHUNK))];
         let read = self.file.read_exact(&mut chunk).await;
         self.left = match read {
             Ok(_) => self.left - chunk.len() as u64,

@@ -172,13 +172,16 @@ impl DockerBackend {
             ("dsec.id".to_owned(), req.id.clone()),
             ("dsec.edge".to_owned(), self.edge.clone()),
         ]);
-        let memory = req.memory_mb as i64 * MIB;
+        let memory = i64::try_from(req.memory_mb).map_or(i64::MAX, |mb| mb.saturating_mul(MIB));
+        // CPUs the edge checked to a small positive number; `as` from f64 saturates regardless.
+        #[allow(clippy::cast_possible_truncation)]
+        let nano_cpus = (req.cpus * 1e9).round() as i64;
         let host_config = HostConfig {
-            nano_cpus: Some((req.cpus * 1e9).round() as i64),
+            nano_cpus: Some(nano_cpus),
             memory: Some(memory),
             // Equal to the memory limit: no swap, so the limit is the limit.
             memory_swap: Some(memory),
-            pids_limit: Some(req.pids as i64),
+            pids_limit: Some(i64::try_from(req.pids).unwrap_or(i64::MAX)),
             network_mode: Some("none".to_owned()),
             init: Some(true),
             cap_drop: Some(vec!["ALL".to_owned()]),
@@ -305,7 +308,11 @@ impl LocalView {
             return None;
         }
         let pidns = pid_namespace(pid)?;
-        if Some(pidns) == pid_namespace(std::process::id() as i32) {
+        if Some(pidns)
+            == i32::try_from(std::process::id())
+                .ok()
+                .and_then(pid_namespace)
+        {
             return None;
         }
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
@@ -383,7 +390,10 @@ impl Inner {
         if info.running != Some(true) {
             return;
         }
-        let (pid, ns) = (info.pid.unwrap_or_default() as i32, local.pidns);
+        let Ok(pid) = i32::try_from(info.pid.unwrap_or_default()) else {
+            return;
+        };
+        let ns = local.pidns;
         let _ =
             tokio::task::spawn_blocking(move || dsec_runtime::tree::kill_tree(pid, Some(ns))).await;
     }

@@ -129,7 +129,7 @@ impl Backend for DockerBackend {
                     })
                 )));
             }
-            Ok(state.pid.unwrap_or_default() as i32)
+            Ok(i32::try_from(state.pid.unwrap_or_default()).unwrap_or_default())
         }
         .await;
         let pid = started?;

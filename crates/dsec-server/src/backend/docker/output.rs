@@ -194,7 +194,8 @@ impl DockerOutput {
 
     /// Keeps what fits under the stream's bound; the rest is dropped and flagged.
     fn bound(&mut self, stream: usize, data: &[u8]) -> Option<Vec<u8>> {
-        let room = self.max_output.saturating_sub(self.sent[stream]) as usize;
+        let room = usize::try_from(self.max_output.saturating_sub(self.sent[stream]))
+            .unwrap_or(usize::MAX);
         let n = room.min(data.len());
         if n < data.len() {
             self.truncated = true;
@@ -220,7 +221,7 @@ impl DockerOutput {
                 .await
                 .map_err(|e| exec_error(&self.inner, e))?;
             if info.running != Some(true) {
-                break info.exit_code.map(|c| c as i32);
+                break info.exit_code.and_then(|c| i32::try_from(c).ok());
             }
             let now = tokio::time::Instant::now();
             if !self.timed_out && now >= self.deadline {

@@ -43,7 +43,7 @@ impl Inner {
                 dir: s.file_mode & GO_MODE_DIR != 0,
                 symlink: s.file_mode & GO_MODE_SYMLINK != 0,
                 go_mode: s.file_mode,
-                size: s.size.max(0) as u64,
+                size: u64::try_from(s.size).unwrap_or(0),
             })),
             Err(e) if status(&e) == Some(404) => Ok(None),
             Err(e) => Err(daemon_error(&self.host, "reading the file's status", e)),
