@@ -40,6 +40,8 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
+    // p is in [0, 1]: the index is in range, and `as` from f64 saturates anyway.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     let i = ((sorted.len() as f64 * p) as usize).min(sorted.len() - 1);
     sorted[i].as_secs_f64() * 1000.0
 }

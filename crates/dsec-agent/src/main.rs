@@ -31,6 +31,10 @@ use dsec_runtime::init::GuestCgroup;
 use dsec_runtime::proto::{self, FrameKind, InitError};
 use dsec_runtime::seccomp::SeccompProfile;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::sys::socket::{
+    accept4, bind, getpeername, listen, socket, AddressFamily, Backlog, SockFlag, SockType,
+    VsockAddr,
+};
 
 /// How long devices may take to appear once their drivers are loaded.
 const DEVICE_WAIT: Duration = Duration::from_secs(10);
@@ -44,8 +48,8 @@ fn main() {
         eprintln!("dsec-agent: {e}");
     }
     nix::unistd::sync();
-    // SAFETY: reboot(2) with a constant command; QEMU runs with -no-reboot and exits.
-    unsafe { libc::reboot(libc::RB_AUTOBOOT) };
+    // QEMU runs with -no-reboot and exits.
+    let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_AUTOBOOT);
 }
 
 /// Boots the guest and serves the host until it goes away.
@@ -186,47 +190,24 @@ fn serial_port() -> Option<PathBuf> {
 }
 
 fn accept_vsock() -> Result<OwnedFd, String> {
-    let os = |what: &str| format!("vsock {what}: {}", std::io::Error::last_os_error());
-    // SAFETY: socket(2) with constant arguments; the result is checked.
-    let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(os("socket"));
-    }
-    // SAFETY: fd was just returned by socket(2) and nothing else owns it.
-    let listener = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: sockaddr_vm is plain old data; all-zeroes is a valid value.
-    let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
-    addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
-    addr.svm_port = guest::VSOCK_PORT;
-    addr.svm_cid = libc::VMADDR_CID_ANY;
-    let len = std::mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t;
-    // SAFETY: addr is a valid sockaddr_vm of `len` bytes on our socket.
-    if unsafe { libc::bind(listener.as_raw_fd(), (&raw const addr).cast(), len) } < 0 {
-        return Err(os("bind"));
-    }
-    // SAFETY: listen(2) on our socket with an integer backlog.
-    if unsafe { libc::listen(listener.as_raw_fd(), 1) } < 0 {
-        return Err(os("listen"));
-    }
+    let listener = socket(
+        AddressFamily::Vsock,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(|e| format!("vsock socket: {e}"))?;
+    let addr = VsockAddr::new(libc::VMADDR_CID_ANY, guest::VSOCK_PORT);
+    bind(listener.as_raw_fd(), &addr).map_err(|e| format!("vsock bind: {e}"))?;
+    let backlog = Backlog::new(1).map_err(|e| format!("vsock listen: {e}"))?;
+    listen(&listener, backlog).map_err(|e| format!("vsock listen: {e}"))?;
     loop {
-        // SAFETY: sockaddr_vm is plain old data; all-zeroes is a valid value.
-        let mut peer: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
-        let mut peer_len = len;
-        // SAFETY: peer is a writable sockaddr_vm of peer_len bytes.
-        let conn = unsafe {
-            libc::accept4(
-                listener.as_raw_fd(),
-                (&raw mut peer).cast(),
-                &mut peer_len,
-                libc::SOCK_CLOEXEC,
-            )
-        };
-        if conn < 0 {
-            return Err(os("accept"));
-        }
+        let conn = accept4(listener.as_raw_fd(), SockFlag::SOCK_CLOEXEC)
+            .map_err(|e| format!("vsock accept: {e}"))?;
         // SAFETY: conn was just returned by accept4(2) and nothing else owns it.
         let conn = unsafe { OwnedFd::from_raw_fd(conn) };
-        if peer.svm_cid == libc::VMADDR_CID_HOST {
+        let peer = getpeername::<VsockAddr>(conn.as_raw_fd());
+        if peer.is_ok_and(|p| p.cid() == libc::VMADDR_CID_HOST) {
             return Ok(conn);
         }
     }

@@ -82,18 +82,23 @@ impl Options {
                     .parse()
                     .unwrap_or_else(|_| panic!("{flag}: not a number: {value}"))
             };
+            let count = || -> usize {
+                value
+                    .parse()
+                    .unwrap_or_else(|_| panic!("{flag}: not a whole number: {value}"))
+            };
             match flag.as_str() {
                 "--rate" => o.rate = number(),
-                "--edges" => o.edges = number() as usize,
-                "--apiservers" => o.apiservers = number() as usize,
-                "--cores" => o.cores = number() as usize,
+                "--edges" => o.edges = count(),
+                "--apiservers" => o.apiservers = count(),
+                "--cores" => o.cores = count(),
                 "--create-ms" => o.create_ms = number(),
-                "--capacity" => o.capacity = number() as u64,
+                "--capacity" => o.capacity = count() as u64,
                 "--lifetime-s" => o.lifetime_s = number(),
                 "--seconds" => o.seconds = number(),
                 "--watch-ms" => o.watch_ms = number(),
                 "--hop-ms" => o.hop_ms = number(),
-                "--choices" => o.choices = number() as usize,
+                "--choices" => o.choices = count(),
                 other => panic!("unknown option {other}"),
             }
         }
@@ -152,9 +157,12 @@ struct Sim {
 /// This thread's CPU time, ns.
 fn cpu_ns() -> u64 {
     let t = clock_gettime(ClockId::ThreadCPUTime);
-    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+    let (secs, nanos) = (u64::try_from(t.tv_sec), u64::try_from(t.tv_nsec));
+    secs.expect("a CPU time is positive") * 1_000_000_000 + nanos.expect("so are its ns")
 }
 
+/// Virtual time of `seconds` (never negative here), in ns.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 fn ns(seconds: f64) -> u64 {
     (seconds * 1e9) as u64
 }
@@ -354,6 +362,8 @@ fn percentile_ms(values: &mut [u64], q: f64) -> f64 {
         return 0.0;
     }
     values.sort_unstable();
+    // q is in [0, 1]: the index is in range.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     let i = ((values.len() - 1) as f64 * q).round() as usize;
     values[i] as f64 / 1e6
 }

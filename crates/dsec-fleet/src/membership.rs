@@ -178,7 +178,8 @@ impl EdgeMembership {
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) {
         let key = self.key();
-        let keep_every = Duration::from_millis((self.ttl_s as u64 * 1000 / 3).max(200));
+        let keep_every =
+            Duration::from_millis((u64::try_from(self.ttl_s).unwrap_or(0) * 1000 / 3).max(200));
         let mut keeper = None;
         let mut reachable = true;
         let mut publish = tokio::time::interval(PUBLISH_EVERY);

@@ -36,6 +36,11 @@ const DIFF_ID: &str = "dev.dsec.image.diff-id";
 /// The annotation of a layer holding the bytes of file content in it.
 const CONTENT_SIZE: &str = "dev.dsec.image.content-size";
 
+/// A blob's size as OCI descriptors carry it (a JSON int64).
+fn descriptor_size(len: usize) -> i64 {
+    i64::try_from(len).expect("a blob held in memory is smaller than 2^63 bytes")
+}
+
 /// Where a fleet's edges share images: `HOST[:PORT][/PREFIX]` (`dsec edge --registry`).
 #[derive(Clone, PartialEq, Eq)]
 pub struct Registry {
@@ -149,7 +154,7 @@ pub(crate) async fn push(
         layers.push(OciDescriptor {
             media_type: LAYER_MEDIA_TYPE.to_owned(),
             digest,
-            size: data.len() as i64,
+            size: descriptor_size(data.len()),
             urls: None,
             annotations: Some(BTreeMap::from([
                 (DIFF_ID.to_owned(), diff_id.clone()),
@@ -173,7 +178,7 @@ pub(crate) async fn push(
         config: OciDescriptor {
             media_type: CONFIG_MEDIA_TYPE.to_owned(),
             digest: config_digest,
-            size: config.len() as i64,
+            size: descriptor_size(config.len()),
             urls: None,
             annotations: None,
         },

@@ -152,7 +152,7 @@ fn append<W: Write>(
         header.set_size(meta.len());
         let file = fs::OpenOptions::new()
             .read(true)
-            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)?;
         let exact = Exact {
             inner: file.take(meta.len()),

@@ -423,7 +423,11 @@ impl Resolver {
             let Some(reply) = self.answer(&query, IpAddr::V4(src)).await else {
                 return;
             };
-            let mut out = (reply.len() as u16).to_be_bytes().to_vec();
+            // DNS over TCP prefixes a message with its 16-bit length.
+            let Ok(len) = u16::try_from(reply.len()) else {
+                return;
+            };
+            let mut out = len.to_be_bytes().to_vec();
             out.extend_from_slice(&reply);
             if !matches!(
                 tokio::time::timeout(TCP_TIMEOUT, conn.write_all(&out)).await,
@@ -443,7 +447,7 @@ mod tests {
     fn query(name: &str, qtype: u16) -> Vec<u8> {
         let mut q = vec![0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0];
         for l in name.split('.') {
-            q.push(l.len() as u8);
+            q.push(u8::try_from(l.len()).unwrap());
             q.extend_from_slice(l.as_bytes());
         }
         q.push(0);

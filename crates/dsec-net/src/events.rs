@@ -168,7 +168,7 @@ mod tests {
         record(&log, 7, event(1));
         assert!(log.lock().unwrap().is_empty(), "no sandbox 7: dropped");
         log.lock().unwrap().insert(7, VecDeque::new());
-        for port in 0..(KEEP as u16 + 10) {
+        for port in 0..(u16::try_from(KEEP).unwrap() + 10) {
             record(&log, 7, event(port));
         }
         let kept = &log.lock().unwrap()[&7];

@@ -4,7 +4,10 @@
 use std::ffi::CString;
 use std::io;
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+
+use rustix::net::netlink::{self, SocketAddrNetlink};
+use rustix::net::{AddressFamily, Protocol, RecvFlags, SendFlags, SocketFlags, SocketType};
 
 const IFLA_IFNAME: u16 = 3;
 const IFLA_MASTER: u16 = 10;
@@ -18,6 +21,30 @@ const IFA_LOCAL: u16 = 2;
 const RTA_OIF: u16 = 4;
 const RTA_GATEWAY: u16 = 5;
 const IFINFOMSG_LEN: usize = 16;
+const NLM_F_REQUEST: u16 = wire16(libc::NLM_F_REQUEST);
+const NLM_F_ACK: u16 = wire16(libc::NLM_F_ACK);
+const NLM_F_DUMP: u16 = wire16(libc::NLM_F_DUMP);
+const NLM_F_CREATE_EXCL: u16 = wire16(libc::NLM_F_CREATE | libc::NLM_F_EXCL);
+const NLMSG_ERROR: u16 = wire16(libc::NLMSG_ERROR);
+const NLMSG_DONE: u16 = wire16(libc::NLMSG_DONE);
+const AF_INET: u8 = 2;
+const _: () = assert!(AF_INET as libc::c_int == libc::AF_INET);
+
+/// A constant libc declares as `c_int`, as the 16-bit field of the wire format; checked
+/// at compile time.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // asserted in range
+const fn wire16(v: libc::c_int) -> u16 {
+    assert!(v >= 0 && v <= 0xffff);
+    v as u16
+}
+
+/// A length in a 16-bit netlink field. dsec's requests hold a few names, addresses and
+/// numbers: far under 64 KiB.
+#[allow(clippy::cast_possible_truncation)] // bounded as said; checked in debug builds
+fn len16(n: usize) -> u16 {
+    debug_assert!(n <= usize::from(u16::MAX));
+    n as u16
+}
 
 /// A NETLINK_ROUTE socket, in the network namespace of the thread that opened it.
 pub(crate) struct Rtnl {
@@ -34,7 +61,7 @@ impl Msg {
     fn new(kind: u16, flags: u16) -> Msg {
         let mut buf = vec![0u8; 16];
         buf[4..6].copy_from_slice(&kind.to_ne_bytes());
-        let flags = flags | libc::NLM_F_REQUEST as u16 | libc::NLM_F_ACK as u16;
+        let flags = flags | NLM_F_REQUEST | NLM_F_ACK;
         buf[6..8].copy_from_slice(&flags.to_ne_bytes());
         Msg { buf }
     }
@@ -60,7 +87,7 @@ impl Msg {
     }
 
     fn attr(&mut self, kind: u16, data: &[u8]) -> &mut Msg {
-        let len = (4 + data.len()) as u16;
+        let len = len16(4 + data.len());
         self.buf.extend_from_slice(&len.to_ne_bytes());
         self.buf.extend_from_slice(&kind.to_ne_bytes());
         self.raw(data)
@@ -78,42 +105,41 @@ impl Msg {
     }
 
     fn end(&mut self, at: usize) {
-        let len = (self.buf.len() - at) as u16;
+        let len = len16(self.buf.len() - at);
         self.buf[at..at + 2].copy_from_slice(&len.to_ne_bytes());
     }
 }
 
 /// The index of interface `name` in the calling thread's network namespace.
 pub(crate) fn index(name: &str) -> io::Result<i32> {
-    let c = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: `c` is a valid NUL-terminated string for the duration of the call.
-    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    if i == 0 {
-        return Err(io::Error::last_os_error());
+    if name.contains('\0') {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
     }
-    Ok(i as i32)
+    // What if_nametoindex(3) does: SIOCGIFINDEX on a throw-away socket of this namespace.
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::DGRAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let i = rustix::net::netdevice::name_to_index(&sock, name)?;
+    i32::try_from(i).map_err(|_| io::Error::other(format!("interface index {i} out of range")))
 }
 
 impl Rtnl {
     /// Opens a socket in the calling thread's network namespace.
     pub(crate) fn open() -> io::Result<Rtnl> {
-        Self::open_protocol(libc::NETLINK_ROUTE)
+        // NETLINK_ROUTE is protocol 0, the default.
+        Self::open_protocol(None)
     }
 
-    fn open_protocol(protocol: i32) -> io::Result<Rtnl> {
-        // SAFETY: plain socket(2) call; the result is checked before use.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                protocol,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    fn open_protocol(protocol: Option<Protocol>) -> io::Result<Rtnl> {
+        let fd = rustix::net::socket_with(
+            AddressFamily::NETLINK,
+            SocketType::RAW,
+            SocketFlags::CLOEXEC,
+            protocol,
+        )?;
         Ok(Rtnl { fd, seq: 0 })
     }
 
@@ -126,26 +152,12 @@ impl Rtnl {
     /// Stamps `msg` with the next sequence number and sends it to the kernel.
     fn send(&mut self, msg: &mut Msg) -> io::Result<()> {
         self.seq = self.seq.wrapping_add(1);
-        let len = msg.buf.len() as u32;
+        let len = u32::try_from(msg.buf.len()).map_err(io::Error::other)?;
         msg.buf[0..4].copy_from_slice(&len.to_ne_bytes());
         msg.buf[8..12].copy_from_slice(&self.seq.to_ne_bytes());
-        // SAFETY: an all-zero sockaddr_nl is valid (family set below; pid 0 = the kernel).
-        let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
-        addr.nl_family = libc::AF_NETLINK as u16;
-        // SAFETY: the buffer and the address outlive the call; lengths are theirs.
-        let sent = unsafe {
-            libc::sendto(
-                self.fd.as_raw_fd(),
-                msg.buf.as_ptr().cast(),
-                msg.buf.len(),
-                0,
-                std::ptr::addr_of!(addr).cast(),
-                std::mem::size_of::<libc::sockaddr_nl>() as u32,
-            )
-        };
-        if sent < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        // Port 0 is the kernel; no multicast groups.
+        let kernel = SocketAddrNetlink::new(0, 0);
+        rustix::net::sendto(&self.fd, &msg.buf, SendFlags::empty(), &kernel)?;
         Ok(())
     }
 
@@ -154,29 +166,18 @@ impl Rtnl {
     fn receive(&mut self, mut each: impl FnMut(u16, &[u8])) -> io::Result<()> {
         let mut reply = vec![0u8; 32 * 1024];
         loop {
-            // SAFETY: `reply` is writable for its whole length.
-            let n = unsafe {
-                libc::recv(
-                    self.fd.as_raw_fd(),
-                    reply.as_mut_ptr().cast(),
-                    reply.len(),
-                    0,
-                )
-            };
-            if n < 0 {
-                return Err(io::Error::last_os_error());
-            }
+            let (n, _) = rustix::net::recv(&self.fd, &mut reply[..], RecvFlags::empty())?;
             let mut off = 0usize;
-            while off + 16 <= n as usize {
+            while off + 16 <= n {
                 let mlen =
                     u32::from_ne_bytes(reply[off..off + 4].try_into().expect("4 bytes")) as usize;
                 let kind = u16::from_ne_bytes(reply[off + 4..off + 6].try_into().expect("2"));
                 let seq = u32::from_ne_bytes(reply[off + 8..off + 12].try_into().expect("4"));
-                if mlen < 16 || off + mlen > n as usize {
+                if mlen < 16 || off + mlen > n {
                     break;
                 }
                 if seq == self.seq {
-                    if kind == libc::NLMSG_ERROR as u16 && mlen >= 20 {
+                    if kind == NLMSG_ERROR && mlen >= 20 {
                         let err =
                             i32::from_ne_bytes(reply[off + 16..off + 20].try_into().expect("4"));
                         return if err == 0 {
@@ -185,7 +186,7 @@ impl Rtnl {
                             Err(io::Error::from_raw_os_error(-err))
                         };
                     }
-                    if kind == libc::NLMSG_DONE as u16 {
+                    if kind == NLMSG_DONE {
                         return Ok(());
                     }
                     each(kind, &reply[off + 16..off + mlen]);
@@ -199,7 +200,7 @@ impl Rtnl {
     /// `/sys/class/net`: that shows the namespace sysfs was mounted in, which is not this
     /// one for a server started with `nsenter --net`.)
     pub(crate) fn link_names(&mut self) -> io::Result<Vec<String>> {
-        let mut m = Msg::new(libc::RTM_GETLINK, libc::NLM_F_DUMP as u16);
+        let mut m = Msg::new(libc::RTM_GETLINK, NLM_F_DUMP);
         m.ifinfo(0, false);
         self.send(&mut m)?;
         let mut names = Vec::new();
@@ -221,10 +222,7 @@ impl Rtnl {
 
     /// Creates bridge `name` (up).
     pub(crate) fn add_bridge(&mut self, name: &str) -> io::Result<()> {
-        let mut m = Msg::new(
-            libc::RTM_NEWLINK,
-            (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16,
-        );
+        let mut m = Msg::new(libc::RTM_NEWLINK, NLM_F_CREATE_EXCL);
         m.ifinfo(0, true).attr_str(IFLA_IFNAME, name);
         let info = m.begin(IFLA_LINKINFO);
         m.attr_str(IFLA_INFO_KIND, "bridge");
@@ -241,20 +239,17 @@ impl Rtnl {
         peer: &str,
         netns: &OwnedFd,
     ) -> io::Result<()> {
-        let mut m = Msg::new(
-            libc::RTM_NEWLINK,
-            (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16,
-        );
+        let mut m = Msg::new(libc::RTM_NEWLINK, NLM_F_CREATE_EXCL);
         m.ifinfo(0, false)
             .attr_str(IFLA_IFNAME, host)
-            .attr(IFLA_MASTER, &(master as u32).to_ne_bytes());
+            .attr(IFLA_MASTER, &master.to_ne_bytes());
         let info = m.begin(IFLA_LINKINFO);
         m.attr_str(IFLA_INFO_KIND, "veth");
         let data = m.begin(IFLA_INFO_DATA);
         let p = m.begin(VETH_INFO_PEER);
         m.ifinfo(0, false)
             .attr_str(IFLA_IFNAME, peer)
-            .attr(IFLA_NET_NS_FD, &(netns.as_raw_fd() as u32).to_ne_bytes());
+            .attr(IFLA_NET_NS_FD, &netns.as_raw_fd().to_ne_bytes());
         m.end(p);
         m.end(data);
         m.end(info);
@@ -280,14 +275,11 @@ impl Rtnl {
 
     /// Adds `addr/prefix` to interface `index`.
     pub(crate) fn add_addr(&mut self, index: i32, addr: Ipv4Addr, prefix: u8) -> io::Result<()> {
-        let mut m = Msg::new(
-            libc::RTM_NEWADDR,
-            (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16,
-        );
+        let mut m = Msg::new(libc::RTM_NEWADDR, NLM_F_CREATE_EXCL);
         let mut ifa = [0u8; 8];
-        ifa[0] = libc::AF_INET as u8;
+        ifa[0] = AF_INET;
         ifa[1] = prefix;
-        ifa[4..8].copy_from_slice(&(index as u32).to_ne_bytes());
+        ifa[4..8].copy_from_slice(&index.to_ne_bytes());
         m.raw(&ifa)
             .attr(IFA_LOCAL, &addr.octets())
             .attr(IFA_ADDRESS, &addr.octets());
@@ -296,12 +288,9 @@ impl Rtnl {
 
     /// Adds a default route via `gateway` on interface `index`.
     pub(crate) fn add_default_route(&mut self, index: i32, gateway: Ipv4Addr) -> io::Result<()> {
-        let mut m = Msg::new(
-            libc::RTM_NEWROUTE,
-            (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16,
-        );
+        let mut m = Msg::new(libc::RTM_NEWROUTE, NLM_F_CREATE_EXCL);
         let rtm = [
-            libc::AF_INET as u8,
+            AF_INET,
             0, // dst_len
             0, // src_len
             0, // tos
@@ -316,7 +305,7 @@ impl Rtnl {
         ];
         m.raw(&rtm)
             .attr(RTA_GATEWAY, &gateway.octets())
-            .attr(RTA_OIF, &(index as u32).to_ne_bytes());
+            .attr(RTA_OIF, &index.to_ne_bytes());
         self.call(&mut m)
     }
 }
@@ -341,11 +330,11 @@ pub(crate) fn in_netns<T: Send>(
 ) -> io::Result<T> {
     std::thread::scope(|s| {
         s.spawn(|| {
-            // SAFETY: `netns` is an open network-namespace descriptor; setns affects only
-            // this thread, which exits right after `f`.
-            if unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
+            // setns affects only this thread, which exits right after `f`.
+            rustix::thread::move_into_link_name_space(
+                netns.as_fd(),
+                Some(rustix::thread::LinkNameSpaceType::Network),
+            )?;
             f()
         })
         .join()
@@ -378,7 +367,7 @@ impl NfLog {
     /// Binds nflog group `group`, copying `range` bytes of each packet; receives time out
     /// after `timeout`, so the reader can notice it should stop.
     pub(crate) fn bind(group: u16, range: u32, timeout: std::time::Duration) -> io::Result<NfLog> {
-        let mut sock = Rtnl::open_protocol(libc::NETLINK_NETFILTER)?;
+        let mut sock = Rtnl::open_protocol(Some(netlink::NETFILTER))?;
         let kind = (NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_CONFIG;
         let mut genmsg = [0u8; 4];
         genmsg[2..4].copy_from_slice(&group.to_be_bytes());
@@ -390,42 +379,21 @@ impl NfLog {
         let mut m = Msg::new(kind, 0);
         m.raw(&genmsg).attr(NFULA_CFG_MODE, &mode);
         sock.call(&mut m)?;
-        let tv = libc::timeval {
-            tv_sec: timeout.as_secs() as libc::time_t,
-            tv_usec: timeout.subsec_micros() as libc::suseconds_t,
-        };
-        // SAFETY: `tv` is a valid timeval that outlives the call; the length is its size.
-        let rc = unsafe {
-            libc::setsockopt(
-                sock.fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                std::ptr::addr_of!(tv).cast(),
-                std::mem::size_of::<libc::timeval>() as u32,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        rustix::net::sockopt::set_socket_timeout(
+            &sock.fd,
+            rustix::net::sockopt::Timeout::Recv,
+            Some(timeout),
+        )?;
         Ok(NfLog { sock })
     }
 
     /// The packets of the next datagram (empty after a timeout or a dropped burst).
     pub(crate) fn recv(&self) -> Vec<Logged> {
         let mut buf = [0u8; 16384];
-        // SAFETY: `buf` is writable for its whole length.
-        let n = unsafe {
-            libc::recv(
-                self.sock.fd.as_raw_fd(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                0,
-            )
-        };
-        if n <= 0 {
-            return Vec::new();
+        match rustix::net::recv(&self.sock.fd, &mut buf[..], RecvFlags::empty()) {
+            Ok((n, _)) if n > 0 => parse_nflog(&buf[..n]),
+            _ => Vec::new(),
         }
-        parse_nflog(&buf[..n as usize])
     }
 }
 

@@ -7,7 +7,6 @@
 //! the original destination and copies both ways.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -45,26 +44,7 @@ pub(crate) struct Proxy {
 
 /// The destination a connection had before `redirect` (`SO_ORIGINAL_DST`).
 fn original_dst(conn: &TcpStream) -> std::io::Result<SocketAddrV4> {
-    // SAFETY: an all-zero sockaddr_in is a valid value to be overwritten.
-    let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: `addr` and `len` are valid for writes and describe the same buffer.
-    let rc = unsafe {
-        libc::getsockopt(
-            conn.as_raw_fd(),
-            libc::SOL_IP,
-            libc::SO_ORIGINAL_DST,
-            std::ptr::addr_of_mut!(addr).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(SocketAddrV4::new(
-        Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr)),
-        u16::from_be(addr.sin_port),
-    ))
+    Ok(rustix::net::sockopt::ip_original_dst(conn)?)
 }
 
 /// The server name of a TLS ClientHello: `Some(Some(name))`, `Some(None)` when the hello
@@ -329,27 +309,28 @@ mod tests {
     use super::*;
 
     fn client_hello(name: &str) -> Vec<u8> {
+        let be16 = |n: usize| u16::try_from(n).unwrap().to_be_bytes();
         let mut sni_ext = Vec::new();
         let n = name.as_bytes();
-        sni_ext.extend_from_slice(&((n.len() + 3) as u16).to_be_bytes());
+        sni_ext.extend_from_slice(&be16(n.len() + 3));
         sni_ext.push(0);
-        sni_ext.extend_from_slice(&(n.len() as u16).to_be_bytes());
+        sni_ext.extend_from_slice(&be16(n.len()));
         sni_ext.extend_from_slice(n);
         let mut exts = vec![0, 0];
-        exts.extend_from_slice(&(sni_ext.len() as u16).to_be_bytes());
+        exts.extend_from_slice(&be16(sni_ext.len()));
         exts.extend_from_slice(&sni_ext);
         let mut body = vec![3, 3];
         body.extend_from_slice(&[0; 32]);
         body.push(0); // session id
         body.extend_from_slice(&[0, 2, 0x13, 0x01]); // one suite
         body.extend_from_slice(&[1, 0]); // null compression
-        body.extend_from_slice(&(exts.len() as u16).to_be_bytes());
+        body.extend_from_slice(&be16(exts.len()));
         body.extend_from_slice(&exts);
         let mut hs = vec![1];
-        hs.extend_from_slice(&(body.len() as u32).to_be_bytes()[1..]);
+        hs.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes()[1..]);
         hs.extend_from_slice(&body);
         let mut rec = vec![0x16, 3, 1];
-        rec.extend_from_slice(&(hs.len() as u16).to_be_bytes());
+        rec.extend_from_slice(&be16(hs.len()));
         rec.extend_from_slice(&hs);
         rec
     }

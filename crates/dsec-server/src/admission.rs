@@ -98,14 +98,10 @@ impl HostResources {
 }
 
 fn physical_memory_mb() -> u64 {
-    // SAFETY: sysconf takes an integer and returns an integer.
-    let (pages, page_size) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    (pages.max(0) as u64 * page_size.max(0) as u64) >> 20
+    // What sysconf(_SC_PHYS_PAGES) reads, in bytes rather than whole pages (the same
+    // figure once in MiB).
+    let info = rustix::system::sysinfo();
+    info.totalram.saturating_mul(u64::from(info.mem_unit)) >> 20
 }
 
 /// What all sandboxes together may use: the host less its reserve. Written on the
@@ -194,6 +190,8 @@ impl Drop for Grant {
 impl Admission {
     /// A budget of `config`'s overcommit times `capacity`, nothing promised yet.
     pub fn new(capacity: Capacity, config: AdmissionConfig) -> Arc<Admission> {
+        // A positive ratio of a capacity: `as` from f64 saturates.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let budget = |capacity: u64, ratio: f64| (capacity as f64 * ratio).floor() as u64;
         Arc::new(Admission {
             memory_budget_mb: budget(capacity.memory_mb, config.memory_overcommit),

@@ -290,6 +290,23 @@ fn host_cpus() -> f64 {
     n.max(1) as f64
 }
 
+/// Whole milliseconds, rounded up, of a timeout checked to be positive and at most
+/// `MAX_TTL_S`.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // bounded as said
+fn timeout_ms(timeout_s: f64) -> u64 {
+    (timeout_s * 1000.0).ceil() as u64
+}
+
+/// A limit as the API's signed field holds it (a `u64` past `i64::MAX` saturates).
+fn signed(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// A limit that [`check_range`] bounded below by zero, as a `u64`.
+fn unsigned(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
 fn check_range<T: PartialOrd + std::fmt::Display + Copy>(
     name: &str,
     value: T,
@@ -467,12 +484,12 @@ impl Edge {
         }
         let cpus = check_range("cpus", cpus, 0.01, self.host_cpus, " (this host's CPUs)")?;
         let capacity = self.admission.capacity();
-        let mem = req.memory_mb.unwrap_or(self.config.memory_mb as i64);
+        let mem = req.memory_mb.unwrap_or(signed(self.config.memory_mb));
         let mem = check_range(
             "memory_mb",
             mem,
-            MIN_MEMORY_MB as i64,
-            capacity.memory_mb as i64,
+            signed(MIN_MEMORY_MB),
+            signed(capacity.memory_mb),
             &format!(
                 " (what all sandboxes of this host may use together: {})",
                 capacity.memory_why
@@ -480,20 +497,20 @@ impl Edge {
         )?;
         // Refused rather than clamped: a sandbox must get the limit it asked for, and
         // one above the host's task limit could never be reached anyway.
-        let pids = req.pids.unwrap_or(self.config.pids as i64);
+        let pids = req.pids.unwrap_or(signed(self.config.pids));
         let pids = check_range(
             "pids",
             pids,
-            MIN_PIDS as i64,
-            capacity.pids as i64,
+            signed(MIN_PIDS),
+            signed(capacity.pids),
             &format!(
                 " (the tasks all sandboxes of this host may hold together: {})",
                 capacity.pids_why
             ),
         )?;
-        let disk = req.disk_mb.unwrap_or(self.config.disk_mb as i64);
-        let disk = check_range("disk_mb", disk, 1, MAX_DISK_MB as i64, "")?;
-        Ok((cpus, mem as u64, pids as u64, disk as u64))
+        let disk = req.disk_mb.unwrap_or(signed(self.config.disk_mb));
+        let disk = check_range("disk_mb", disk, 1, signed(MAX_DISK_MB), "")?;
+        Ok((cpus, unsigned(mem), unsigned(pids), unsigned(disk)))
     }
 
     /// Creates a sandbox.
@@ -576,9 +593,9 @@ impl Edge {
             created_at: unix_now(),
             limits: Limits {
                 cpus: Some(cpus),
-                memory_mb: Some(memory_mb as i64),
-                pids: Some(pids as i64),
-                disk_mb: Some(disk_mb as i64),
+                memory_mb: Some(signed(memory_mb)),
+                pids: Some(signed(pids)),
+                disk_mb: Some(signed(disk_mb)),
             },
             ttl_s,
             idle_ttl_s,
@@ -727,7 +744,7 @@ impl Edge {
     /// parent is snapshotted once (image `<id>-fork-<random>`, listed with the others so
     /// it can be deleted once the forks are done) and each child starts from it.
     pub async fn fork(&self, id: &str, n: i64) -> Result<Vec<SandboxInfo>, ApiError> {
-        let n = check_range("n", n, 1, MAX_FORKS, "")? as usize;
+        let n = usize::try_from(check_range("n", n, 1, MAX_FORKS, "")?).unwrap_or_default();
         let parent = self.entry(id)?;
         // Holding the parent's trajectory position keeps its next step out until the fork
         // is done: the snapshot and the inherited steps describe the same point.
@@ -889,7 +906,13 @@ impl Edge {
         }
         let max_output = match req.max_output_bytes {
             None => self.config.max_output_bytes,
-            Some(n) => check_range("max_output_bytes", n, 0, MAX_OUTPUT_BYTES as i64, "")? as u64,
+            Some(n) => unsigned(check_range(
+                "max_output_bytes",
+                n,
+                0,
+                signed(MAX_OUTPUT_BYTES),
+                "",
+            )?),
         };
         let cwd = req.cwd.unwrap_or_else(|| entry.workdir.clone());
         check_absolute("cwd", &cwd)?;
@@ -956,7 +979,7 @@ impl Edge {
                 cwd,
                 stdin,
                 files,
-                timeout_ms: (timeout_s * 1000.0).ceil() as u64,
+                timeout_ms: timeout_ms(timeout_s),
                 max_output_bytes: max_output,
             })
             .await;

@@ -156,9 +156,27 @@ pub trait Membership: Send + Sync {
     async fn serve(&self, edge: Arc<Edge>, stop: tokio::sync::watch::Receiver<bool>);
 }
 
+/// The state directory's `flock(2)`, held while the server runs. Released explicitly on
+/// drop: a forked child holding a copy of the descriptor must not keep it.
+struct StateLock(std::fs::File);
+
+impl StateLock {
+    /// Takes the lock on `file` without waiting.
+    fn take(file: std::fs::File) -> rustix::io::Result<StateLock> {
+        rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)?;
+        Ok(StateLock(file))
+    }
+}
+
+impl Drop for StateLock {
+    fn drop(&mut self) {
+        let _ = rustix::fs::flock(&self.0, rustix::fs::FlockOperation::Unlock);
+    }
+}
+
 /// What [`HostSetup::prepare`] made, handed to [`run`].
 pub struct HostSetup {
-    _lock: nix::fcntl::Flock<std::fs::File>,
+    _lock: StateLock,
     layout: CgroupLayout,
     capacity: Capacity,
     zygote: Zygote,
@@ -184,7 +202,8 @@ fn state_tag(state_dir: &Path) -> String {
         .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
             (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
         });
-    format!("{:08x}", hash as u32)
+    // The low 32 bits of the hash name the directory.
+    format!("{:08x}", hash & 0xffff_ffff)
 }
 
 impl HostSetup {
@@ -207,8 +226,8 @@ impl HostSetup {
         private_state_dir(state)?;
         std::fs::create_dir_all(state.join("sandboxes")).map_err(state_err(state))?;
         let lock_file = std::fs::File::create(state.join("lock")).map_err(state_err(state))?;
-        let lock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusiveNonblock)
-            .map_err(|_| ServeError::StateDirLocked(state.clone()))?;
+        let lock =
+            StateLock::take(lock_file).map_err(|_| ServeError::StateDirLocked(state.clone()))?;
         let canonical = state.canonicalize().map_err(state_err(state))?;
         let images = state.join("images");
         std::fs::create_dir_all(&images).map_err(state_err(state))?;
@@ -250,7 +269,7 @@ fn private_state_dir(state: &Path) -> Result<(), ServeError> {
         .create(state)
         .map_err(state_err(state))?;
     let meta = std::fs::metadata(state).map_err(state_err(state))?;
-    let server = nix::unistd::geteuid().as_raw();
+    let server = rustix::process::geteuid().as_raw();
     if meta.uid() != server {
         return Err(ServeError::StateDirOwner {
             path: state.to_owned(),
@@ -534,9 +553,10 @@ fn open_images(config: &ServerConfig, tag: &str) -> Result<ImageStore, ServeErro
             }
         }
     }
-    let host = nix::unistd::gethostname()
-        .map(|h| h.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| "host".into());
+    let host = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned();
     let store = ImageStore::open(&root, &local, &format!("{host}-{tag}"))?;
     if let Some(registry) = &config.registry {
         store.share_through(registry.clone());

@@ -88,7 +88,7 @@ async fn measure(db: &Database, sync: SyncMode, clients: usize, appends: usize) 
         .map(|c| {
             let (log, id) = (log.clone(), format!("{run}-{c}"));
             tokio::spawn(async move {
-                for n in 0..per as i64 {
+                for n in 0..i64::try_from(per).expect("a step count fits i64") {
                     log.append(step(&id, n)).wait().await.unwrap();
                 }
             })

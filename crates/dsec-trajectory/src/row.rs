@@ -6,6 +6,16 @@ use std::fmt::Display;
 use crate::error::LogError;
 use crate::model::{Step, StepRequest, StepResult};
 
+/// A byte count as SQL's INTEGER holds it: saturating at `i64::MAX`, never wrapping.
+pub(crate) fn sql_int(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// A byte count read back from SQL: a negative one (never written) reads as 0.
+pub(crate) fn sql_count(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
 /// The columns of a step, after `trajectory`, in the order both stores read them.
 pub(crate) const STEP_COLUMNS: &str =
     "step, trajectory_id, sandbox_id, argv, env, cwd, stdin_sha256, \

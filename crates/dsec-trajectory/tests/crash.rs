@@ -137,7 +137,11 @@ fn kill_and_check(name: &str, sync: &str, db: &Database) {
                 .unwrap()
                 .unwrap();
             let steps: Vec<i64> = log.steps.iter().map(|s| s.step).collect();
-            assert_eq!(steps, (0..steps.len() as i64).collect::<Vec<_>>(), "{sync}");
+            assert_eq!(
+                steps,
+                (0..i64::try_from(steps.len()).unwrap()).collect::<Vec<_>>(),
+                "{sync}"
+            );
             assert!(log.stopped_at.is_some(), "{sync}: not marked stopped");
             shares += log.bytes;
         }

@@ -137,7 +137,8 @@ fn check_static(elf: &[u8], path: &Path) -> Result<(), VmError> {
         return Err(bad("is not a 64-bit ELF executable"));
     }
     let u16_at = |o: usize| u16::from_le_bytes([elf[o], elf[o + 1]]) as usize;
-    let phoff = u64::from_le_bytes(elf[32..40].try_into().expect("8 bytes")) as usize;
+    let phoff = usize::try_from(u64::from_le_bytes(elf[32..40].try_into().expect("8 bytes")))
+        .map_err(|_| bad("has its program headers out of range"))?;
     let (phentsize, phnum) = (u16_at(54), u16_at(56));
     for i in 0..phnum {
         let at = phoff + i * phentsize;
@@ -225,10 +226,14 @@ fn write_initramfs(target: &Path, agent: &[u8], modules: &[PathBuf]) -> Result<(
         };
         let file =
             |out: &mut dyn Write, name: &str, mode: u32, data: &[u8]| -> std::io::Result<()> {
+                // A newc entry's size is 32 bits: a larger file cannot be archived.
+                let size = u32::try_from(data.len()).map_err(|_| {
+                    std::io::Error::other(format!("{name}: over 4 GiB, too large for a cpio entry"))
+                })?;
                 let mut w = cpio::NewcBuilder::new(name)
                     .mode(0o100000 | mode)
                     .nlink(1)
-                    .write(out, data.len() as u32);
+                    .write(out, size);
                 w.write_all(data)?;
                 w.finish()?;
                 Ok(())

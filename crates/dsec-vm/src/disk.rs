@@ -221,10 +221,11 @@ mod tests {
         std::fs::write(lower.join("deleted"), b"2").unwrap();
         std::fs::write(upper.join("added"), b"3").unwrap();
         // An overlayfs whiteout: the upper layer deletes `deleted`.
-        nix::sys::stat::mknod(
-            &upper.join("deleted"),
-            nix::sys::stat::SFlag::S_IFCHR,
-            nix::sys::stat::Mode::from_bits_truncate(0o644),
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            upper.join("deleted"),
+            rustix::fs::FileType::CharacterDevice,
+            rustix::fs::Mode::from_bits_truncate(0o644),
             0,
         )
         .unwrap();

@@ -166,7 +166,10 @@ fn host_tsc_khz() -> Option<u64> {
         .trim()
         .parse()
         .ok()?;
-    Some((mhz * 1000.0) as u64)
+    // A positive frequency far below u64::MAX kHz; `as` from f64 saturates regardless.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let khz = (mhz * 1000.0) as u64;
+    Some(khz)
 }
 
 /// QEMU's arguments for a VM of `hw` in `dir`.
@@ -374,9 +377,12 @@ impl Vm {
             VmError::Unavailable(format!("cannot run {QEMU} ({e}); run scripts/setup.sh"))
         })?;
         drop((agent_qemu, qmp_qemu));
-        let pid = child
-            .id()
-            .expect("a child that was not waited for has a pid") as i32;
+        let pid = i32::try_from(
+            child
+                .id()
+                .expect("a child that was not waited for has a pid"),
+        )
+        .expect("a pid is a pid_t");
         let pidfd = rustix::process::pidfd_open(
             rustix::process::Pid::from_raw(pid).expect("positive pid"),
             rustix::process::PidfdFlags::empty(),

@@ -102,6 +102,8 @@ fn render(event: &serde_json::Value) -> String {
 
 /// A Unix time as `YYYY-MM-DDTHH:MM:SS.mmmZ` (civil-from-days, proleptic Gregorian).
 fn chrono_free_utc(time: f64) -> String {
+    // A Unix time in ms is far inside i64; `as` from f64 saturates regardless.
+    #[allow(clippy::cast_possible_truncation)]
     let millis = (time * 1000.0) as i64;
     let (days, ms) = (millis.div_euclid(86_400_000), millis.rem_euclid(86_400_000));
     let z = days + 719_468;

@@ -657,7 +657,7 @@ fn read_token(path: Option<&PathBuf>) -> Result<Option<String>> {
 fn edge(args: EdgeArgs) -> Result<()> {
     let name = match &args.serve.edge_name {
         Some(name) => name.clone(),
-        None => nix_hostname()?,
+        None => hostname(),
     };
     dsec_fleet::check_edge_name(&name)?;
     let advertise = args
@@ -674,15 +674,12 @@ fn edge(args: EdgeArgs) -> Result<()> {
     serve(serve_args, Some(std::sync::Arc::new(membership)))
 }
 
-fn nix_hostname() -> Result<String> {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most buf.len() bytes into buf.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        bail!("reading the host name: {}", std::io::Error::last_os_error());
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
+/// The host name, as gethostname(2) reads it (the kernel's `uname` node name).
+fn hostname() -> String {
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
 }
 
 fn apiserver(args: ApiserverArgs) -> Result<()> {

@@ -49,6 +49,9 @@ fn parse_query(query: &str) -> Result<EventsQuery, ApiError> {
                 ))
             })
     };
+    // Finite and non-negative: `as` drops the fraction and saturates.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let whole = |key: &str, value: &str| number(key, value).map(|n| n as u64);
     for (key, value) in form_pairs(query) {
         match key.as_str() {
             "sandbox" => q.filter.sandbox = Some(value),
@@ -65,8 +68,8 @@ fn parse_query(query: &str) -> Result<EventsQuery, ApiError> {
                     .map(str::to_owned),
             ),
             "since" => q.filter.since = Some(number("since", &value)?),
-            "after" => q.filter.after = Some(number("after", &value)? as u64),
-            "limit" => q.limit = number("limit", &value)? as usize,
+            "after" => q.filter.after = Some(whole("after", &value)?),
+            "limit" => q.limit = usize::try_from(whole("limit", &value)?).unwrap_or(usize::MAX),
             "follow" => {
                 q.follow = match value.as_str() {
                     "" | "1" | "true" => true,

@@ -260,7 +260,7 @@ mod tests {
         let pieces: Vec<Result<Bytes, String>> = pieces
             .iter()
             .enumerate()
-            .map(|(i, n)| Ok(Bytes::from(vec![i as u8; *n])))
+            .map(|(i, n)| Ok(Bytes::from(vec![u8::try_from(i).unwrap(); *n])))
             .collect();
         Upload::new(futures::stream::iter(pieces), declared)
     }

@@ -206,10 +206,13 @@ impl FnCallBackend {
 
     async fn pool(&self, req: &SandboxRequest) -> Result<Arc<Pool>, ApiError> {
         let image = self.images.resolve(&req.image).await?;
+        // CPUs the edge checked to a small positive number; `as` from f64 saturates.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let millicpus = (req.cpus * 1000.0).round() as u64;
         let key = PoolKey {
             image: req.image.clone(),
             image_id: image.id.clone(),
-            millicpus: (req.cpus * 1000.0).round() as u64,
+            millicpus,
             memory_mb: req.memory_mb,
             pids: req.pids,
             disk_mb: req.disk_mb,
@@ -260,6 +263,8 @@ impl FnCallBackend {
             let target = if idle {
                 0
             } else {
+                // A non-negative count of creates; `as` from f64 saturates.
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
                 let by_rate =
                     (pool.rate_per_s(now) as f64 * REFILL_HORIZON.as_secs_f64()).ceil() as usize;
                 (by_rate + pool.waiting.load(Ordering::Acquire))

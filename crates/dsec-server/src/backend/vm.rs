@@ -384,10 +384,12 @@ impl VmHost {
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok());
             if let Some(r) = record {
-                if Stat::read(r.qemu_pid).map(|s| s.start_ticks) == Some(r.start_ticks) {
-                    // SAFETY: kill(2) with integer arguments, on the QEMU our record names,
-                    // whose start time still matches.
-                    unsafe { libc::kill(r.qemu_pid, libc::SIGKILL) };
+                // The QEMU our record names, while its start time still matches.
+                let qemu = rustix::process::Pid::from_raw(r.qemu_pid);
+                if let Some(qemu) = qemu.filter(|_| {
+                    Stat::read(r.qemu_pid).map(|s| s.start_ticks) == Some(r.start_ticks)
+                }) {
+                    let _ = rustix::process::kill_process(qemu, rustix::process::Signal::KILL);
                 }
             }
             let _ = std::fs::remove_dir_all(entry.path());
@@ -474,10 +476,13 @@ impl Backend for VmBackend {
         let host = &self.host;
         let image = host.images.resolve(&req.image).await?;
         let assets = host.assets().await?;
+        // CPUs the edge checked to a small positive number; `as` from f64 saturates.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let vcpus = req.cpus.ceil().max(1.0) as u32;
         let hardware = Hardware {
             machine: self.machine,
             accel: host.accel().await?,
-            vcpus: req.cpus.ceil().max(1.0) as u32,
+            vcpus,
             memory_mb: req.memory_mb,
         };
         let held = host.images.blobs(&image)?;

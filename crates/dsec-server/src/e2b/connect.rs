@@ -461,7 +461,7 @@ mod tests {
     fn the_sdks_captured_start_request_decodes() {
         let mut d = EnvelopeDecoder::new(1 << 20);
         let json = br#"{"process":{"cmd":"/bin/bash"},"stdin":false}"#;
-        d.push(&[0, 0, 0, 0, json.len() as u8]);
+        d.push(&[0, 0, 0, 0, u8::try_from(json.len()).unwrap()]);
         d.push(json);
         assert_eq!(d.next_message().unwrap().unwrap(), Bytes::from(&json[..]));
     }

@@ -344,9 +344,26 @@ struct Lifecycle {
     on_timeout: &'static str,
 }
 
+/// CPUs as E2B counts them: whole, at least one.
+// A small positive count (the edge checks it); `as` from f64 saturates.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn whole_cpus(cpus: f64) -> u32 {
+    cpus.ceil().max(1.0) as u32
+}
+
+/// The whole seconds of Unix time `unix`.
+// `as` from f64 saturates; a Unix time is far inside i64.
+#[allow(clippy::cast_possible_truncation)]
+fn unix_secs(unix: f64) -> i64 {
+    unix as i64
+}
+
 /// A sandbox that never times out reports this end.
 const NEVER: &str = "9999-12-31T23:59:59Z";
 
+// Whole seconds of a Unix time, and a fraction's nanoseconds in 0..1e9: `as` from f64
+// saturates, and chrono rejects what is out of its range.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 fn rfc3339(unix: f64) -> String {
     let secs = unix.floor() as i64;
     let nanos = ((unix - unix.floor()) * 1e9) as u32;
@@ -364,7 +381,7 @@ impl DetailBody {
             client_id: client_id(&s),
             started_at: rfc3339(s.info.created_at),
             end_at: s.end_at.map_or_else(|| NEVER.to_owned(), rfc3339),
-            cpu_count: limits.cpus.map_or(1, |c| c.ceil().max(1.0) as u32),
+            cpu_count: limits.cpus.map_or(1, whole_cpus),
             memory_mb: limits.memory_mb.unwrap_or_default(),
             disk_size_mb: limits.disk_mb.unwrap_or_default(),
             metadata: s.info.labels.clone(),
@@ -731,14 +748,17 @@ impl Metric {
         let elapsed_ms = ((now - s.info.created_at) * 1000.0).max(1.0);
         Metric {
             timestamp: rfc3339(now),
-            timestamp_unix: now as i64,
-            cpu_count: cpus.ceil() as u32,
+            timestamp_unix: unix_secs(now),
+            cpu_count: whole_cpus(cpus),
             cpu_used_pct: (s.info.usage.cpu_ms / elapsed_ms / cpus * 100.0).clamp(0.0, 100.0),
             mem_used: s.info.usage.memory_bytes,
-            mem_total: limits.memory_mb.map_or(0, |m| m.max(0) as u64) << 20,
+            mem_total: limits
+                .memory_mb
+                .map_or(0, |m| u64::try_from(m).unwrap_or(0))
+                << 20,
             mem_cache: 0,
             disk_used: 0,
-            disk_total: limits.disk_mb.map_or(0, |m| m.max(0) as u64) << 20,
+            disk_total: limits.disk_mb.map_or(0, |m| u64::try_from(m).unwrap_or(0)) << 20,
         }
     }
 }

@@ -400,7 +400,10 @@ impl E2b {
             .get(id)
             .map(|r| r.timeout_s);
         match timeout {
-            Some(t) => Ok(self.connect(id, t as i64).await?.1),
+            Some(t) => Ok(self
+                .connect(id, i64::try_from(t).unwrap_or(i64::MAX))
+                .await?
+                .1),
             None => {
                 self.edge.resume(id).await?;
                 self.get(id)
@@ -578,7 +581,7 @@ mod tests {
         assert_eq!(check_timeout(300).unwrap(), 300);
         assert!(check_timeout(0).is_err());
         assert!(check_timeout(-5).is_err());
-        assert!(check_timeout(MAX_TIMEOUT_S as i64 + 1).is_err());
+        assert!(check_timeout(i64::try_from(MAX_TIMEOUT_S).unwrap() + 1).is_err());
     }
 
     #[test]

@@ -228,7 +228,11 @@ fn memory(obj: &Map<String, Value>) -> Result<Option<u64>, Invalid> {
         Value::Number(n) => n.as_i64().or_else(|| {
             n.as_f64()
                 .filter(|f| f.fract() == 0.0 && f.abs() < 9e15)
-                .map(|f| f as i64)
+                // A whole number within ±9e15: exact in i64.
+                .map(
+                    #[allow(clippy::cast_possible_truncation)]
+                    |f| f as i64,
+                )
         }),
         Value::String(s) => s.trim().parse::<i64>().ok(),
         Value::Bool(b) => Some(i64::from(*b)),
@@ -242,7 +246,7 @@ fn memory(obj: &Map<String, Value>) -> Result<Option<u64>, Invalid> {
             v,
         )),
         Some(n) if n <= 0 => Ok(None),
-        Some(n) => Ok(Some(n as u64)),
+        Some(n) => Ok(u64::try_from(n).ok()),
     }
 }
 

@@ -160,10 +160,11 @@ mod tests {
         std::fs::write(lower.join("opt/a/f"), "").unwrap();
         std::fs::create_dir_all(upper.join("usr/bin")).unwrap();
         std::fs::create_dir_all(upper.join("opt/a")).unwrap();
-        nix::sys::stat::mknod(
-            &upper.join("usr/bin/gcc"),
-            nix::sys::stat::SFlag::S_IFCHR,
-            nix::sys::stat::Mode::empty(),
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            upper.join("usr/bin/gcc"),
+            rustix::fs::FileType::CharacterDevice,
+            rustix::fs::Mode::empty(),
             0,
         )
         .unwrap();

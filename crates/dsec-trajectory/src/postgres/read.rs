@@ -5,7 +5,7 @@ use tokio_postgres::{Client, Row};
 use super::{pg_err, Reader};
 use crate::error::LogError;
 use crate::model::{ExitStatus, SandboxLog, SandboxRecord, Step, StepResult};
-use crate::row::{RawStep, STEP_COLUMNS};
+use crate::row::{sql_count, RawStep, STEP_COLUMNS};
 
 /// The lookup each read connection prepares.
 pub(super) fn step_query() -> String {
@@ -18,7 +18,7 @@ fn text(r: &Row, i: usize) -> String {
 }
 
 fn count(r: &Row, i: usize) -> u64 {
-    r.get::<_, i64>(i).max(0) as u64
+    sql_count(r.get::<_, i64>(i))
 }
 
 /// A row of [`STEP_COLUMNS`].

@@ -6,6 +6,7 @@ use super::pg_err;
 use crate::budget::record_bytes;
 use crate::error::LogError;
 use crate::model::SandboxRecord;
+use crate::row::{sql_count, sql_int};
 
 /// The schema this build writes (`dsec_schema.version`).
 const SCHEMA_VERSION: i64 = 1;
@@ -139,7 +140,7 @@ pub(super) async fn stop_earlier_sandboxes(
         tx.execute(
             "UPDATE dsec_sandboxes SET stopped_at = $2, bytes = $3::int8 + (SELECT \
              coalesce(sum(bytes), 0)::int8 FROM dsec_steps WHERE trajectory = $4) WHERE id = $1",
-            &[&s.id, &now, &(record_bytes(&s) as i64), &s.trajectory()],
+            &[&s.id, &now, &sql_int(record_bytes(&s)), &s.trajectory()],
         )
         .await
         .map_err(err("marking earlier sandboxes stopped"))?;
@@ -156,5 +157,5 @@ pub(super) async fn stored_bytes(client: &Client, db: &str) -> Result<u64, LogEr
         .await
         .map_err(pg_err(db, "reading the log's size"))?
         .get(0);
-    Ok(total.max(0) as u64)
+    Ok(sql_count(total))
 }

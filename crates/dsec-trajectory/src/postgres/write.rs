@@ -11,7 +11,7 @@ use crate::budget::{record_bytes, Change, Delta, PruneRound, StepJson};
 use crate::error::LogError;
 use crate::job::{Job, Write};
 use crate::model::{json, SandboxRecord, Step};
-use crate::row::STEP_COLUMNS;
+use crate::row::{sql_count, sql_int, STEP_COLUMNS};
 use crate::SyncMode;
 
 /// The writer's connection, holding its edge name, with its prepared statements.
@@ -214,7 +214,7 @@ impl<'a> BatchWrite<'a> {
                     let share = store
                         .usage
                         .live(id, &self.admitted_delta)
-                        .map(|l| l.bytes as i64);
+                        .map(|l| sql_int(l.bytes));
                     c.execute(
                         "UPDATE dsec_sandboxes SET stopped_at = $2, bytes = coalesce($3, bytes) \
                          WHERE id = $1 AND stopped_at IS NULL",
@@ -238,7 +238,7 @@ impl<'a> BatchWrite<'a> {
             c.execute(
                 "INSERT INTO dsec_usage (edge, bytes) VALUES ($1, $2) \
                  ON CONFLICT (edge) DO UPDATE SET bytes = dsec_usage.bytes + EXCLUDED.bytes",
-                &[&store.edge, &(uncounted as i64)],
+                &[&store.edge, &sql_int(uncounted)],
             )
             .await
             .map_err(|e| pg_detail(&e))?;
@@ -293,7 +293,7 @@ async fn admit<C: GenericClient + Sync>(
                 tracing::debug!(sandbox = %step.sandbox_id, step = step.step, "trajectory log: step of a sandbox it does not hold (pruned after it stopped) not stored");
                 return Ok(None);
             };
-            row.get::<_, i64>(0).max(0) as u64
+            sql_count(row.get::<_, i64>(0))
         }
     };
     let row = StepJson::new(step);
@@ -356,8 +356,8 @@ async fn insert_steps<C: GenericClient + Sync>(
         .collect();
     let flag = |f: fn(&Step) -> bool| steps.iter().map(|(s, _)| f(s)).collect::<Vec<_>>();
     let float = |f: fn(&Step) -> f64| steps.iter().map(|(s, _)| f(s)).collect::<Vec<_>>();
-    let int = |f: fn(&Step) -> u64| steps.iter().map(|(s, _)| f(s) as i64).collect::<Vec<_>>();
-    let bytes: Vec<i64> = admitted.iter().map(|a| a.bytes as i64).collect();
+    let int = |f: fn(&Step) -> u64| steps.iter().map(|(s, _)| sql_int(f(s))).collect::<Vec<_>>();
+    let bytes: Vec<i64> = admitted.iter().map(|a| sql_int(a.bytes)).collect();
     let rows = tx
         .query(
             insert,
@@ -415,7 +415,7 @@ async fn insert_steps<C: GenericClient + Sync>(
             // A stopped sandbox's step: its row carries its share.
             tx.execute(
                 "UPDATE dsec_sandboxes SET bytes = bytes + $2 WHERE id = $1",
-                &[&s.sandbox_id, &(a.bytes as i64)],
+                &[&s.sandbox_id, &sql_int(a.bytes)],
             )
             .await
             .map_err(|e| pg_detail(&e))?;
@@ -449,7 +449,7 @@ async fn register<C: GenericClient + Sync>(
                 &json(&s.env),
                 &s.created_at,
                 &edge,
-                &(own as i64),
+                &sql_int(own),
             ],
         )
         .await
@@ -505,7 +505,7 @@ async fn register<C: GenericClient + Sync>(
     };
     Ok(Ok(Change::Grew {
         id: s.id.clone(),
-        bytes: own + copied.max(0) as u64,
+        bytes: own + sql_count(copied),
         live: true,
         over_budget: false,
     }))
@@ -559,5 +559,5 @@ async fn prune_oldest(client: &mut Client) -> Result<Option<(String, u64)>, toki
     )
     .await?;
     tx.commit().await?;
-    Ok(Some((id, bytes.max(0) as u64)))
+    Ok(Some((id, sql_count(bytes))))
 }

@@ -119,8 +119,12 @@ impl Store {
             // The writer thread checkpoints when the WAL holds half its bound.
             SyncMode::Full => (wal_bytes / 2 / 4096).clamp(16, 1000),
         };
-        conn.pragma_update(None, "wal_autocheckpoint", autocheckpoint as i64)
-            .map_err(sqlite_err(path, "setting WAL mode"))?;
+        conn.pragma_update(
+            None,
+            "wal_autocheckpoint",
+            crate::row::sql_int(autocheckpoint),
+        )
+        .map_err(sqlite_err(path, "setting WAL mode"))?;
         let (jobs, writer) = match config.sync {
             SyncMode::Normal => (None, Writer::Inline),
             SyncMode::Full => {

@@ -7,7 +7,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use super::sqlite_err;
 use crate::error::LogError;
 use crate::model::{ExitStatus, SandboxLog, SandboxRecord, Step, StepResult};
-use crate::row::{RawStep, STEP_COLUMNS};
+use crate::row::{sql_count, RawStep, STEP_COLUMNS};
 
 /// The row's [`STEP_COLUMNS`], from column `at` on.
 pub(super) fn raw_step(r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<RawStep> {
@@ -125,6 +125,6 @@ pub(super) fn sandbox_log(
         sandbox,
         steps,
         stopped_at,
-        bytes: bytes.max(0) as u64,
+        bytes: sql_count(bytes),
     }))
 }

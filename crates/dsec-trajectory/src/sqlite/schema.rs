@@ -9,7 +9,7 @@ use super::sqlite_err;
 use crate::budget::{record_bytes, StepJson};
 use crate::error::LogError;
 use crate::model::{digest, SandboxRecord};
-use crate::row::STEP_COLUMNS;
+use crate::row::{sql_count, STEP_COLUMNS};
 
 /// The schema this build writes (`PRAGMA user_version`).
 pub(super) const SCHEMA_VERSION: i64 = 1;
@@ -187,7 +187,7 @@ pub(super) fn stop_earlier_sandboxes(conn: &mut Connection, path: &Path) -> Resu
         .map_err(err("reading the log's size"))?;
     tx.commit()
         .map_err(err("marking earlier sandboxes stopped"))?;
-    Ok(stored.max(0) as u64)
+    Ok(sql_count(stored))
 }
 
 /// A `sandboxes` row of `id, trajectory_id, image, backend, env, created_at` (an `env`

@@ -9,7 +9,7 @@ use crate::budget::{record_bytes, Change, Delta, StepJson, Usage};
 use crate::error::LogError;
 use crate::job::{CommitCounter, Job, Write};
 use crate::model::{json, SandboxRecord, Step};
-use crate::row::STEP_COLUMNS;
+use crate::row::{sql_count, STEP_COLUMNS};
 
 /// Writes `batch` in one transaction, applies what it changed to `usage`, counts the
 /// commit, and answers each job once it is committed.
@@ -157,7 +157,7 @@ fn register(conn: &Connection, path: &Path, s: &SandboxRecord) -> Result<Change,
     };
     Ok(Change::Grew {
         id: s.id.clone(),
-        bytes: own + copied.max(0) as u64,
+        bytes: own + sql_count(copied),
         live: true,
         over_budget: false,
     })
@@ -184,7 +184,7 @@ fn append(
                 tracing::debug!(sandbox = %s.sandbox_id, step = s.step, "trajectory log: step of a sandbox it does not hold (pruned after it stopped) not stored");
                 return Ok(Change::None);
             };
-            bytes.max(0) as u64
+            sql_count(bytes)
         }
     };
     let row = StepJson::new(s);
@@ -270,5 +270,5 @@ pub(super) fn prune_oldest(conn: &mut Connection) -> rusqlite::Result<Option<(St
     )?;
     tx.execute("DELETE FROM sandboxes WHERE id = ?1", params![id])?;
     tx.commit()?;
-    Ok(Some((id, bytes.max(0) as u64)))
+    Ok(Some((id, sql_count(bytes))))
 }
