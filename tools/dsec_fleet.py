@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,15 +41,59 @@ def etcd_unavailable_reason() -> str | None:
     return None
 
 
-class Etcd:
+class _Service:
+    """A helper process of the fleet (etcd, a registry): started in a session of its own,
+    logging to ``log_path``, healthy once ``health_url`` answers 2xx, stopped by its pid."""
+
+    what = "service"
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def _spawn(self, argv: Sequence[str], health_url: str, timeout: float) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        proc = self.proc
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                raise ServerError(f"{self.what} exited with {proc.returncode}; see {self.log_path}")
+            try:
+                return httpx.get(health_url, timeout=1, trust_env=False).is_success
+            except httpx.TransportError:
+                return False
+
+        if not wait_until(healthy, timeout):
+            self.stop()
+            raise ServerError(f"{self.what} not healthy after {timeout}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+class Etcd(_Service):
     """One etcd member on loopback ports with its own data directory."""
 
+    what = "etcd"
+
     def __init__(self, data_dir: Path, *, log_path: Path) -> None:
+        super().__init__(log_path)
         self.data_dir = data_dir
-        self.log_path = log_path
         self.client_port = free_port()
         self.peer_port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -69,45 +112,19 @@ class Etcd:
             "--initial-cluster", f"dsec-test={peer}",
         ]  # fmt: skip
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerError(f"etcd exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1, trust_env=False).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise ServerError(f"etcd not healthy after {timeout}s; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        self._spawn(argv, self.url + "/health", timeout)
+        return self
 
 
-class OciRegistry:
+class OciRegistry(_Service):
     """One OCI registry (docker-registry) on a loopback port, storing in ``data_dir``."""
 
+    what = "the registry"
+
     def __init__(self, data_dir: Path, *, log_path: Path) -> None:
+        super().__init__(log_path)
         self.data_dir = data_dir
-        self.log_path = log_path
         self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def host(self) -> str:
@@ -121,34 +138,8 @@ class OciRegistry:
             f"    rootdirectory: {self.data_dir / 'data'}\n  delete:\n    enabled: true\n"
             f"http:\n  addr: {self.host}\n"
         )
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [REGISTRY_BIN, "serve", str(config)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-        def up() -> bool:
-            try:
-                return httpx.get(f"http://{self.host}/v2/", timeout=1, trust_env=False).is_success
-            except httpx.TransportError:
-                return False
-
-        if not wait_until(up, timeout):
-            self.stop()
-            raise ServerError(f"the registry did not start; see {self.log_path}")
+        self._spawn([REGISTRY_BIN, "serve", str(config)], f"http://{self.host}/v2/", timeout)
         return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
 
 
 class Edge(Server):
