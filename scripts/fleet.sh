@@ -12,7 +12,8 @@
 # Edge i lives in namespace dsec-fleet-e<i> at 10.231.<i>.2 (the host end of its veth is
 # 10.231.<i>.1, where etcd also listens); the shared services listen on 10.231.0.1 (an
 # address of the host's loopback device, routed from each edge's namespace): PostgreSQL
-# on :5433, the registry on :5000; apiservers listen on 127.0.0.1:7701 and :7702.
+# on :15433, the registry on :15000; apiservers listen on 127.0.0.1:7701 and :7702, etcd on
+# 127.0.0.1:12379 (ports off the packages' defaults, whose system services may be running).
 # Edges listen off loopback, so they require a token: the apiservers send the one in
 # $DSEC_FLEET_DIR/edge-token. Needs root (namespaces, veths, cgroups), Debian's
 # etcd-server, postgresql and docker-registry (scripts/setup.sh installs them).
@@ -22,11 +23,12 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 dir=${DSEC_FLEET_DIR:-/tmp/dsec-fleet}
 bin=${DSEC_BIN:-$repo/target/debug/dsec}
 etcd_bin=${DSEC_ETCD_BIN:-etcd}
-etcd_port=2379
+etcd_port=12379
+etcd_peer=http://127.0.0.1:12380
 api_ports=(7701 7702)
 shared_ip=10.231.0.1
-pg_port=5433
-registry_port=5000
+pg_port=15433
+registry_port=15000
 
 die() { echo "fleet.sh: $*" >&2; exit 1; }
 log() { echo "[fleet] $*"; }
@@ -84,8 +86,8 @@ up() {
     done
     start etcd "$etcd_bin" --name dsec-fleet --data-dir "$dir/etcd" \
         --listen-client-urls "$clients" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
-        --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
-        --initial-cluster dsec-fleet=http://127.0.0.1:2380
+        --listen-peer-urls "$etcd_peer" --initial-advertise-peer-urls "$etcd_peer" \
+        --initial-cluster "dsec-fleet=$etcd_peer"
     wait_http "http://127.0.0.1:$etcd_port/health" etcd
     log "etcd: http://127.0.0.1:$etcd_port"
     # PostgreSQL runs as its own user (it refuses root), exec'd by setpriv: the pid is the
