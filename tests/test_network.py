@@ -262,14 +262,14 @@ def reaches(sb: dsec.Sandbox, host: NsHost, port: int | None = None) -> bool:
 
 
 def own_server(
-    kind: type[Server], busybox_rootfs: Path, **kw: object
+    kind: type[Server], busybox_rootfs: Path, extra_args: tuple[str, ...] = (), **kw: object
 ) -> Iterator[tuple[Server, ipaddress.IPv4Network]]:
     """A running server of class `kind` with an address pool of its own, and the busybox
     image; stopped after, leaving nothing of its networking on the host."""
     pool = free_net16()
     d = make_tempdir("dsec-test-net-")
-    s = kind(d / "state", log_path=d / "server.log", extra_args=["--net-pool", str(pool)],
-             **kw)
+    s = kind(d / "state", log_path=d / "server.log",
+             extra_args=["--net-pool", str(pool), *extra_args], **kw)
     s.start()
     try:
         with s.client() as c:
@@ -400,6 +400,23 @@ def test_host_services_and_the_api_are_unreachable(make: Make, net_server: Runni
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_the_servers_own_services_are_unreachable_whatever_the_policy(
+    busybox_rootfs: Path, hosts: Hosts
+) -> None:
+    a, b = hosts
+    # Host b plays a service of the operator's (as the fleet's etcd, registry and database
+    # are, without the flag): sandboxes must not reach it even when a policy names it.
+    args = ("--protect", f"{b.ip}:8080")
+    for s, _ in own_server(Server, busybox_rootfs, extra_args=args):
+        with s.client() as c:
+            with c.create(image="busybox", network=True) as sb:
+                assert reaches(sb, a)
+                assert not reaches(sb, b) and not reaches(sb, b, 8081)
+            with c.create(image="busybox", network={"allow": [b.ip, a.ip]}) as sb:
+                assert reaches(sb, a)
+                assert not reaches(sb, b)
 
 
 def test_allow_list_of_ip_and_port(make: Make, hosts: Hosts, net_server: Running) -> None:

@@ -284,6 +284,10 @@ async fn keep_lease(
 
 #[async_trait::async_trait]
 impl dsec_server::Membership for EdgeMembership {
+    fn services(&self) -> Vec<String> {
+        self.endpoints.clone()
+    }
+
     async fn join(&self) -> Result<(), String> {
         let joined = self.register().await.map_err(|e| e.to_string())?;
         tracing::info!(edge = %self.name, url = %self.url, lease_ttl_s = self.ttl_s, "joined the fleet");

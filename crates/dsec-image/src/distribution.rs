@@ -86,6 +86,11 @@ impl Registry {
         Ok(registry)
     }
 
+    /// The registry's `host[:port]`.
+    pub fn host(&self) -> &str {
+        self.base.split('/').next().unwrap_or_default()
+    }
+
     /// Where image `name` is kept.
     pub fn reference(&self, name: &str) -> Result<Reference, ImageError> {
         let (repository, tag) = match name.rsplit_once(':') {
@@ -105,7 +110,7 @@ impl Registry {
 
     fn client(&self) -> Client {
         Client::new(ClientConfig {
-            protocol: protocol_for(self.base.split('/').next().unwrap_or_default()),
+            protocol: protocol_for(self.host()),
             ..ClientConfig::default()
         })
     }

@@ -412,6 +412,7 @@ fn make_host_state(
     explicit: Option<(Ipv4Addr, u8)>,
     state_dir: &str,
     mut names: Names,
+    protected: &[Ipv4Addr],
 ) -> Result<Made, String> {
     let registry = Registry::lock(Path::new(record::DIR))
         .map_err(|e| format!("locking {}: {e}", record::DIR))?;
@@ -451,6 +452,7 @@ fn make_host_state(
             &names,
             &format!("{}/{}", pool.0, pool.1),
             gateway,
+            protected,
         ))
         .map_err(|e| format!("installing nftables rules: {e}"))?;
         allow_through_iptables(&names.bridge, &names.table)?;
@@ -501,8 +503,19 @@ impl Networking {
     /// [`DEFAULT_RANGE`]. `state_dir` is recorded for people. Never fails: a host that
     /// cannot do it gets a `Networking` whose every attach is `Unavailable` with the
     /// reason.
-    pub async fn start(tag: &str, pool: Option<(Ipv4Addr, u8)>, state_dir: &Path) -> Networking {
-        let (state, record) = match Self::setup(tag, pool, &state_dir.display().to_string()).await {
+    ///
+    /// `protected` are the addresses of the services the server itself relies on (a
+    /// fleet's etcd, its registry, its trajectory database): no sandbox reaches them,
+    /// whatever its policy allows, so that an agent cannot rewrite the fleet's membership
+    /// or the images other sandboxes run.
+    pub async fn start(
+        tag: &str,
+        pool: Option<(Ipv4Addr, u8)>,
+        state_dir: &Path,
+        protected: Vec<Ipv4Addr>,
+    ) -> Networking {
+        let state_dir = state_dir.display().to_string();
+        let (state, record) = match Self::setup(tag, pool, &state_dir, protected).await {
             Ok((active, record)) => {
                 tracing::info!(bridge = %active.names.bridge,
                     pool = %format!("{}/{}", active.pool.0, active.pool.1), "sandbox networking ready");
@@ -524,6 +537,7 @@ impl Networking {
         tag: &str,
         pool: Option<(Ipv4Addr, u8)>,
         state_dir: &str,
+        protected: Vec<Ipv4Addr>,
     ) -> Result<(Active, Record), String> {
         // The event reader's nflog group must be bound before the rules name it.
         let (nflog, log_group) = events::bind(log_group(tag));
@@ -535,9 +549,10 @@ impl Networking {
             proxy_port: 0,
         };
         let (t, sd) = (tag.to_owned(), state_dir.to_owned());
-        let made = tokio::task::spawn_blocking(move || make_host_state(&t, pool, &sd, names))
-            .await
-            .map_err(|e| e.to_string())??;
+        let made =
+            tokio::task::spawn_blocking(move || make_host_state(&t, pool, &sd, names, &protected))
+                .await
+                .map_err(|e| e.to_string())??;
         let record = made.record;
         let (names, pool) = (made.names, made.pool);
         let gateway = Ipv4Addr::from(u32::from(pool.0) + 1);

@@ -130,13 +130,29 @@ pub(crate) fn query(args: &[&str]) -> Option<String> {
 }
 
 /// The server-wide tables.
-pub(crate) fn base(names: &Names, pool: &str, bridge_ip: Ipv4Addr) -> String {
+pub(crate) fn base(
+    names: &Names,
+    pool: &str,
+    bridge_ip: Ipv4Addr,
+    protected: &[Ipv4Addr],
+) -> String {
     let (t, br, ports) = (&names.table, &names.bridge, &names.veth_prefix);
     let log = names.log();
     let proxy = names.proxy_port;
     let local = MAX_LOCAL_PER_SANDBOX;
     let (dns_rate, dns_burst) = (DNS_PACKET_RATE, 2 * DNS_PACKET_RATE);
     let (conn_rate, conn_burst) = (LOCAL_CONNECTION_RATE, 2 * LOCAL_CONNECTION_RATE);
+    // The server's own services, refused before any sandbox's policy is looked at.
+    let protected = if protected.is_empty() {
+        String::new()
+    } else {
+        let list: Vec<String> = protected.iter().map(ToString::to_string).collect();
+        format!(
+            "iifname \"{br}\" ip daddr {{ {} }} {log}\n    iifname \"{br}\" ip daddr {{ {} }} counter reject with icmpx type admin-prohibited comment \"{REFUSED}\"\n    ",
+            list.join(", "),
+            list.join(", ")
+        )
+    };
     format!(
         "table inet {t} {{
   map sandboxes {{ type ipv4_addr : verdict; }}
@@ -149,7 +165,7 @@ pub(crate) fn base(names: &Names, pool: &str, bridge_ip: Ipv4Addr) -> String {
     type filter hook forward priority filter - 10; policy accept;
     oifname \"{br}\" ct state established,related accept
     oifname \"{br}\" counter drop
-    iifname \"{br}\" ip saddr vmap @sandboxes
+    {protected}iifname \"{br}\" ip saddr vmap @sandboxes
     iifname \"{br}\" counter reject with icmpx type admin-prohibited
   }}
   set local_conns {{ type ipv4_addr; size 65536; flags dynamic; }}
@@ -471,7 +487,7 @@ mod tests {
 
     #[test]
     fn the_base_tables_limit_each_sandbox_before_accepting() {
-        let s = base(&names(), "10.209.0.0/16", Ipv4Addr::new(10, 209, 0, 1));
+        let s = base(&names(), "10.209.0.0/16", Ipv4Addr::new(10, 209, 0, 1), &[]);
         let input: Vec<&str> = s
             .split("chain input {")
             .nth(1)
@@ -485,5 +501,21 @@ mod tests {
         assert!(at("dsec-limited:dns_udp_rate") < at("ct state established,related accept"));
         assert!(at("ct count over") < at("th dport 53 accept"));
         assert!(at("dsec-limited:local_connection_rate") < at("tcp dport 4242 accept"));
+    }
+
+    #[test]
+    fn protected_addresses_are_refused_before_any_sandbox_policy() {
+        let protected = [Ipv4Addr::new(10, 0, 0, 7), Ipv4Addr::new(10, 0, 0, 8)];
+        let s = base(
+            &names(),
+            "10.209.0.0/16",
+            Ipv4Addr::new(10, 209, 0, 1),
+            &protected,
+        );
+        let forward: Vec<&str> = s.split("chain forward {").nth(1).unwrap().lines().collect();
+        let at = |needle: &str| forward.iter().position(|l| l.contains(needle)).unwrap();
+        assert!(at("ip daddr { 10.0.0.7, 10.0.0.8 } counter reject") < at("vmap @sandboxes"));
+        let none = base(&names(), "10.209.0.0/16", Ipv4Addr::new(10, 209, 0, 1), &[]);
+        assert!(!none.contains("ip daddr {"));
     }
 }

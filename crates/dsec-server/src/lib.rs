@@ -71,6 +71,9 @@ pub struct ServerConfig {
     pub layer_store: Option<PathBuf>,
     /// The OCI registry a fleet's edges share images through (`--registry`).
     pub registry: Option<dsec_image::Registry>,
+    /// Hosts (`HOST[:PORT]` or URLs) no sandbox may reach (`--protect`), besides the
+    /// services the server relies on itself.
+    pub protect: Vec<String>,
     /// SandboxFusion's `/run_code`.
     pub sandboxfusion: sandboxfusion::SandboxFusionConfig,
     /// How much of the event stream is kept (in `<state-dir>/events/`).
@@ -154,6 +157,9 @@ pub trait Membership: Send + Sync {
     /// Publishes `edge`'s load until `stop` turns true, then leaves the fleet: called
     /// once the API listens; on shutdown awaited before the sandboxes stop.
     async fn serve(&self, edge: Arc<Edge>, stop: tokio::sync::watch::Receiver<bool>);
+    /// The services membership talks to (URLs or `host[:port]`): sandboxes may not reach
+    /// them.
+    fn services(&self) -> Vec<String>;
 }
 
 /// The state directory's `flock(2)`, held while the server runs. Released explicitly on
@@ -377,8 +383,10 @@ pub async fn run_with(
         config.edge.name.clone(),
     );
     // Sandbox networking: the bridge, nftables tables and resolver carry the same tag.
+    let protected = protected_services(&config, membership.as_deref()).await;
     let net = Arc::new(
-        dsec_net::Networking::start(&docker_tag, config.net_pool, &config.state_dir).await,
+        dsec_net::Networking::start(&docker_tag, config.net_pool, &config.state_dir, protected)
+            .await,
     );
     let docker = Arc::new(DockerBackend::new(docker_tag));
     // Before serving, so that a server stopped right after it started still cleans up.
@@ -564,6 +572,58 @@ fn open_images(config: &ServerConfig, tag: &str) -> Result<ImageStore, ServeErro
     Ok(store)
 }
 
+/// The addresses of the services this server relies on — a fleet's etcd, the registry
+/// images are shared through, a PostgreSQL trajectory log — which no sandbox may reach.
+async fn protected_services(
+    config: &ServerConfig,
+    membership: Option<&dyn Membership>,
+) -> Vec<std::net::Ipv4Addr> {
+    let mut services = config.protect.clone();
+    services.extend(membership.map(Membership::services).unwrap_or_default());
+    if let Some(registry) = &config.registry {
+        services.push(registry.host().to_owned());
+    }
+    if let Some(dsec_trajectory::Database::Postgres(url)) = &config.trajectory_db {
+        services.push(url.clone());
+    }
+    let mut addrs = Vec::new();
+    for authority in services.iter().flat_map(|s| authorities(s)) {
+        match tokio::net::lookup_host(&authority).await {
+            Ok(found) => addrs.extend(found.filter_map(|a| match a.ip() {
+                std::net::IpAddr::V4(ip) => Some(ip),
+                std::net::IpAddr::V6(_) => None,
+            })),
+            Err(e) => {
+                tracing::warn!(service = %authority, error = %e, "cannot resolve a service of this server: sandboxes are not kept from its address")
+            }
+        }
+    }
+    addrs.sort_unstable();
+    addrs.dedup();
+    addrs
+}
+
+/// The `host:port` parts of a URL or `host[:port]` (a PostgreSQL URL may name several
+/// hosts); port 0 where none is given, for the resolver.
+fn authorities(service: &str) -> Vec<String> {
+    let rest = service.split_once("://").map_or(service, |(_, rest)| rest);
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    let hosts = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, hosts)| hosts);
+    hosts
+        .split(',')
+        .filter(|h| !h.is_empty())
+        .map(|h| {
+            if h.contains(':') {
+                h.to_owned()
+            } else {
+                format!("{h}:0")
+            }
+        })
+        .collect()
+}
+
 async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, ServeError> {
     tokio::net::TcpListener::bind(addr)
         .await
@@ -582,6 +642,17 @@ async fn shutdown_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn service_authorities() {
+        assert_eq!(authorities("http://10.0.0.1:2379"), ["10.0.0.1:2379"]);
+        assert_eq!(authorities("dsec-etcd:2379"), ["dsec-etcd:2379"]);
+        assert_eq!(authorities("registry.lan"), ["registry.lan:0"]);
+        assert_eq!(
+            authorities("postgres://u:p@db1:5432,db2/fleet?sslmode=disable"),
+            ["db1:5432", "db2:0"]
+        );
+    }
 
     #[test]
     fn state_tag_is_stable_and_distinguishes_directories() {

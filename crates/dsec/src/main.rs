@@ -177,6 +177,11 @@ struct ServeArgs {
     /// and those in $DSEC_INSECURE_REGISTRIES, else HTTPS.
     #[arg(long, value_parser = parse_registry)]
     registry: Option<dsec_image::Registry>,
+    /// A host (`HOST[:PORT]`, or a URL) no sandbox may reach, whatever its network policy
+    /// allows: services of the operator's that sandboxes must not touch (repeatable). The
+    /// fleet's etcd, the --registry and a PostgreSQL --trajectory-db are protected anyway.
+    #[arg(long = "protect", value_name = "HOST")]
+    protect: Vec<String>,
     /// Prefix of sandbox ids, naming this edge (default `e0`; `dsec edge`: the host name).
     #[arg(long, visible_alias = "name")]
     edge_name: Option<String>,
@@ -805,6 +810,7 @@ fn serve(
         },
         layer_store: args.layer_store,
         registry: args.registry,
+        protect: args.protect,
         sandboxfusion: SandboxFusionConfig {
             listen: args.sandboxfusion_listen,
             image: args.sandboxfusion_image,
