@@ -6,6 +6,7 @@ answers, big chunked bodies, TLS (socat in front of the server) and HTTP proxies
 from __future__ import annotations
 
 import asyncio
+import http.client
 import os
 import resource
 import shutil
@@ -269,6 +270,84 @@ def test_a_kept_connection_closed_under_a_request() -> None:
         assert got == [(3, b"GET"), (3, b"GET"), (4, b"GET"), (4, b"POST")]
     finally:
         peer.sock.close()
+
+
+class RefusesUploadsThenCloses:
+    """A listener that answers a big upload with an error as soon as its head arrives,
+    without ``Connection: close``, and closes the connection a moment later unread: what
+    a server does when a write fails part-way (a full disk)."""
+
+    REFUSED = b"HTTP/1.1 507 Insufficient Storage\r\nContent-Length: 60\r\n\r\n" + (
+        b'{"error": {"kind": "disk_full", "message": "no space left"}}'
+    )
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        #: (connection number, method) of each request received.
+        self.requests: list[tuple[int, bytes]] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        n = 0
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            n += 1
+            threading.Thread(target=self._one, args=(conn, n), daemon=True).start()
+
+    def _one(self, conn: socket.socket, n: int) -> None:
+        with conn:
+            while data := conn.recv(65536):
+                method = data.split(b" ", 1)[0]
+                self.requests.append((n, method))
+                if method == b"PUT":
+                    conn.sendall(self.REFUSED)
+                    time.sleep(0.3)
+                    return
+                conn.sendall(DropsKeptConnection.OK)
+
+
+def test_a_connection_whose_upload_was_refused_is_not_kept() -> None:
+    """The request after a refused upload goes on a new connection, not on the one the
+    server is about to close (where it would fail, unsent, as ConnectionFailed)."""
+    post = p.Call("POST", "/v1/calls", p.parse_any, json={})
+    upload = p.Call("PUT", "/v1/sandboxes/x/files?path=/f", p.parse_any, content=b"x" * (1 << 20))
+    peer = RefusesUploadsThenCloses()
+    try:
+        with dsec.Client(peer.url) as c:
+            with pytest.raises(dsec.DsecError, match="no space left"):
+                c._do(upload)
+            time.sleep(0.05)  # the answer is in; the close is not
+            assert c._do(post) == {"status": "ok"}
+
+        async def main() -> None:
+            async with dsec.AsyncClient(peer.url) as ac:
+                with pytest.raises(dsec.DsecError, match="no space left"):
+                    await ac._do(upload)
+                await asyncio.sleep(0.05)
+                assert await ac._do(post) == {"status": "ok"}
+
+        asyncio.run(main())
+        assert peer.requests == [(1, b"PUT"), (2, b"POST"), (3, b"PUT"), (4, b"POST")]
+    finally:
+        peer.sock.close()
+
+
+def test_the_server_closes_after_a_refused_upload(server: Server) -> None:
+    """An upload the server refuses is answered with `Connection: close`: the rest of its
+    body is never read, and the server closes the connection after the answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request("PUT", "/v1/sandboxes/sb-none/files?path=/f", b"x" * (256 << 10))
+        answer = conn.getresponse()
+        answer.read()
+        assert answer.status == 404
+        assert answer.getheader("Connection") == "close"
+    finally:
+        conn.close()
 
 
 def _chunked(status: str, body: bytes) -> bytes:

@@ -205,6 +205,13 @@ class Request:
         #: (RFC 9112 §9.3.1). A POST only with an idempotency key: the server may have run it.
         self.replayable = method in _IDEMPOTENT or idempotent
 
+    def refused_upload(self, p: Parser) -> None:
+        """An error answer to a big upload may come before the server read all of it: it
+        then closes the connection, perhaps without saying so (``Connection: close``), and a
+        request sent next on it would be lost. Such a connection is not kept."""
+        if p.status >= 400 and self.body is not None and len(self.body) > _JOIN_BODY_MAX:
+            p.keep_alive = False
+
     def wire(self) -> list[bytes]:
         """What to send: one buffer for small requests, head and body apart for big ones."""
         if self.body is None:
@@ -566,9 +573,11 @@ class SyncPool:
                 raise ClosedBeforeAnswer(f"sending the request: {e}") from e
             except TransportError:
                 raise ProtocolError(f"sending the request: {e}") from e
+            req.refused_upload(p)
             return p
         while not p.has_head:
             self._recv_into(conn, p)
+        req.refused_upload(p)
         return p
 
     @staticmethod
@@ -869,6 +878,7 @@ class AsyncPool:
             if proto.closed and proto.error is None:
                 raise ClosedBeforeAnswer("the server closed the connection before the response")
             await proto.wait(req.timeout)
+        req.refused_upload(p)
         return p
 
     async def _take(self) -> _Protocol:

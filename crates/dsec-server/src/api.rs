@@ -591,17 +591,31 @@ async fn write_file(
     query: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
     headers: HeaderMap,
     body: Body,
-) -> Result<StatusCode, ApiError> {
+) -> Result<Response, ApiError> {
     let q = path_query(query)?;
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse().ok());
     let upload = Upload::new(body.into_data_stream(), declared);
-    state
+    match state
         .edge
         .write_file(&id, &q.path, upload, q.mode.unwrap_or(0o644))
-        .await?;
-    Ok(StatusCode::NO_CONTENT)
+        .await
+    {
+        Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
+        Err(e) => Ok(closing(e.into_response())),
+    }
+}
+
+/// A refused upload's answer says `Connection: close`. Part of the body may still be on
+/// its way; hyper closes the connection rather than read it, and without the header a
+/// client that keeps the connection would lose the next request it sends on it.
+fn closing(mut response: Response) -> Response {
+    response.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    response
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files/list", params(PathQuery),
