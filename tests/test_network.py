@@ -1029,7 +1029,7 @@ def test_one_sandbox_cannot_fill_the_conntrack_table(
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     refused = wait_until(lambda: limited(server, "conntrack_per_sandbox") - before >= 900,
-                         timeout=10)
+                         timeout=30)
     assert refused, limited(server, "conntrack_per_sandbox") - before
     # The refusals are events of the attacker, bounded.
     events = attacker.network_refused()
