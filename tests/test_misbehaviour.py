@@ -67,6 +67,45 @@ def test_fork_bomb_hits_the_pids_limit_and_is_flagged(
     assert sb.run("echo alive").stdout == "alive\n", "a flag does not stop the sandbox"
 
 
+#: A loop that keeps one core busy for as long as the command runs.
+BUSY_LOOP = "timeout 3 sh -c 'while :; do :; done'; true"
+
+
+def test_a_cpu_hog_is_throttled_and_reported(
+    client: dsec.Client, make_sandbox: Make, backend: str
+) -> None:
+    if backend in VM_BACKENDS or backend == "fncall":
+        pytest.skip(f"{backend}: the CPU limit is not the host's cgroup to read")
+    sb = make_sandbox(cpus=0.2)
+    sb.run(BUSY_LOOP, timeout=30)
+    usage = sb.info().usage
+    # 3 s at a fifth of a core: held back for most of it.
+    assert usage.cpu_throttled_ms is not None and usage.cpu_throttled_ms > 1000, usage
+    assert usage.cpu_ms is not None and usage.cpu_ms < 3000 * 0.5, usage
+    hit = wait_for(client, sb.id, "limit.cpu")[0]
+    assert hit.data["cpus"] == 0.2 and hit.data["throttled_ms"] >= 100, hit.data
+
+
+def test_a_cpu_hog_is_flagged(make_server: Callable[..., Server], tmp_path: Path) -> None:
+    config = tmp_path / "watcher.json"
+    config.write_text(
+        '{"rules": [{"name": "cpu-hog", "kind": "limit.cpu", "count": 2, "action": "flag"}]}'
+    )
+    server = make_server(extra_args=["--watcher-config", str(config)])
+    with server.client() as c:
+        sb = c.create(image="busybox", cpus=0.2)
+        try:
+            sb.run(BUSY_LOOP, timeout=30)
+            action = wait_for(c, sb.id, "watcher.action")[0]
+            assert action.data["rule"] == "cpu-hog" and action.data["ok"] is True
+            assert sb.info().labels.get("watcher.cpu-hog") == "flagged"
+            with c.create(image="busybox", cpus=0.2) as idle:
+                idle.run("sleep 2")
+                assert not kinds_of(c, idle.id, ["limit.cpu"]), "an idle sandbox is no hog"
+        finally:
+            sb.stop()
+
+
 def test_yes_flood_is_truncated_without_server_growth(
     client: dsec.Client, server: Server, make_sandbox: Make, backend: str
 ) -> None:

@@ -355,6 +355,22 @@ def test_network_false_is_loopback_only(make: Make, hosts: Hosts) -> None:
     assert not reaches(sb, hosts[0])
 
 
+def test_usage_counts_the_bytes_over_the_network(make: Make, hosts: Hosts) -> None:
+    a, _ = hosts
+    sb = make(network=True)
+    before = sb.info().usage
+    assert before.network_rx_bytes is not None and before.network_tx_bytes is not None
+    for _ in range(3):
+        assert reaches(sb, a)
+    after = sb.info().usage
+    assert after.network_rx_bytes is not None and after.network_tx_bytes is not None
+    # Three answers in, three requests out (their headers and TCP's own packets at least).
+    assert after.network_rx_bytes - before.network_rx_bytes > 3 * 100, (before, after)
+    assert after.network_tx_bytes - before.network_tx_bytes > 3 * 50, (before, after)
+    off = make(network=False).info().usage
+    assert off.network_rx_bytes is None and off.network_tx_bytes is None
+
+
 def test_ca_bundle_can_be_declined(net_client: dsec.Client) -> None:
     sb = net_client.create(image="busybox", network=True, ca_bundle=False)
     try:

@@ -274,6 +274,15 @@ pub struct Usage {
     /// Bytes used in the writable layer, where the backend can tell.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_bytes: Option<u64>,
+    /// CPU time its CPU limit held it back (throttled) since creation.
+    #[serde(default)]
+    pub cpu_throttled_ms: f64,
+    /// Bytes it received over its network interface (absent without a network).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_rx_bytes: Option<u64>,
+    /// Bytes it sent over its network interface (absent without a network).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_tx_bytes: Option<u64>,
 }
 
 /// What the server says about a sandbox.

@@ -742,7 +742,30 @@ impl Active {
     }
 }
 
+/// Bytes through a sandbox's interface, as the sandbox sees them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Traffic {
+    /// Bytes it received.
+    pub rx_bytes: u64,
+    /// Bytes it sent.
+    pub tx_bytes: u64,
+}
+
 impl Attachment {
+    /// What went through the sandbox's interface since it was plugged: the counters of
+    /// the host's end of its veth, the other way round (what the host end sends, the
+    /// sandbox receives). `None` while it is not plugged.
+    pub fn traffic(&self) -> Option<Traffic> {
+        let counter = |name: &str| -> Option<u64> {
+            let path = format!("/sys/class/net/{}/statistics/{name}", self.veth);
+            std::fs::read_to_string(path).ok()?.trim().parse().ok()
+        };
+        Some(Traffic {
+            rx_bytes: counter("tx_bytes")?,
+            tx_bytes: counter("rx_bytes")?,
+        })
+    }
+
     /// The sandbox's address.
     pub fn ip(&self) -> Ipv4Addr {
         self.ip

@@ -147,6 +147,9 @@ pub struct CgroupUsage {
     pub memory_peak_bytes: u64,
     /// Forks refused by the pids limit.
     pub pids_limit_hits: u64,
+    /// Time the CPU quota held runnable tasks back, in nanoseconds (CFS bandwidth
+    /// throttling: `throttled_time` on v1, `throttled_usec` on v2).
+    pub cpu_throttled_ns: u64,
 }
 
 const CFS_PERIOD_US: u64 = 100_000;
@@ -450,6 +453,7 @@ impl SandboxCgroup {
             memory: self.memory().to_owned(),
             pids: Some(self.pids().to_owned()),
             cpuacct: Some(self.cpuacct().to_owned()),
+            cpu: Some(self.cpu().to_owned()),
         }
     }
 
@@ -610,6 +614,8 @@ pub struct CgroupReader {
     pids: Option<PathBuf>,
     /// The CPU accounting controller's, where mounted.
     cpuacct: Option<PathBuf>,
+    /// The CPU controller's (its `cpu.stat` counts throttling), where mounted.
+    cpu: Option<PathBuf>,
 }
 
 impl CgroupReader {
@@ -639,6 +645,7 @@ impl CgroupReader {
                 memory: v1_dir("memory")?,
                 pids: v1_dir("pids"),
                 cpuacct: v1_dir("cpuacct"),
+                cpu: v1_dir("cpu"),
             });
         }
         let dir = mounts.unified?.join(own_path(proc_cgroup, "")?);
@@ -646,7 +653,8 @@ impl CgroupReader {
             version: CgroupVersion::V2,
             memory: dir.clone(),
             pids: Some(dir.clone()),
-            cpuacct: Some(dir),
+            cpuacct: Some(dir.clone()),
+            cpu: Some(dir),
         })
     }
 
@@ -657,23 +665,27 @@ impl CgroupReader {
             self.pids.as_deref(),
             self.cpuacct.as_deref(),
         );
+        let cpu_stat = read_text(self.cpu.as_deref(), "cpu.stat").unwrap_or_default();
         match self.version {
-            CgroupVersion::V2 => CgroupUsage {
-                memory_bytes: read_number(memory, "memory.current"),
-                pids: read_number(pids, "pids.current"),
-                cpu_ns: read_text(cpuacct, "cpu.stat")
-                    .and_then(|s| stat_field(&s, "usage_usec"))
-                    .unwrap_or(0)
-                    * 1000,
-                memory_peak_bytes: read_number(memory, "memory.peak"),
-                pids_limit_hits: pids.map_or(0, pids_limit_hits),
-            },
+            CgroupVersion::V2 => {
+                // One cpu.stat has both: usage and throttling.
+                let usec = |key| stat_field(&cpu_stat, key).unwrap_or(0) * 1000;
+                CgroupUsage {
+                    memory_bytes: read_number(memory, "memory.current"),
+                    pids: read_number(pids, "pids.current"),
+                    cpu_ns: usec("usage_usec"),
+                    memory_peak_bytes: read_number(memory, "memory.peak"),
+                    pids_limit_hits: pids.map_or(0, pids_limit_hits),
+                    cpu_throttled_ns: usec("throttled_usec"),
+                }
+            }
             CgroupVersion::V1 => CgroupUsage {
                 memory_bytes: read_number(memory, "memory.usage_in_bytes"),
                 pids: read_number(pids, "pids.current"),
                 cpu_ns: read_number(cpuacct, "cpuacct.usage"),
                 memory_peak_bytes: read_number(memory, "memory.max_usage_in_bytes"),
                 pids_limit_hits: pids.map_or(0, pids_limit_hits),
+                cpu_throttled_ns: stat_field(&cpu_stat, "throttled_time").unwrap_or(0),
             },
         }
     }
@@ -846,7 +858,11 @@ mod tests {
         let d = dir.path();
         fs::write(d.join("memory.current"), "4096\n").unwrap();
         fs::write(d.join("pids.current"), "3\n").unwrap();
-        fs::write(d.join("cpu.stat"), "usage_usec 1500\nuser_usec 1000\n").unwrap();
+        fs::write(
+            d.join("cpu.stat"),
+            "usage_usec 1500\nuser_usec 1000\nnr_throttled 4\nthrottled_usec 700\n",
+        )
+        .unwrap();
         fs::write(d.join("memory.events"), "low 0\noom 2\noom_kill 2\n").unwrap();
         fs::write(d.join("memory.peak"), "8192\n").unwrap();
         fs::write(d.join("pids.events"), "max 5\n").unwrap();
@@ -855,6 +871,7 @@ mod tests {
             memory: d.to_owned(),
             pids: Some(d.to_owned()),
             cpuacct: Some(d.to_owned()),
+            cpu: Some(d.to_owned()),
         };
         assert_eq!(
             reader.usage(),
@@ -864,6 +881,7 @@ mod tests {
                 cpu_ns: 1_500_000,
                 memory_peak_bytes: 8192,
                 pids_limit_hits: 5,
+                cpu_throttled_ns: 700_000,
             }
         );
         assert_eq!(reader.oom_kills(), 2);
@@ -927,7 +945,13 @@ mod tests {
         assert_eq!(sb.oom_kills(), 3);
         assert_eq!(sb.init_oom_kills(), 1);
         fs::write(base("pids/s/pids.current"), "7\n").unwrap();
+        fs::write(
+            base("cpu/s/cpu.stat"),
+            "nr_periods 9\nnr_throttled 2\nthrottled_time 4500\n",
+        )
+        .unwrap();
         assert_eq!(sb.usage().pids, 7);
+        assert_eq!(sb.usage().cpu_throttled_ns, 4500);
         // The inits' cgroup is no sandbox: a restart must not clean it as one.
         assert_eq!(layout.existing_sandboxes(), vec!["s".to_owned()]);
     }

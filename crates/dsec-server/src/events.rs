@@ -48,6 +48,8 @@ pub mod kind {
     pub const LIMIT_PIDS: &str = "limit.pids";
     /// The writable layer is full.
     pub const LIMIT_DISK: &str = "limit.disk";
+    /// The CPU limit held the sandbox back for a good part of a sample.
+    pub const LIMIT_CPU: &str = "limit.cpu";
     /// A command's output went past its bound and was cut.
     pub const OUTPUT_TRUNCATED: &str = "output.truncated";
     /// The network policy refused a connection.

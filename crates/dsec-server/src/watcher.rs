@@ -159,6 +159,9 @@ pub fn default_rules() -> Vec<Rule> {
         rule("pids-storm", kind::LIMIT_PIDS, 3),
         rule("oom-repeat", kind::LIMIT_OOM, 3),
         rule("output-flood", kind::OUTPUT_TRUNCATED, 3),
+        // Held back by its CPU limit for most of a minute: a hog (a training job's
+        // graders share the host's cores).
+        rule("cpu-hog", kind::LIMIT_CPU, 30),
         Rule {
             distinct: vec!["dst".into(), "port".into()],
             ..rule("port-scan", kind::NETWORK_REFUSED, 10)

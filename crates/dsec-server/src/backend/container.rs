@@ -327,6 +327,12 @@ impl Sandbox for ContainerSandbox {
             let st = rustix::fs::statvfs(upper.path()).ok()?;
             Some(st.f_blocks.saturating_sub(st.f_bfree) * st.f_frsize)
         });
+        // Unknown for this sample while a network change holds the attachment.
+        let traffic = self
+            .attachment
+            .try_lock()
+            .ok()
+            .and_then(|a| a.as_ref()?.traffic());
         Usage {
             memory_bytes: u.memory_bytes,
             pids: u.pids,
@@ -335,6 +341,9 @@ impl Sandbox for ContainerSandbox {
             pids_limit_hits: u.pids_limit_hits,
             oom_kills: cgroup.oom_kills(),
             disk_bytes,
+            cpu_throttled_ms: u.cpu_throttled_ns as f64 / 1e6,
+            network_rx_bytes: traffic.map(|t| t.rx_bytes),
+            network_tx_bytes: traffic.map(|t| t.tx_bytes),
         }
     }
 

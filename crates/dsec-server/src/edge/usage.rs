@@ -1,6 +1,7 @@
 //! The usage sampler: reads every live sandbox's usage once a [`SAMPLE_EVERY`] and turns
 //! what changed into events — forks the pids limit refused (`limit.pids`), OOM kills no
-//! command reported (`limit.oom`), a full writable layer (`limit.disk`), and the
+//! command reported (`limit.oom`), a full writable layer (`limit.disk`), a sandbox its
+//! CPU limit held back for a tenth of the sample or more (`limit.cpu`), and the
 //! connections the network policy refused (`network.refused`, one event per destination
 //! and sample, with a count).
 //!
@@ -24,6 +25,9 @@ pub(crate) const SAMPLE_EVERY: Duration = Duration::from_secs(1);
 const DISK_FULL: f64 = 0.98;
 /// ... and it counts as full again only after dropping below this.
 const DISK_REARM: f64 = 0.90;
+/// A sample in which the CPU limit held the sandbox back this long is a `limit.cpu`: it
+/// wants more than its share. Less is the noise of a burst meeting a quota period.
+const CPU_THROTTLED: Duration = Duration::from_millis(100);
 
 /// What the previous sample of one sandbox saw.
 #[derive(Default)]
@@ -68,8 +72,20 @@ impl Sampler {
     }
 }
 
-/// `limit.pids` and the `limit.oom` no command reported.
+/// `limit.pids`, `limit.cpu` and the `limit.oom` no command reported.
 fn limits(entry: &Entry, prev: &Usage, now: &Usage) {
+    let throttled_ms = now.cpu_throttled_ms - prev.cpu_throttled_ms;
+    if throttled_ms >= CPU_THROTTLED.as_secs_f64() * 1e3 {
+        entry.emit(
+            kind::LIMIT_CPU,
+            serde_json::json!({
+                "throttled_ms": throttled_ms,
+                "throttled_total_ms": now.cpu_throttled_ms,
+                "cpu_ms": now.cpu_ms - prev.cpu_ms,
+                "cpus": entry.info.limits.cpus,
+            }),
+        );
+    }
     let refused = now.pids_limit_hits.saturating_sub(prev.pids_limit_hits);
     if refused > 0 {
         entry.emit(

@@ -348,6 +348,7 @@ impl LocalView {
             memory_peak_bytes: usage.memory_peak_bytes,
             pids_limit_hits: usage.pids_limit_hits,
             oom_kills: self.oom_kills(),
+            cpu_throttled_ms: usage.cpu_throttled_ns as f64 / 1e6,
             ..Usage::default()
         }
     }
