@@ -22,7 +22,15 @@ from typing import Any
 import dsec
 import httpx
 import pytest
-from dsec_testlib import DSEC_BIN, Server, make_tempdir, mounts_under, safe_rmtree
+from dsec_testlib import (
+    BACKENDS,
+    DSEC_BIN,
+    VM_BACKENDS,
+    Server,
+    make_tempdir,
+    mounts_under,
+    safe_rmtree,
+)
 
 # ------------------------------------------------------------------ building images
 
@@ -163,6 +171,54 @@ def test_an_image_of_130_layers_starts(
             r = sb.run("ls /l | wc -l; cat /l/1 /l/129; ls /l/7")
             assert r.stdout.startswith("128\n1\n129\n"), (r.stdout, r.stderr)
             assert "No such file" in r.stderr
+    finally:
+        client.delete_image(name)
+
+
+def _stacked_layers(base_layer: bytes, extra: int) -> list[bytes]:
+    """busybox, then a layer with /s/a and /s/d/old, one that deletes /s/a (a whiteout)
+    and makes /s/d opaque with /s/d/new, then ``extra`` layers adding /s/n/<i>."""
+    opaque = tarfile.TarInfo("s/d/.wh..wh..opq")
+    opaque.mtime = 1_700_000_000
+    second = io.BytesIO()
+    with tarfile.open(fileobj=second, mode="w", format=tarfile.PAX_FORMAT) as t:
+        for path, data in [("s/.wh.a", b""), ("s/d/new", b"new\n")]:
+            info = tarfile.TarInfo(path)
+            info.size, info.mtime = len(data), 1_700_000_000
+            t.addfile(info, io.BytesIO(data))
+        t.addfile(opaque, io.BytesIO(b""))
+    layers = [
+        base_layer,
+        _tar([("s", None), ("s/a", b"a\n"), ("s/d", None), ("s/d/old", b"old\n")]),
+        second.getvalue(),
+    ]
+    layers += [_tar([("s/n", None), (f"s/n/{i}", b"")]) for i in range(extra)]
+    return layers
+
+
+@pytest.mark.parametrize("extra", [1, 20], ids=["4-layers", "23-layers"])
+def test_vm_guests_stack_the_layer_blobs_in_place(
+    server: Server, client: dsec.Client, base_layer: bytes, tmp_path: Path, extra: int
+) -> None:
+    """A VM guest is given an image's layer blobs as its disks, as the store keeps them,
+    and stacks them as a container's overlay does (whiteouts, opaque directories): no
+    merged copy of the image is made. Past guest::MAX_IMAGE_DISKS layers it gets one merged
+    disk instead, with the same tree."""
+    vms = sorted(VM_BACKENDS & set(BACKENDS))
+    if not vms:
+        pytest.skip("no VM backend under test (DSEC_TEST_BACKENDS)")
+    archive = tmp_path / "stacked.tar"
+    _docker_save(archive, _stacked_layers(base_layer, extra))
+    name = _name("stacked")
+    img = client.import_image(str(archive), name=name)
+    merged_disk = server.state_dir / "vm" / "disks" / img.id.replace(":", "-")
+    try:
+        for backend in ["container", *vms]:
+            with client.create(image=name, backend=backend) as sb:
+                r = sb.run("ls /s; ls /s/d; ls /s/n | wc -l; cat /s/d/new")
+                assert r.stdout == f"d\nn\nnew\n{extra}\nnew\n", (backend, r.stdout, r.stderr)
+        merged = list(merged_disk.parent.glob(merged_disk.name + ".*"))
+        assert bool(merged) == (extra == 20), merged
     finally:
         client.delete_image(name)
 

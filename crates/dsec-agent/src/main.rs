@@ -272,17 +272,29 @@ fn guest_cgroup() -> Result<GuestCgroup, String> {
 }
 
 fn build_root(args: &BootArgs) -> Result<GuestCgroup, String> {
-    let base = wait_for("the image disk", || {
-        disk_with_serial(guest::BASE_DISK_SERIAL)
-    })?;
+    let mut mounts = Vec::with_capacity(args.image_disks + 1);
+    let mut lowers = Vec::with_capacity(args.image_disks);
+    for i in 0..args.image_disks {
+        let serial = guest::image_disk_serial(i);
+        let disk = wait_for(&format!("image disk {serial}"), || {
+            disk_with_serial(&serial)
+        })?;
+        let lower = PathBuf::from(format!("/mnt/image-{i}"));
+        mounts.push((
+            disk,
+            lower.clone(),
+            args.base_fs.as_str(),
+            MsFlags::MS_RDONLY,
+        ));
+        lowers.push(lower);
+    }
     let scratch = wait_for("the scratch disk", || {
         disk_with_serial(guest::SCRATCH_DISK_SERIAL)
     })?;
-    let (lower, upper) = (Path::new("/mnt/image"), Path::new("/mnt/scratch"));
-    for (device, target, fstype, flags) in [
-        (&base, lower, args.base_fs.as_str(), MsFlags::MS_RDONLY),
-        (&scratch, upper, "ext4", MsFlags::empty()),
-    ] {
+    let upper = Path::new("/mnt/scratch");
+    mounts.push((scratch, upper.to_owned(), "ext4", MsFlags::empty()));
+    for (device, target, fstype, flags) in &mounts {
+        let (target, fstype, flags) = (target.as_path(), *fstype, *flags);
         fs::create_dir_all(target).map_err(|e| format!("mkdir {}: {e}", target.display()))?;
         mount(
             Some(device.as_path()),
@@ -304,7 +316,7 @@ fn build_root(args: &BootArgs) -> Result<GuestCgroup, String> {
     for target in ["/dev", "/proc", "/sys"] {
         umount2(target, MntFlags::MNT_DETACH).map_err(|e| format!("unmount {target}: {e}"))?;
     }
-    dsec_runtime::rootfs::setup_guest(lower, upper, Path::new("/mnt/root"))
+    dsec_runtime::rootfs::setup_guest(&lowers, upper, Path::new("/mnt/root"))
         .map_err(|e| e.to_string())?;
     dsec_runtime::rootfs::set_hostname(&args.hostname).map_err(|e| format!("sethostname: {e}"))?;
     dsec_runtime::rootfs::loopback_up().map_err(|e| format!("loopback: {e}"))?;

@@ -15,8 +15,23 @@ pub const MODULE_DIR: &str = "/lib/modules/dsec";
 /// File in [`MODULE_DIR`] naming the modules, one per line, dependencies first.
 pub const MODULE_ORDER: &str = "order";
 
-/// Serial number of the read-only disk holding the image (`virtio-blk,serial=...`).
+/// Serial number of the read-only disk holding the image (`virtio-blk,serial=...`), or
+/// its top layer when each layer is a disk of its own (see [`image_disk_serial`]).
 pub const BASE_DISK_SERIAL: &str = "dsec-base";
+
+/// Most image disks a guest is given: an image of more layers gets one merged disk.
+/// (microvm has 24 virtio-mmio transports, and the agent's port and the scratch disk take
+/// two.)
+pub const MAX_IMAGE_DISKS: usize = 16;
+
+/// Serial number of image disk `i`, top layer first: each layer's EROFS blob is a disk of
+/// its own, stacked by the guest's overlay as the host's would.
+pub fn image_disk_serial(i: usize) -> String {
+    match i {
+        0 => BASE_DISK_SERIAL.to_owned(),
+        _ => format!("{BASE_DISK_SERIAL}-{i}"),
+    }
+}
 
 /// Serial number of the sandbox's own writable disk (ext4, the overlay's upper layer).
 pub const SCRATCH_DISK_SERIAL: &str = "dsec-scratch";
@@ -26,8 +41,10 @@ pub const SCRATCH_DISK_SERIAL: &str = "dsec-scratch";
 pub struct BootArgs {
     /// Hostname until the edge assigns an identity.
     pub hostname: String,
-    /// Filesystem of the image disk: `ext4` or `erofs`.
+    /// Filesystem of the image disks: `ext4` or `erofs`.
     pub base_fs: String,
+    /// How many image disks there are (see [`image_disk_serial`]).
+    pub image_disks: usize,
     /// An accelerator probe: the agent reports ready as soon as its channel is open and
     /// builds nothing.
     pub probe: bool,
@@ -38,8 +55,8 @@ impl BootArgs {
     pub fn to_cmdline(&self) -> String {
         let probe = if self.probe { " dsec.probe=1" } else { "" };
         format!(
-            "dsec.hostname={} dsec.basefs={}{probe}",
-            self.hostname, self.base_fs
+            "dsec.hostname={} dsec.basefs={} dsec.disks={}{probe}",
+            self.hostname, self.base_fs, self.image_disks
         )
     }
 
@@ -48,12 +65,16 @@ impl BootArgs {
         let mut args = BootArgs {
             hostname: "dsec".to_owned(),
             base_fs: "ext4".to_owned(),
+            image_disks: 1,
             probe: false,
         };
         for word in cmdline.split_whitespace() {
             match word.split_once('=') {
                 Some(("dsec.hostname", v)) => args.hostname = v.to_owned(),
                 Some(("dsec.basefs", v)) => args.base_fs = v.to_owned(),
+                Some(("dsec.disks", v)) => {
+                    args.image_disks = v.parse().map_or(1, |n: usize| n.clamp(1, MAX_IMAGE_DISKS));
+                }
                 Some(("dsec.probe", v)) => args.probe = v == "1",
                 _ => {}
             }
@@ -71,10 +92,18 @@ mod tests {
         let args = BootArgs {
             hostname: "sb-1".into(),
             base_fs: "erofs".into(),
+            image_disks: 3,
             probe: true,
         };
         let cmdline = format!("console=ttyS0 quiet {} panic=-1", args.to_cmdline());
         assert_eq!(BootArgs::parse(&cmdline), args);
         assert_eq!(BootArgs::parse("quiet").base_fs, "ext4");
+        assert_eq!(BootArgs::parse("quiet").image_disks, 1);
+        assert_eq!(
+            BootArgs::parse("dsec.disks=99").image_disks,
+            MAX_IMAGE_DISKS
+        );
+        assert_eq!(image_disk_serial(0), BASE_DISK_SERIAL);
+        assert_eq!(image_disk_serial(2), "dsec-base-2");
     }
 }

@@ -145,17 +145,21 @@ pub fn setup_call(layer_count: usize, disk_bytes: u64) -> Result<(), RootfsError
 }
 
 /// Builds a VM guest's root on `rootfs` and makes it `/`. Runs in the guest's agent
-/// (PID 1, still in its initramfs), after it mounted the image's read-only disk on
-/// `lower` and the sandbox's own scratch disk on `scratch`: an overlay of the scratch
-/// disk's `upper/` over the image, then the container backend's `/proc`, `/dev`, `/sys`,
+/// (PID 1, still in its initramfs), after it mounted the image's read-only disks on
+/// `lowers` (top layer first) and the sandbox's own scratch disk on `scratch`: an
+/// overlay of the scratch disk's `upper/` over the image, then the container backend's `/proc`, `/dev`, `/sys`,
 /// masked and read-only paths. An initramfs cannot be `pivot_root`ed: the new root is
 /// moved over `/` and the agent chroots into it, as `switch_root` does.
-pub fn setup_guest(lower: &Path, scratch: &Path, rootfs: &Path) -> Result<(), RootfsError> {
+pub fn setup_guest(lowers: &[PathBuf], scratch: &Path, rootfs: &Path) -> Result<(), RootfsError> {
     let (upper, work) = (scratch.join("upper"), scratch.join("work"));
     for dir in [&upper, &work, &rootfs.to_path_buf()] {
         fs::create_dir_all(dir).step("mkdir", dir)?;
     }
-    mount_overlay(&lower.to_string_lossy(), &upper, &work, rootfs)?;
+    let lowerdir: Vec<String> = lowers
+        .iter()
+        .map(|l| l.to_string_lossy().into_owned())
+        .collect();
+    mount_overlay(&lowerdir.join(":"), &upper, &work, rootfs)?;
     build_view(rootfs, Pid1::Protected)?;
     rustix::process::chdir(rootfs).step("chdir", rootfs)?;
     mount_move(".", "/").step("move the new root over", Path::new("/"))?;

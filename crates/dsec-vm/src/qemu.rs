@@ -110,9 +110,10 @@ pub struct Hardware {
 /// Where a VM's disks are.
 #[derive(Clone, Debug)]
 pub struct Disks {
-    /// The image's read-only disk.
-    pub base: PathBuf,
-    /// Its filesystem.
+    /// The image's read-only disks, top layer first: one merged disk, or a layer's blob
+    /// each (at most [`guest::MAX_IMAGE_DISKS`]).
+    pub image: Vec<PathBuf>,
+    /// Their filesystem.
     pub base_fs: BaseFs,
     /// The sandbox's scratch qcow2.
     pub scratch: PathBuf,
@@ -239,18 +240,22 @@ fn qemu_args(
         "chardev=qmp,mode=control".into(),
     ]);
     if let Some(d) = disks {
+        for (i, image) in d.image.iter().enumerate() {
+            args.extend([
+                "-drive".into(),
+                format!(
+                    "file={},format=raw,if=none,id=image{i},readonly=on",
+                    image.display()
+                ),
+                "-device".into(),
+                format!(
+                    "{},drive=image{i},serial={}",
+                    hw.machine.virtio("virtio-blk"),
+                    guest::image_disk_serial(i)
+                ),
+            ]);
+        }
         args.extend([
-            "-drive".into(),
-            format!(
-                "file={},format=raw,if=none,id=base,readonly=on",
-                d.base.display()
-            ),
-            "-device".into(),
-            format!(
-                "{},drive=base,serial={}",
-                hw.machine.virtio("virtio-blk"),
-                guest::BASE_DISK_SERIAL
-            ),
             "-drive".into(),
             format!(
                 "file={},format=qcow2,if=none,id=scratch,discard=unmap,cache=unsafe",
@@ -333,6 +338,7 @@ impl Vm {
         let boot = BootArgs {
             hostname: start.identity().map_or("dsec", |i| i.hostname).to_owned(),
             base_fs: disks.map_or(BaseFs::Ext4, |d| d.base_fs).name().into(),
+            image_disks: disks.map_or(1, |d| d.image.len()),
             probe: matches!(start, Start::Probe),
         };
         let mut args = qemu_args(

@@ -65,7 +65,7 @@ fn fixture(base_fs: BaseFs) -> Option<Fixture> {
     disk::build_scratch_base(64, &scratch_base).unwrap();
     Some(Fixture {
         disks: Disks {
-            base,
+            image: vec![base],
             base_fs,
             scratch: scratch_base,
         },

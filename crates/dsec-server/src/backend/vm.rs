@@ -22,6 +22,7 @@ use async_trait::async_trait;
 use dsec_api::{FileInfo, Usage};
 use dsec_image::{HeldBlobs, Image, ImageStore};
 use dsec_runtime::channel::{ExecEvent, ExecHandle};
+use dsec_runtime::guest::MAX_IMAGE_DISKS;
 use dsec_runtime::procfs::{self, Stat};
 use dsec_runtime::proto::ExecSpec;
 use dsec_vm::assets::{GuestAssets, KernelSource};
@@ -228,13 +229,17 @@ impl VmHost {
             .await)
     }
 
-    /// The image's read-only disk and its filesystem. A single-layer image's disk is its
-    /// layer's EROFS blob, as the store keeps it (no copy); a deeper image gets one
-    /// merged disk, built once from its mounted layers, since a guest stacks one disk.
-    async fn image_disk(&self, image: &Image) -> Result<(PathBuf, BaseFs), ApiError> {
-        if let [_] = image.layers.as_slice() {
-            let held = self.images.blobs(image)?;
-            return Ok((held.blobs[0].clone(), BaseFs::Erofs));
+    /// The image's read-only disks, top layer first, and their filesystem. An image of up
+    /// to [`MAX_IMAGE_DISKS`] layers is given its layers' EROFS blobs (`held`) as the store
+    /// keeps them, no copy: the guest's overlay stacks them as the host's does. A deeper
+    /// one gets one merged disk, built once from its mounted layers.
+    async fn image_disks(
+        &self,
+        image: &Image,
+        held: &HeldBlobs,
+    ) -> Result<(Vec<PathBuf>, BaseFs), ApiError> {
+        if (1..=MAX_IMAGE_DISKS).contains(&held.blobs.len()) {
+            return Ok((held.blobs.iter().rev().cloned().collect(), BaseFs::Erofs));
         }
         let fs = self.config.base_fs;
         let target =
@@ -254,7 +259,7 @@ impl VmHost {
             Ok(target)
         })
         .await?;
-        Ok((disk, fs))
+        Ok((vec![disk], fs))
     }
 
     /// Removes the merged disks and boot templates of images that no longer exist
@@ -486,10 +491,12 @@ impl Backend for VmBackend {
             memory_mb: req.memory_mb,
         };
         let held = host.images.blobs(&image)?;
-        let ((base, base_fs), scratch_base) =
-            tokio::try_join!(host.image_disk(&image), host.scratch_base(req.disk_mb))?;
+        let ((image_disks, base_fs), scratch_base) = tokio::try_join!(
+            host.image_disks(&image, &held),
+            host.scratch_base(req.disk_mb)
+        )?;
         let template_disks = Disks {
-            base,
+            image: image_disks,
             base_fs,
             scratch: scratch_base.clone(),
         };
