@@ -152,6 +152,39 @@ def test_disk_filler_is_stopped_at_the_limit(
     assert ev.data["disk_mb"] == 16 and ev.data["used_bytes"] >= 15 << 20
 
 
+def test_an_inode_filler_gets_enospc_not_the_oom_killer(
+    client: dsec.Client, make_sandbox: Make, backend: str
+) -> None:
+    """Empty files take no blocks: without a bound on the writable layer's inodes they
+    would fill the memory limit with kernel memory instead (the OOM killer, and memory
+    that stays taken). A 32 MiB layer holds 16,384 files."""
+    if backend != "container":
+        pytest.skip(f"{backend}: the writable layer is not dsec's tmpfs")
+    sb = make_sandbox(disk_mb=32, memory_mb=128)
+    r = sb.run(
+        "i=0; while [ $i -lt 40000 ] && true 2>/dev/null > /f$i; do i=$((i+1)); done; echo $i; "
+        "true > /one-more",
+        timeout=120,
+    )
+    made = int(r.stdout.split()[0])
+    assert 16_000 < made < 16_384, r.stdout
+    assert "No space left on device" in r.stderr, r.stderr
+    assert r.exit_code == 1, "ENOSPC, not the OOM killer"
+    usage = sb.info().usage
+    assert usage.oom_kills == 0 and usage.disk_inodes is not None and usage.disk_inodes > 16_000
+    assert usage.memory_bytes is not None and usage.memory_bytes < 64 << 20, usage
+    hit = wait_for(client, sb.id, "limit.disk")[0]
+    assert hit.data["inodes"] == 16_384 and hit.data["inodes_used"] > 16_000, hit.data
+    assert sb.run("rm /f1 && : > /again && echo ok").stdout == "ok\n"
+    # /dev is bounded the same way.
+    r = sb.run(
+        "i=0; while [ $i -lt 40000 ] && true 2>/dev/null > /dev/f$i; do i=$((i+1)); done; "
+        "echo $i",
+        timeout=120,
+    )
+    assert int(r.stdout) < 16_384, r.stdout
+
+
 def test_overwriting_bin_sh_is_flagged_and_stays_in_the_sandbox(
     client: dsec.Client, make_sandbox: Make, backend: str
 ) -> None:

@@ -196,6 +196,8 @@ class Usage:
     oom_kills: int | None = None
     #: Bytes used in the writable layer (``None`` where the backend cannot tell).
     disk_bytes: int | None = None
+    #: Files and directories in the writable layer (``None`` where the backend cannot tell).
+    disk_inodes: int | None = None
     #: CPU time its CPU limit held it back (throttled) since creation.
     cpu_throttled_ms: float | None = None
     #: Bytes received and sent over its network interface (``None`` without a network).
@@ -216,6 +218,7 @@ class Usage:
                 "pids_limit_hits": d.get("pids_limit_hits"),
                 "oom_kills": d.get("oom_kills"),
                 "disk_bytes": d.get("disk_bytes"),
+                "disk_inodes": d.get("disk_inodes"),
                 "cpu_throttled_ms": d.get("cpu_throttled_ms"),
                 "network_rx_bytes": d.get("network_rx_bytes"),
                 "network_tx_bytes": d.get("network_tx_bytes"),

@@ -274,6 +274,9 @@ pub struct Usage {
     /// Bytes used in the writable layer, where the backend can tell.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_bytes: Option<u64>,
+    /// Files and directories in the writable layer, where the backend can tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_inodes: Option<u64>,
     /// CPU time its CPU limit held it back (throttled) since creation.
     #[serde(default)]
     pub cpu_throttled_ms: f64,

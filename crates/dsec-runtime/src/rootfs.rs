@@ -176,6 +176,20 @@ fn make_private() -> Result<(), RootfsError> {
     .step("make private", root)
 }
 
+/// Bytes of a writable layer's size per inode it may hold (ext4's `small` ratio is 4096).
+const BYTES_PER_INODE: u64 = 2048;
+/// The fewest inodes a writable layer holds, however small.
+const MIN_LAYER_INODES: u64 = 16_384;
+
+/// How many files and directories a writable layer of `disk_bytes` may hold. Without a
+/// bound a tmpfs takes an inode per empty file until the sandbox's memory limit is full of
+/// them (each costs about 1 KiB of kernel memory, charged to the sandbox and not
+/// reclaimable): the OOM killer ends the filler instead of `ENOSPC`, and the memory stays
+/// taken. With it, an inode filler gets `ENOSPC` like on any disk, and `limit.disk`.
+pub fn layer_inodes(disk_bytes: u64) -> u64 {
+    (disk_bytes / BYTES_PER_INODE).max(MIN_LAYER_INODES)
+}
+
 /// Mounts a `disk_bytes` tmpfs on `rw` and an overlay of it over `layers` on `rootfs`;
 /// returns the upper directory.
 fn build_overlay(
@@ -184,7 +198,11 @@ fn build_overlay(
     layers: &[PathBuf],
     disk_bytes: u64,
 ) -> Result<OwnedFd, RootfsError> {
-    let size = options(format!("size={disk_bytes},mode=0755")).step("mount tmpfs on", rw)?;
+    let size = options(format!(
+        "size={disk_bytes},nr_inodes={},mode=0755",
+        layer_inodes(disk_bytes)
+    ))
+    .step("mount tmpfs on", rw)?;
     mount(
         "tmpfs",
         rw,
@@ -314,7 +332,8 @@ fn mount_proc_dev_sys(rootfs: &Path) -> Result<(), RootfsError> {
         &dev,
         "tmpfs",
         MountFlags::NOSUID | MountFlags::NOEXEC | MountFlags::STRICTATIME,
-        c"mode=755,size=67108864",
+        // Device nodes, /dev/pts and /dev/shm: a few files, bounded like a layer.
+        c"mode=755,size=67108864,nr_inodes=16384",
     )
     .step("mount tmpfs on", &dev)?;
     for (name, major, minor) in DEVICES {

@@ -323,10 +323,17 @@ impl Sandbox for ContainerSandbox {
         let cgroup = self.container.cgroup();
         let u = cgroup.usage();
         // The writable layer is a tmpfs of its own: its used blocks are the disk used.
-        let disk_bytes = self.container.upper_dir().ok().and_then(|upper| {
-            let st = rustix::fs::statvfs(upper.path()).ok()?;
-            Some(st.f_blocks.saturating_sub(st.f_bfree) * st.f_frsize)
-        });
+        let layer = self
+            .container
+            .upper_dir()
+            .ok()
+            .and_then(|upper| rustix::fs::statvfs(upper.path()).ok());
+        let disk_bytes = layer
+            .as_ref()
+            .map(|st| st.f_blocks.saturating_sub(st.f_bfree) * st.f_frsize);
+        let disk_inodes = layer
+            .as_ref()
+            .map(|st| st.f_files.saturating_sub(st.f_ffree));
         // Unknown for this sample while a network change holds the attachment.
         let traffic = self
             .attachment
@@ -341,6 +348,7 @@ impl Sandbox for ContainerSandbox {
             pids_limit_hits: u.pids_limit_hits,
             oom_kills: cgroup.oom_kills(),
             disk_bytes,
+            disk_inodes,
             cpu_throttled_ms: u.cpu_throttled_ns as f64 / 1e6,
             network_rx_bytes: traffic.map(|t| t.rx_bytes),
             network_tx_bytes: traffic.map(|t| t.tx_bytes),

@@ -113,17 +113,26 @@ fn limits(entry: &Entry, prev: &Usage, now: &Usage) {
     }
 }
 
-/// `limit.disk` when the writable layer fills up; whether it is full now.
+/// `limit.disk` when the writable layer fills up, with bytes or with files; whether it
+/// is full now.
 fn disk(entry: &Entry, was_full: bool, now: &Usage) -> bool {
     let (Some(used), Some(limit_mb)) = (now.disk_bytes, entry.info.limits.disk_mb) else {
         return was_full;
     };
-    let limit = (limit_mb.max(1) as f64) * 1048576.0;
-    let fill = used as f64 / limit;
+    let limit_bytes =
+        u64::try_from(limit_mb.max(1)).map_or(u64::MAX, |mb| mb.saturating_mul(1 << 20));
+    let inodes = dsec_runtime::rootfs::layer_inodes(limit_bytes);
+    let inodes_used = now.disk_inodes.unwrap_or(0);
+    let fill = (used as f64 / limit_bytes as f64).max(inodes_used as f64 / inodes as f64);
     if !was_full && fill >= DISK_FULL {
         entry.emit(
             kind::LIMIT_DISK,
-            serde_json::json!({"used_bytes": used, "disk_mb": limit_mb}),
+            serde_json::json!({
+                "used_bytes": used,
+                "disk_mb": limit_mb,
+                "inodes_used": inodes_used,
+                "inodes": inodes,
+            }),
         );
         return true;
     }
