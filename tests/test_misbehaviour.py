@@ -1,13 +1,19 @@
 """Agent misbehaviour (issue 18, first cases): each case asserts containment and the event
 an operator sees — a fork bomb (`limit.pids`, then the Watcher's flag), a `yes` flood
 (`output.truncated`, no server memory growth), a memory hog (`limit.oom`), a full
-writable layer (`limit.disk`), a port scan (`network.refused` and the Watcher's
+writable layer (`limit.disk`, by bytes and by files), a CPU hog (`limit.cpu`, the
+Watcher's `cpu-hog`), a zombie storm (reaped), endless and huge files through the files
+API (refused at once), 500 concurrent commands in one sandbox (all answered, a quiet
+sandbox still quick), a port scan (`network.refused` and the Watcher's
 `port-scan` flag), and a write over `/bin/sh` through the files API (the Watcher's
 `binary-overwrite` flag; the image and other sandboxes unchanged)."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -183,6 +189,90 @@ def test_an_inode_filler_gets_enospc_not_the_oom_killer(
         timeout=120,
     )
     assert int(r.stdout) < 16_384, r.stdout
+
+
+#: How many processes of the sandbox are zombies (state Z in /proc/PID/stat).
+COUNT_ZOMBIES = "cat /proc/[0-9]*/stat 2>/dev/null | awk '$3 == \"Z\"' | wc -l"
+
+
+def test_a_zombie_storm_is_reaped(make_sandbox: Make, backend: str) -> None:
+    """200 children exit under a parent that never waits for them; once it is gone they
+    are the sandbox's init's to reap, and they are."""
+    if backend == "fncall":
+        pytest.skip("fncall: a call's processes end with it")
+    sb = make_sandbox(pids=512)
+    r = sb.run(
+        "sh -c 'for i in $(seq 200); do true & done; exec sleep 2' & "
+        f"sleep 1; {COUNT_ZOMBIES}; wait",
+        timeout=60,
+    )
+    assert int(r.stdout) >= 150, (r.stdout, r.stderr)
+    reaped = wait_until(lambda: sb.run(COUNT_ZOMBIES).stdout.strip() == "0", 10, interval=0.2)
+    assert reaped, sb.run(COUNT_ZOMBIES).stdout
+    if backend not in VM_BACKENDS:
+        assert (sb.info().usage.pids or 0) < 10, sb.info().usage
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        # Containers and VM guests name the file's type, docker the sandbox's /dev.
+        ("/dev/zero", "character device|sandbox's /dev"),
+        ("/dev/urandom", "character device|sandbox's /dev"),
+        ("/proc/self/mem", "procfs"),
+        ("/proc/kmsg", "procfs"),
+        ("/big", "over the server's limit"),
+    ],
+)
+def test_endless_and_huge_files_are_refused_by_the_files_api(
+    make_sandbox: Make, backend: str, path: str, why: str
+) -> None:
+    if backend == "fncall":
+        pytest.skip("fncall: no files API")
+    sb = make_sandbox()
+    sb.run("truncate -s 10G /big")  # sparse: no blocks, 10 GiB to read
+    t = time.monotonic()
+    with pytest.raises(dsec.InvalidArgument, match=why):
+        sb.read_file(path)
+    assert time.monotonic() - t < 10, "refused before reading"
+    assert sb.run("echo ok").stdout == "ok\n"
+
+
+def test_500_concurrent_commands_in_one_sandbox(
+    server: Server, make_sandbox: Make, backend: str, record_property: Callable[..., None]
+) -> None:
+    """All 500 are answered with their own output, and a quiet sandbox's round trip is
+    measured meanwhile (reported, not asserted: machines here are noisy)."""
+    if backend in VM_BACKENDS or backend == "fncall":
+        pytest.skip(f"{backend}: 500 at once take minutes under TCG / a call is one command")
+    busy, quiet = make_sandbox(), make_sandbox()
+    quiet_ms: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            t = time.perf_counter()
+            assert quiet.run("true").exit_code == 0
+            quiet_ms.append((time.perf_counter() - t) * 1000)
+
+    async def storm() -> list[dsec.CommandResult]:
+        async with dsec.AsyncClient(server.url, max_connections=500) as ac:
+            sb = await ac.get(busy.id)
+            return await asyncio.gather(*(sb.run(f"echo {i}", timeout=120) for i in range(500)))
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        results = asyncio.run(storm())
+    finally:
+        done.set()
+        prober.join()
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(500)]
+    assert all(r.exit_code == 0 for r in results)
+    p50 = statistics.median(quiet_ms)
+    record_property("quiet_exec_p50_ms", round(p50, 2))
+    print(f"quiet sandbox exec p50 during 500 concurrent commands: {p50:.2f} ms, n={len(quiet_ms)}")
+    assert busy.run("echo alive").stdout == "alive\n"
 
 
 def test_overwriting_bin_sh_is_flagged_and_stays_in_the_sandbox(
