@@ -82,14 +82,15 @@ def test_a_cpu_hog_is_throttled_and_reported(
 ) -> None:
     if backend in VM_BACKENDS or backend == "fncall":
         pytest.skip(f"{backend}: the CPU limit is not the host's cgroup to read")
-    sb = make_sandbox(cpus=0.2)
+    sb = make_sandbox(cpus=0.1)
     sb.run(BUSY_LOOP, timeout=30)
     usage = sb.info().usage
-    # 3 s at a fifth of a core: held back for most of it.
-    assert usage.cpu_throttled_ms is not None and usage.cpu_throttled_ms > 1000, usage
+    # 3 s at a tenth of a core: held back for most of it (less on a loaded host, where
+    # the loop waits for a core as well as for its quota).
+    assert usage.cpu_throttled_ms is not None and usage.cpu_throttled_ms > 500, usage
     assert usage.cpu_ms is not None and usage.cpu_ms < 3000 * 0.5, usage
     hit = wait_for(client, sb.id, "limit.cpu")[0]
-    assert hit.data["cpus"] == 0.2 and hit.data["throttled_ms"] >= 100, hit.data
+    assert hit.data["cpus"] == 0.1 and hit.data["throttled_ms"] >= 100, hit.data
 
 
 def test_a_cpu_hog_is_flagged(make_server: Callable[..., Server], tmp_path: Path) -> None:
@@ -99,7 +100,7 @@ def test_a_cpu_hog_is_flagged(make_server: Callable[..., Server], tmp_path: Path
     )
     server = make_server(extra_args=["--watcher-config", str(config)])
     with server.client() as c:
-        sb = c.create(image="busybox", cpus=0.2)
+        sb = c.create(image="busybox", cpus=0.1)
         try:
             sb.run(BUSY_LOOP, timeout=30)
             action = wait_for(c, sb.id, "watcher.action")[0]

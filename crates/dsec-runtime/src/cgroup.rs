@@ -462,6 +462,11 @@ impl SandboxCgroup {
         self.reader().usage()
     }
 
+    /// CPU time in nanoseconds, alone (one file read; see [`CgroupReader::cpu_ns`]).
+    pub fn cpu_ns(&self) -> u64 {
+        self.reader().cpu_ns()
+    }
+
     /// How many of the sandbox's processes the kernel's OOM killer killed (v1: of its
     /// commands; v2: init included).
     pub fn oom_kills(&self) -> u64 {
@@ -687,6 +692,19 @@ impl CgroupReader {
                 pids_limit_hits: pids.map_or(0, pids_limit_hits),
                 cpu_throttled_ns: stat_field(&cpu_stat, "throttled_time").unwrap_or(0),
             },
+        }
+    }
+
+    /// CPU time in nanoseconds, alone: one file read where [`usage`](Self::usage) makes
+    /// seven, for a caller that only wants to know whether the cgroup ran at all.
+    pub fn cpu_ns(&self) -> u64 {
+        let cpuacct = self.cpuacct.as_deref();
+        match self.version {
+            CgroupVersion::V2 => read_text(cpuacct, "cpu.stat")
+                .and_then(|s| stat_field(&s, "usage_usec"))
+                .unwrap_or(0)
+                .saturating_mul(1000),
+            CgroupVersion::V1 => read_number(cpuacct, "cpuacct.usage"),
         }
     }
 

@@ -355,6 +355,10 @@ impl Sandbox for ContainerSandbox {
         }
     }
 
+    fn cpu_ns(&self) -> Option<u64> {
+        Some(self.container.cgroup().cpu_ns())
+    }
+
     fn replaced_image_files(&self, dirs: &[&str]) -> Vec<String> {
         // An overlay's upper directory holds exactly what the sandbox changed (removals
         // as whiteouts); those of its entries that an image layer also has are replaced.

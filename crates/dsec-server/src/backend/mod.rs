@@ -180,6 +180,13 @@ pub trait Sandbox: Send + Sync {
     }
     /// Resource usage now.
     fn usage(&self) -> Usage;
+    /// Its CPU time so far, read more cheaply than [`usage`](Self::usage), where the
+    /// backend can tell: a sandbox whose CPU time has not moved since the usage sampler's
+    /// previous round ran nothing, so nothing it samples can have changed, and it is not
+    /// read again (most sandboxes of a dense host sit idle).
+    fn cpu_ns(&self) -> Option<u64> {
+        None
+    }
     /// The image's own files directly in `dirs` (absolute, e.g. `/usr/bin`) that the
     /// sandbox overwrote or removed, where the backend can tell from its writable layer
     /// (the Watcher's `binary-overwrite`); files it added are not listed. Empty elsewhere.

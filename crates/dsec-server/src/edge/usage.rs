@@ -32,6 +32,8 @@ const CPU_THROTTLED: Duration = Duration::from_millis(100);
 /// What the previous sample of one sandbox saw.
 #[derive(Default)]
 struct Seen {
+    /// Its CPU time at the previous round (see [`crate::backend::Sandbox::cpu_ns`]).
+    cpu_ns: Option<u64>,
     usage: Usage,
     disk_full: bool,
     /// Time of the newest refused connection already reported.
@@ -58,6 +60,12 @@ impl Sampler {
                 continue;
             }
             let mut prev = self.seen.remove(&entry.info.id).unwrap_or_default();
+            let cpu_ns = entry.sandbox.cpu_ns();
+            if cpu_ns.is_some() && cpu_ns == prev.cpu_ns {
+                seen.insert(entry.info.id.clone(), prev);
+                continue;
+            }
+            prev.cpu_ns = cpu_ns;
             let usage = entry.sandbox.usage();
             limits(entry, &prev.usage, &usage);
             prev.disk_full = disk(entry, prev.disk_full, &usage);

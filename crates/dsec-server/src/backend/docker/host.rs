@@ -335,6 +335,11 @@ impl LocalView {
         self.oom_seen.swap(now, Ordering::AcqRel) < now
     }
 
+    /// The container's CPU time, alone (see [`CgroupReader::cpu_ns`]).
+    pub(super) fn cpu_ns(&self) -> Option<u64> {
+        Some(self.cgroup.as_ref()?.cpu_ns())
+    }
+
     pub(super) fn usage(&self) -> Usage {
         let usage = self
             .cgroup

@@ -398,6 +398,10 @@ impl Sandbox for DockerSandbox {
             .unwrap_or_default()
     }
 
+    fn cpu_ns(&self) -> Option<u64> {
+        self.0.local.as_ref()?.cpu_ns()
+    }
+
     fn is_alive(&self) -> bool {
         self.0.alive.load(Ordering::Acquire)
     }
