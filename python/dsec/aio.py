@@ -375,8 +375,22 @@ class AsyncSandbox(p.SandboxBase):
     async def read_file(self, path: str) -> bytes:
         return await self.client._do(p.read_file_call(self.id, path))
 
-    async def list_files(self, path: str) -> list[FileInfo]:
-        return await self.client._do(p.list_files_call(self.id, path))
+    async def list_files(self, path: str, depth: int = 1) -> list[FileInfo]:
+        return await self.client._do(p.list_files_call(self.id, path, depth))
+
+    async def stat(self, path: str) -> FileInfo:
+        return await self.client._do(p.stat_call(self.id, path))
+
+    async def mkdir(
+        self, path: str, *, parents: bool = True, exist_ok: bool = True, mode: int | None = None
+    ) -> bool:
+        return await self.client._do(p.mkdir_call(self.id, path, parents, exist_ok, mode))
+
+    async def move(self, src: str, dst: str, *, overwrite: bool = False) -> None:
+        await self.client._do(p.move_call(self.id, src, dst, overwrite))
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self.client._do(p.remove_call(self.id, path, recursive))
 
     async def set_network(self, network: Network) -> None:
         await self.client._do(p.set_network_call(self.id, network))

@@ -336,8 +336,29 @@ class Sandbox(p.SandboxBase):
     def read_file(self, path: str) -> bytes:
         return self.client._do(p.read_file_call(self.id, path))
 
-    def list_files(self, path: str) -> list[FileInfo]:
-        return self.client._do(p.list_files_call(self.id, path))
+    def list_files(self, path: str, depth: int = 1) -> list[FileInfo]:
+        """The entries of a directory, ``depth`` levels deep (1: its own entries), sorted
+        by ``path`` (relative to the listed directory). Links are listed, not followed."""
+        return self.client._do(p.list_files_call(self.id, path, depth))
+
+    def stat(self, path: str) -> FileInfo:
+        """The status of ``path``; a symbolic link is reported (``kind="symlink"``,
+        ``link``), not followed."""
+        return self.client._do(p.stat_call(self.id, path))
+
+    def mkdir(
+        self, path: str, *, parents: bool = True, exist_ok: bool = True, mode: int | None = None
+    ) -> bool:
+        """Make a directory (``mode`` default 0o755); whether it was made."""
+        return self.client._do(p.mkdir_call(self.id, path, parents, exist_ok, mode))
+
+    def move(self, src: str, dst: str, *, overwrite: bool = False) -> None:
+        """Rename ``src`` to ``dst`` (whose parent must exist) within the sandbox."""
+        self.client._do(p.move_call(self.id, src, dst, overwrite))
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file, a link (itself) or a directory (not empty: ``recursive``)."""
+        self.client._do(p.remove_call(self.id, path, recursive))
 
     def set_network(self, network: Network) -> None:
         """Change the egress policy: False, True or ``{"allow": [...]}``."""

@@ -66,6 +66,10 @@ impl FileService {
                 .map_err(decode)
                 .and_then(|(h, data)| self.open_write(h, data)),
             FrameKind::ListDir => frame.json().map_err(decode).and_then(|r| self.list(r)),
+            FrameKind::Stat => frame.json().map_err(decode).and_then(|r| self.stat(r)),
+            FrameKind::MakeDir => frame.json().map_err(decode).and_then(|r| self.mkdir(r)),
+            FrameKind::MovePath => frame.json().map_err(decode).and_then(|r| self.rename(r)),
+            FrameKind::RemovePath => frame.json().map_err(decode).and_then(|r| self.remove(r)),
             FrameKind::ReadChunk => frame.json().map_err(decode).and_then(|t| self.read(t)),
             FrameKind::WriteChunk => proto::decode_with_header(frame)
                 .map_err(decode)
@@ -138,9 +142,36 @@ impl FileService {
     fn list(&mut self, req: proto::ListDir) -> Result<Vec<u8>, InitError> {
         let entries = self
             .root(&req.path)?
-            .list(&req.path, req.max_entries)
+            .list(&req.path, req.max_entries, req.depth)
             .map_err(failed)?;
         Ok(serde_json::to_vec(&entries).expect("entries serialize"))
+    }
+
+    fn stat(&mut self, req: proto::PathRequest) -> Result<Vec<u8>, InitError> {
+        let entry = self.root(&req.path)?.stat(&req.path).map_err(failed)?;
+        Ok(serde_json::to_vec(&entry).expect("an entry serializes"))
+    }
+
+    fn mkdir(&mut self, req: proto::MakeDir) -> Result<Vec<u8>, InitError> {
+        let made = self
+            .root(&req.path)?
+            .mkdir(&req.path, req.mode, req.parents, req.exist_ok)
+            .map_err(failed)?;
+        Ok(serde_json::to_vec(&made).expect("a bool serializes"))
+    }
+
+    fn rename(&mut self, req: proto::MovePath) -> Result<Vec<u8>, InitError> {
+        self.root(&req.src)?
+            .rename(&req.src, &req.dst, req.overwrite)
+            .map_err(failed)?;
+        Ok(Vec::new())
+    }
+
+    fn remove(&mut self, req: proto::RemovePath) -> Result<Vec<u8>, InitError> {
+        self.root(&req.path)?
+            .remove(&req.path, req.recursive)
+            .map_err(failed)?;
+        Ok(Vec::new())
     }
 
     fn read(&mut self, t: proto::Transfer) -> Result<Vec<u8>, InitError> {

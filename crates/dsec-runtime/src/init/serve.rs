@@ -280,6 +280,10 @@ impl Init {
             FrameKind::ReadFile
             | FrameKind::WriteFile
             | FrameKind::ListDir
+            | FrameKind::Stat
+            | FrameKind::MakeDir
+            | FrameKind::MovePath
+            | FrameKind::RemovePath
             | FrameKind::ReadChunk
             | FrameKind::WriteChunk
             | FrameKind::CloseFile => match self.files.serve(&frame) {

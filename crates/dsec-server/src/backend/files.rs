@@ -247,8 +247,12 @@ fn slices(pieces: &[Bytes]) -> Vec<&[u8]> {
 }
 
 /// Lists a directory that the sandbox's init or agent serves.
-pub(crate) async fn list_served(channel: &Channel, path: &str) -> Result<Vec<FileInfo>, ApiError> {
-    let entries = channel.list_dir(path, MAX_LIST_ENTRIES).await?;
+pub(crate) async fn list_served(
+    channel: &Channel,
+    path: &str,
+    depth: u32,
+) -> Result<Vec<FileInfo>, ApiError> {
+    let entries = channel.list_dir(path, MAX_LIST_ENTRIES, depth).await?;
     Ok(entries.into_iter().map(file_info).collect())
 }
 

@@ -602,7 +602,10 @@ async fn list_dir(
         return Err(needs_file_ops("ListDir with depth > 1"));
     }
     let dir = resolve_path(&req.path, &call.user)?;
-    let files = e2b.edge().list_files(&call.sandbox.info.id, &dir).await?;
+    let files = e2b
+        .edge()
+        .list_files(&call.sandbox.info.id, &dir, 1)
+        .await?;
     let entries = files.into_iter().map(|f| entry_info(&dir, f)).collect();
     Ok(ListDirResponse { entries })
 }
@@ -617,6 +620,7 @@ async fn stat(e2b: &E2b, call: &Call, req: PathRequest) -> Result<EntryResponse,
             size: 0,
             is_dir: true,
             mode: 0o755,
+            ..Default::default()
         };
         let mut entry = entry_info("/", root);
         entry.path = "/".to_owned();
@@ -624,7 +628,11 @@ async fn stat(e2b: &E2b, call: &Call, req: PathRequest) -> Result<EntryResponse,
     };
     let parent = if parent.is_empty() { "/" } else { parent };
     let not_found = || ConnectError::new(Code::NotFound, format!("no such file: {path}"));
-    let files = match e2b.edge().list_files(&call.sandbox.info.id, parent).await {
+    let files = match e2b
+        .edge()
+        .list_files(&call.sandbox.info.id, parent, 1)
+        .await
+    {
         Ok(files) => files,
         Err(e) if e.kind == dsec_api::ErrorKind::NotFound => return Err(not_found()),
         Err(e) => return Err(e.into()),

@@ -40,6 +40,7 @@
 
 mod archive;
 mod host;
+mod ops;
 mod output;
 mod paths;
 
@@ -68,7 +69,8 @@ use self::host::{
 use self::output::DockerOutput;
 use self::paths::join;
 use super::{
-    Backend, CommandSpec, Created, FileRead, OutputStream, Sandbox, SandboxRequest, Upload,
+    Backend, CommandSpec, Created, FileRead, MakeDir, MovePath, OutputStream, RemovePath, Sandbox,
+    SandboxRequest, Upload,
 };
 use crate::error::ApiError;
 
@@ -343,7 +345,7 @@ impl Sandbox for DockerSandbox {
         })
     }
 
-    async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError> {
+    async fn list_files(&self, path: &str, depth: u32) -> Result<Vec<FileInfo>, ApiError> {
         let inner = &self.0;
         let resolved = inner.resolve(path).await?;
         resolved.check(path, FileOp::List)?;
@@ -374,7 +376,23 @@ impl Sandbox for DockerSandbox {
                     ),
                 })
             })?;
-        blocking(move || list_tar(tar)).await
+        blocking(move || list_tar(tar, depth)).await
+    }
+
+    async fn stat(&self, path: &str) -> Result<FileInfo, ApiError> {
+        self.0.stat_path(path).await
+    }
+
+    async fn make_dir(&self, req: &MakeDir) -> Result<bool, ApiError> {
+        self.0.make_dir(req).await
+    }
+
+    async fn move_path(&self, req: &MovePath) -> Result<(), ApiError> {
+        self.0.move_path(req).await
+    }
+
+    async fn remove_path(&self, req: &RemovePath) -> Result<(), ApiError> {
+        self.0.remove_path(req).await
     }
 
     async fn pause(&self) -> Result<(), ApiError> {
