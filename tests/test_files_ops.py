@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import dsec
 import pytest
@@ -221,3 +222,161 @@ def test_the_async_sdk_does_the_same(client: dsec.Client, sb: dsec.Sandbox) -> N
                 await asb.stat("/work/as")
 
     asyncio.run(go())
+
+
+def _until(events: Iterator[dsec.WatchEvent], want: set[tuple[str, str]]) -> list[dsec.WatchEvent]:
+    """Events read until every (kind, path) of ``want`` was seen (the watch's heartbeats
+    keep the read from stalling); fails after WATCH_WAIT_S."""
+    seen: list[dsec.WatchEvent] = []
+    deadline = time.monotonic() + WATCH_WAIT_S
+    missing = set(want)
+    while missing:
+        assert time.monotonic() < deadline, f"never saw {missing}; saw {seen}"
+        ev = next(events)
+        seen.append(ev)
+        missing.discard((ev.kind, ev.path))
+    return seen
+
+
+#: Longest wait for an event the sandbox should have reported at once.
+WATCH_WAIT_S = 20.0
+
+
+def _no_docker(backend: str) -> None:
+    if backend == "docker":
+        pytest.skip("docker sandboxes have no watch (test_watch_on_docker_says_so)")
+
+
+def test_watch_sees_create_write_rename_chmod_remove(backend: str, sb: dsec.Sandbox) -> None:
+    _no_docker(backend)
+    sb.mkdir("/work/w")
+    events = sb.watch("/work/w")
+    try:
+        # Armed on return: a change made right after is seen.
+        sb.write_file("/work/w/a.txt", "1")
+        sb.run("echo more >> /work/w/a.txt && chmod 600 /work/w/a.txt")
+        sb.move("/work/w/a.txt", "/work/w/b.txt")
+        sb.mkdir("/work/w/sub")
+        sb.remove("/work/w/b.txt")
+        seen = _until(
+            events,
+            {
+                ("create", "/work/w/a.txt"),
+                ("write", "/work/w/a.txt"),
+                ("chmod", "/work/w/a.txt"),
+                ("rename", "/work/w/a.txt"),
+                ("create", "/work/w/b.txt"),
+                ("create", "/work/w/sub"),
+                ("remove", "/work/w/b.txt"),
+            },
+        )
+        assert next(e for e in seen if e.path == "/work/w/sub").is_dir
+        # Not recursive: a change below a subdirectory is not reported...
+        sb.write_file("/work/w/sub/deep", "d")
+        sb.write_file("/work/w/marker", "m")
+        later = _until(events, {("create", "/work/w/marker")})
+        assert all(e.path != "/work/w/sub/deep" for e in later)
+        # ...and the watch ends with its directory.
+        sb.remove("/work/w", recursive=True)
+        rest = list(events)
+        assert all(e.path.startswith("/work/w/") for e in rest), rest
+    finally:
+        events.close()  # type: ignore[attr-defined]
+
+
+def test_a_recursive_watch_follows_new_subdirectories(backend: str, sb: dsec.Sandbox) -> None:
+    _no_docker(backend)
+    sb.write_file("/work/r/old/keep", "k")
+    events = sb.watch("/work/r", recursive=True)
+    try:
+        sb.write_file("/work/r/old/f", "1")
+        sb.mkdir("/work/r/new/deeper")
+        _until(events, {("create", "/work/r/old/f"), ("create", "/work/r/new")})
+        # A directory made after the watch began is watched too, once reported.
+        deadline = time.monotonic() + WATCH_WAIT_S
+        n = 0
+        while True:
+            n += 1
+            sb.write_file(f"/work/r/new/deeper/g{n}", "2")
+            want = {("create", f"/work/r/new/deeper/g{n}")}
+            try:
+                _until(events, want)
+                break
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+    finally:
+        events.close()  # type: ignore[attr-defined]
+
+
+def test_watch_refuses_what_list_refuses(backend: str, sb: dsec.Sandbox) -> None:
+    _no_docker(backend)
+    sb.write_file("/work/file", "f")
+    assert sb.run("ln -s /etc /work/abs").ok
+    with pytest.raises(dsec.NotFound):
+        sb.watch("/work/missing")
+    with pytest.raises(dsec.InvalidArgument, match="not a directory"):
+        sb.watch("/work/file")
+    with pytest.raises(dsec.InvalidArgument, match="escapes"):
+        sb.watch("/work/abs")
+    with pytest.raises(dsec.InvalidArgument, match="procfs"):
+        sb.watch("/proc")
+    with pytest.raises(dsec.InvalidArgument):
+        sb.watch("/dev")
+
+
+def test_watches_are_bounded_and_released_when_the_client_goes(
+    backend: str, sb: dsec.Sandbox
+) -> None:
+    """Eight watches per sandbox; a closed stream gives its watch back (the server sees
+    the client gone, at the latest at the next heartbeat, and ends it in the sandbox)."""
+    _no_docker(backend)
+    sb.mkdir("/work/b")
+
+    def open_all() -> list[Iterator[dsec.WatchEvent]]:
+        opened: list[Iterator[dsec.WatchEvent]] = []
+        deadline = time.monotonic() + 30
+        while len(opened) < 8:
+            try:
+                opened.append(sb.watch("/work/b"))
+            except dsec.Conflict:
+                assert time.monotonic() < deadline, "closed watches were never released"
+                time.sleep(0.5)
+        return opened
+
+    for _ in range(3):
+        opened = open_all()
+        with pytest.raises(dsec.Conflict, match="watches open"):
+            sb.watch("/work/b")
+        for w in opened:
+            w.close()  # type: ignore[attr-defined]
+    # The sandbox still answers, and a watch still works.
+    w = open_all()[0]
+    sb.write_file("/work/b/x", "x")
+    _until(w, {("create", "/work/b/x")})
+
+
+def test_watch_on_docker_says_so(backend: str, sb: dsec.Sandbox) -> None:
+    if backend != "docker":
+        pytest.skip("only docker has no watch")
+    with pytest.raises(dsec.InvalidArgument, match="not supported on docker"):
+        sb.watch("/tmp")
+
+
+def test_the_async_watch_is_armed_once_awaited(
+    client: dsec.Client, sb: dsec.Sandbox, backend: str
+) -> None:
+    _no_docker(backend)
+
+    async def go() -> None:
+        async with dsec.AsyncClient(client.url) as ac:
+            asb = await ac.get(sb.id)
+            await asb.mkdir("/work/aw")
+            events = await asb.watch("/work/aw")
+            await asb.write_file("/work/aw/f", "x")
+            async for ev in events:
+                if (ev.kind, ev.path) == ("create", "/work/aw/f"):
+                    break
+            await events.aclose()  # type: ignore[attr-defined]
+
+    asyncio.run(asyncio.wait_for(go(), WATCH_WAIT_S))

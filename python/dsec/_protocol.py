@@ -28,7 +28,15 @@ from .errors import (
     error_from_kind,
     error_from_response,
 )
-from .types import CommandResult, Event, FileInfo, Image, SandboxInfo, StreamEvent
+from .types import (
+    CommandResult,
+    Event,
+    FileInfo,
+    Image,
+    SandboxInfo,
+    StreamEvent,
+    WatchEvent,
+)
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -335,6 +343,33 @@ def events_call(
         read_timeout=FOLLOW_READ_TIMEOUT_S if follow else DEFAULT_REQUEST_TIMEOUT_S,
         accept="application/x-ndjson",
     )
+
+
+def watch_call(id: str, path: str, recursive: bool) -> Call[None]:
+    """The watch's NDJSON stream, read line by line with :func:`parse_watch_event`."""
+    params = [("path", path), ("recursive", "true" if recursive else "false")]
+    return Call(
+        "GET",
+        _sb(id, "/files/watch"),
+        parse_none,
+        params=params,
+        read_timeout=FOLLOW_READ_TIMEOUT_S,
+        accept="application/x-ndjson",
+    )
+
+
+def parse_watch_event(line: bytes) -> WatchEvent | None:
+    """Parse one line of a watch (``None`` for heartbeats); the first is ``watching``."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        doc = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise DsecError(f"bad line in the watch stream: {line[:200]!r}") from e
+    if not isinstance(doc, dict):
+        raise DsecError(f"bad line in the watch stream: {line[:200]!r}")
+    return WatchEvent.from_json(doc)
 
 
 def _swallow_not_found(err: DsecError) -> None:

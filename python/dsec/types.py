@@ -175,6 +175,26 @@ class FileInfo:
 
 
 @dataclass(frozen=True)
+class WatchEvent:
+    """One change seen by :meth:`dsec.Sandbox.watch`. ``kind`` is ``create`` (made or moved
+    in), ``write``, ``remove``, ``rename`` (moved away: the old path), ``chmod`` or
+    ``overflow`` (the sandbox's queue overflowed: events were lost; ``path`` empty);
+    ``path`` is absolute, under the watched one."""
+
+    kind: str
+    path: str
+    is_dir: bool = False
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WatchEvent:
+        return cls(
+            kind=str(d.get("kind", "")),
+            path=str(d.get("path", "")),
+            is_dir=bool(d.get("is_dir", False)),
+        )
+
+
+@dataclass(frozen=True)
 class Limits:
     """A sandbox's resource limits as the server applied them."""
 

@@ -95,6 +95,17 @@ pub enum FrameKind {
     /// edge → sandbox: remove a file, a link or a directory; payload: JSON
     /// [`RemovePath`]. Answer: empty.
     RemovePath = 33,
+    /// edge → sandbox: watch a directory; payload: JSON [`WatchRequest`]. Answer:
+    /// `Watching` once the watch is armed (or `Error`), then `FileEvents` frames of the
+    /// same id, until `Done` (the directory went away) or the edge's `Unwatch`.
+    Watch = 34,
+    /// init → edge: the watch of this id is armed; empty payload.
+    Watching = 35,
+    /// init → edge: events of the watch of this id; payload: JSON
+    /// `Vec<`[`crate::files::watch::WatchEvent`]`>`.
+    FileEvents = 36,
+    /// edge → sandbox: end the watch of this id (its client went away). No answer.
+    Unwatch = 37,
 }
 
 impl FrameKind {
@@ -121,6 +132,10 @@ impl FrameKind {
             31 => FrameKind::MakeDir,
             32 => FrameKind::MovePath,
             33 => FrameKind::RemovePath,
+            34 => FrameKind::Watch,
+            35 => FrameKind::Watching,
+            36 => FrameKind::FileEvents,
+            37 => FrameKind::Unwatch,
             _ => return None,
         })
     }
@@ -512,6 +527,15 @@ pub struct MovePath {
     pub dst: String,
     /// Replace what `dst` names (a file, a link or an empty directory).
     pub overwrite: bool,
+}
+
+/// A [`FrameKind::Watch`] request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchRequest {
+    /// Absolute path of a directory in the sandbox.
+    pub path: String,
+    /// Watch the directories below it too, and those made later.
+    pub recursive: bool,
 }
 
 /// A [`FrameKind::RemovePath`] request.

@@ -90,6 +90,7 @@ pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
         .route("/sandboxes/{id}/files/stat", get(stat_path))
         .route("/sandboxes/{id}/files/mkdir", post(make_dir))
         .route("/sandboxes/{id}/files/move", post(move_path))
+        .route("/sandboxes/{id}/files/watch", get(watch_files))
         .route("/sandboxes/{id}/pause", post(pause_sandbox))
         .route("/sandboxes/{id}/snapshot", post(snapshot_sandbox))
         .route("/sandboxes/{id}/fork", post(fork_sandbox))
@@ -569,6 +570,18 @@ struct RemoveQuery {
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+struct WatchQuery {
+    /// Absolute path of a directory inside the sandbox.
+    path: String,
+    /// Watch the directories below it too, and those made later (default false).
+    recursive: Option<bool>,
+}
+
+/// How often an idle watch stream gets a blank line: a client that went away is noticed
+/// by the next one, and its watch ended in the sandbox.
+const WATCH_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(5);
+
+#[derive(Deserialize, utoipa::IntoParams)]
 struct StatQuery {
     /// Absolute path inside the sandbox.
     path: String,
@@ -689,6 +702,47 @@ async fn move_path(
     };
     state.edge.move_path(&id, req).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Watches a directory: NDJSON, a first line `{"kind": "watching", "path": ...}` once the
+/// watch is armed, then one line per event `{"kind", "path", "is_dir"}`; the answer ends
+/// when the directory goes away.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files/watch", params(WatchQuery),
+    responses((status = 200, description = "NDJSON watch events", content_type = "application/x-ndjson"),
+              (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, body = ErrorBody)))]
+async fn watch_files(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    query: Result<Query<WatchQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let q = path_query(query)?;
+    let watch = state
+        .edge
+        .watch(&id, &q.path, q.recursive.unwrap_or(false))
+        .await?;
+    let armed = serde_json::json!({"kind": "watching", "path": q.path, "is_dir": true});
+    let mut armed = serde_json::to_vec(&armed).expect("JSON serializes");
+    armed.push(b'\n');
+    let events = futures::stream::unfold(Some(watch), |watch| async move {
+        let mut watch = watch?;
+        match tokio::time::timeout(WATCH_HEARTBEAT, watch.next()).await {
+            Err(_) => Some((Ok(axum::body::Bytes::from_static(b"\n")), Some(watch))),
+            Ok(Some(Ok(batch))) => {
+                let mut lines = Vec::new();
+                for event in batch {
+                    lines.extend(serde_json::to_vec(&event).expect("an event serializes"));
+                    lines.push(b'\n');
+                }
+                Some((Ok(axum::body::Bytes::from(lines)), Some(watch)))
+            }
+            Ok(Some(Err(e))) => Some((Err(std::io::Error::other(e.message)), None)),
+            Ok(None) => None,
+        }
+    });
+    let first = futures::stream::once(async move { Ok(axum::body::Bytes::from(armed)) });
+    let body = Body::from_stream(first.chain(events));
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}/files", params(RemoveQuery),
@@ -840,6 +894,7 @@ async fn delete_image(
         make_dir,
         move_path,
         remove_path,
+        watch_files,
         import_image,
         list_images,
         get_image,

@@ -26,8 +26,8 @@ use tracing::Instrument;
 use crate::admission::{Admission, Grant};
 use crate::backend::files::too_large_upload;
 use crate::backend::{
-    image_info, Backend, Backends, CommandSpec, Created, FileRead, FileWrite, MakeDir, MovePath,
-    OutputStream, RemovePath, Sandbox, SandboxRequest, Upload,
+    image_info, Backend, Backends, CommandSpec, Created, FileRead, FileWatch, FileWrite, MakeDir,
+    MovePath, OutputStream, RemovePath, Sandbox, SandboxRequest, Upload,
 };
 use crate::error::ApiError;
 use crate::events::{kind, Events, Subject};
@@ -1152,6 +1152,24 @@ impl Edge {
             Ok(())
         }
         .instrument(file_span(id, &req.src, "move"))
+        .await
+    }
+
+    /// Watches a directory of a sandbox; returns once the watch is armed. A watch holds
+    /// no transfer slot: the sandbox bounds its watches itself.
+    pub async fn watch(
+        &self,
+        id: &str,
+        path: &str,
+        recursive: bool,
+    ) -> Result<Box<dyn FileWatch>, ApiError> {
+        check_absolute("path", path)?;
+        async {
+            let entry = self.live_entry(id).await?;
+            let result = entry.sandbox.watch(path, recursive).await;
+            entry.or_failed(result).await
+        }
+        .instrument(file_span(id, path, "watch"))
         .await
     }
 

@@ -28,6 +28,7 @@
 
 pub mod client;
 pub mod service;
+pub mod watch;
 
 use std::fs::File;
 use std::io;
@@ -55,6 +56,8 @@ pub enum FileOp {
     Move,
     /// `remove`.
     Remove,
+    /// `watch`.
+    Watch,
 }
 
 impl FileOp {
@@ -67,6 +70,7 @@ impl FileOp {
             FileOp::MakeDir => "made",
             FileOp::Move => "moved",
             FileOp::Remove => "removed",
+            FileOp::Watch => "watched",
         }
     }
 }
@@ -187,6 +191,16 @@ pub enum FileError {
         /// The limit.
         limit: usize,
     },
+    /// The sandbox has too many watches open.
+    #[error(
+        "{path:?}: the sandbox has {limit} watches open already; end one (close its stream) first"
+    )]
+    TooManyWatches {
+        /// The path as given.
+        path: String,
+        /// The limit.
+        limit: usize,
+    },
     /// The writable layer is full.
     #[error("no space left in the sandbox's writable layer writing {path:?}")]
     NoSpace {
@@ -210,7 +224,7 @@ fn refused_message(path: &str, op: FileOp, refusal: &Refusal, link: Option<&str>
         format!(" (through a symbolic link to {l})")
     });
     let wanted = match op {
-        FileOp::List => "directories",
+        FileOp::List | FileOp::Watch => "directories",
         FileOp::Read | FileOp::Write => "regular files",
         FileOp::Stat | FileOp::MakeDir | FileOp::Move | FileOp::Remove => {
             "regular files, directories and symbolic links"
@@ -284,6 +298,7 @@ impl FileError {
             FileError::Escapes { .. } => Some("escapes"),
             FileError::TooLarge { .. } => Some("too_large"),
             FileError::Busy { .. } => Some("busy"),
+            FileError::TooManyWatches { .. } => Some("watches"),
             _ => None,
         }
     }
@@ -299,6 +314,7 @@ impl FileError {
             | FileError::Refused { path, .. }
             | FileError::TooLarge { path, .. }
             | FileError::Busy { path, .. }
+            | FileError::TooManyWatches { path, .. }
             | FileError::NoSpace { path }
             | FileError::Io { path, .. } => path,
         }
@@ -547,6 +563,16 @@ impl SandboxRoot {
         max_entries: usize,
         depth: u32,
     ) -> Result<Vec<Entry>, FileError> {
+        let fd = self.open_dir(path, FileOp::List)?;
+        let mut entries = Vec::new();
+        let listing = Listing { path, max_entries };
+        listing.read(&fd, "", depth.max(1), &mut entries)?;
+        entries.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(entries)
+    }
+
+    /// Opens the directory `path` for reading, checked for `op` (a listing or a watch).
+    pub(crate) fn open_dir(&self, path: &str, op: FileOp) -> Result<OwnedFd, FileError> {
         let rel = relative(path)?;
         // O_DIRECTORY: anything but a directory fails the lookup and is never opened.
         let fd = openat2(
@@ -562,13 +588,9 @@ impl SandboxRoot {
             },
             _ => FileError::os(path, e),
         })?;
-        self.check(&fd, FileOp::List)
-            .map_err(|f| f.into_error(path, FileOp::List, self.link_of(&rel)))?;
-        let mut entries = Vec::new();
-        let listing = Listing { path, max_entries };
-        listing.read(&fd, "", depth.max(1), &mut entries)?;
-        entries.sort_by(|a, b| a.path.cmp(&b.path));
-        Ok(entries)
+        self.check(&fd, op)
+            .map_err(|f| f.into_error(path, op, self.link_of(&rel)))?;
+        Ok(fd)
     }
 
     /// The status of `path`. A symbolic link in its last component is reported, not
@@ -782,7 +804,7 @@ impl SandboxRoot {
         let wrong = |reason: &str| Fault::WrongType(reason.to_owned());
         match (FileType::from_raw_mode(stat.st_mode), op) {
             (FileType::RegularFile, FileOp::Read | FileOp::Write) => {}
-            (FileType::Directory, FileOp::List) => {}
+            (FileType::Directory, FileOp::List | FileOp::Watch) => {}
             (FileType::Directory, FileOp::Read) => {
                 return Err(wrong("is a directory; use list_files"))
             }

@@ -12,6 +12,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
+use super::watch::Watches;
 use super::{FileError, FileOp, SandboxRoot};
 use crate::proto::{self, Frame, FrameKind, InitError};
 
@@ -37,6 +38,7 @@ pub struct FileService {
     open: HashMap<u32, Open>,
     next_id: u32,
     buf: Vec<u8>,
+    watches: Watches,
 }
 
 impl FileService {
@@ -47,6 +49,7 @@ impl FileService {
             open: HashMap::new(),
             next_id: 1,
             buf: Vec::new(),
+            watches: Watches::default(),
         }
     }
 
@@ -85,13 +88,32 @@ impl FileService {
         Some(answer)
     }
 
+    /// Starts the watch a [`FrameKind::Watch`] frame asks for, known by the frame's id.
+    pub fn watch(&mut self, frame: &Frame) -> Result<(), InitError> {
+        let req: proto::WatchRequest = frame.json().map_err(decode)?;
+        let root = self.root.as_ref().ok_or_else(|| no_files(&req.path))?;
+        self.watches
+            .add(root, frame.exec_id, &req.path, req.recursive)
+            .map_err(failed)
+    }
+
+    /// Ends watch `id` (its client went away); nothing is sent.
+    pub fn unwatch(&mut self, id: u32) {
+        self.watches.remove(id);
+    }
+
+    /// The descriptor to poll for watch events, while a watch is open.
+    pub fn watch_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.watches.fd()
+    }
+
+    /// Appends the frames of the watch events queued since the last call to `out`.
+    pub fn pump_watches(&mut self, out: &mut Vec<u8>) {
+        self.watches.pump(self.root.as_ref(), out);
+    }
+
     fn root(&self, path: &str) -> Result<&SandboxRoot, InitError> {
-        self.root.as_ref().ok_or_else(|| {
-            failed(FileError::InvalidPath {
-                path: path.to_owned(),
-                reason: "this sandbox serves no files (a fncall worker: pass files= to run)".into(),
-            })
-        })
+        self.root.as_ref().ok_or_else(|| no_files(path))
     }
 
     fn open_read(&mut self, req: proto::OpenRead) -> Result<Vec<u8>, InitError> {
@@ -257,6 +279,13 @@ fn failed(e: FileError) -> InitError {
         message: e.to_string(),
         file: Some(Box::new(e)),
     }
+}
+
+fn no_files(path: &str) -> InitError {
+    failed(FileError::InvalidPath {
+        path: path.to_owned(),
+        reason: "this sandbox serves no files (a fncall worker: pass files= to run)".into(),
+    })
 }
 
 fn decode(e: proto::ProtoError) -> InitError {

@@ -17,7 +17,7 @@ use dsec_runtime::proto::{ExecExit, ExecFile, ExecSpec};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
 
-use super::files::{list_served, read_served, write_served};
+use super::files::{list_served, read_served, watch_served, write_served, FileWatch};
 use super::{file_info, MakeDir, MovePath, RemovePath};
 use super::{
     Backend, CommandSpec, Created, ExitStatus, Failure, FileRead, FileWrite, ImageDefaults, Output,
@@ -317,6 +317,10 @@ impl Sandbox for ContainerSandbox {
 
     async fn remove_path(&self, req: &RemovePath) -> Result<(), ApiError> {
         Ok(self.container.channel().remove_path(req).await?)
+    }
+
+    async fn watch(&self, path: &str, recursive: bool) -> Result<Box<dyn FileWatch>, ApiError> {
+        watch_served(self.container.channel(), path, recursive).await
     }
 
     async fn pause(&self) -> Result<(), ApiError> {

@@ -51,8 +51,8 @@ use tokio::sync::Notify;
 
 use super::container::{carry, create_options, exit_status, run, ContainerOutput};
 use super::{
-    Backend, CommandSpec, Created, ExitStatus, FileRead, FileWrite, ImageDefaults, MakeDir,
-    MovePath, Output, OutputStream, RemovePath, Sandbox, SandboxRequest, Upload,
+    Backend, CommandSpec, Created, ExitStatus, FileRead, FileWatch, FileWrite, ImageDefaults,
+    MakeDir, MovePath, Output, OutputStream, RemovePath, Sandbox, SandboxRequest, Upload,
 };
 use crate::admission::{Admission, Grant};
 use crate::error::ApiError;
@@ -772,6 +772,10 @@ impl Sandbox for FnCallSandbox {
 
     async fn remove_path(&self, _req: &RemovePath) -> Result<(), ApiError> {
         Err(stateless("remove"))
+    }
+
+    async fn watch(&self, _path: &str, _recursive: bool) -> Result<Box<dyn FileWatch>, ApiError> {
+        Err(stateless("watch"))
     }
 
     fn usage(&self) -> Usage {

@@ -21,7 +21,7 @@ use dsec_image::{Image, ImageStore};
 use dsec_runtime::files::{Entry, EntryKind};
 pub use dsec_runtime::proto::{MakeDir, MovePath, RemovePath};
 
-pub use self::files::{FileRead, Upload};
+pub use self::files::{FileRead, FileWatch, Upload};
 use crate::error::ApiError;
 
 /// A validated request for a new sandbox, defaults filled in.
@@ -158,6 +158,8 @@ pub trait Sandbox: Send + Sync {
     async fn move_path(&self, req: &MovePath) -> Result<(), ApiError>;
     /// Removes a file, a link or a directory.
     async fn remove_path(&self, req: &RemovePath) -> Result<(), ApiError>;
+    /// Watches a directory (with `recursive`, what is below too); returns once armed.
+    async fn watch(&self, path: &str, recursive: bool) -> Result<Box<dyn FileWatch>, ApiError>;
     /// Freezes every process of the sandbox.
     async fn pause(&self) -> Result<(), ApiError> {
         Err(ApiError::unavailable("this backend cannot pause sandboxes"))

@@ -33,7 +33,7 @@ use dsec_vm::VmError;
 use serde::{Deserialize, Serialize};
 use tokio::sync::OnceCell;
 
-use super::files::{list_served, read_served, write_served};
+use super::files::{list_served, read_served, watch_served, write_served, FileWatch};
 use super::{file_info, MakeDir, MovePath, RemovePath};
 use super::{
     Backend, CommandSpec, Created, Failure, FileRead, ImageDefaults, Output, OutputStream, Sandbox,
@@ -643,6 +643,10 @@ impl Sandbox for VmSandbox {
 
     async fn remove_path(&self, req: &RemovePath) -> Result<(), ApiError> {
         Ok(self.vm.channel().remove_path(req).await?)
+    }
+
+    async fn watch(&self, path: &str, recursive: bool) -> Result<Box<dyn FileWatch>, ApiError> {
+        watch_served(self.vm.channel(), path, recursive).await
     }
 
     async fn pause(&self) -> Result<(), ApiError> {

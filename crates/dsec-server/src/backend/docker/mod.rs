@@ -69,8 +69,8 @@ use self::host::{
 use self::output::DockerOutput;
 use self::paths::join;
 use super::{
-    Backend, CommandSpec, Created, FileRead, MakeDir, MovePath, OutputStream, RemovePath, Sandbox,
-    SandboxRequest, Upload,
+    Backend, CommandSpec, Created, FileRead, FileWatch, MakeDir, MovePath, OutputStream,
+    RemovePath, Sandbox, SandboxRequest, Upload,
 };
 use crate::error::ApiError;
 
@@ -393,6 +393,14 @@ impl Sandbox for DockerSandbox {
 
     async fn remove_path(&self, req: &RemovePath) -> Result<(), ApiError> {
         self.0.remove_path(req).await
+    }
+
+    async fn watch(&self, path: &str, _recursive: bool) -> Result<Box<dyn FileWatch>, ApiError> {
+        Err(ApiError::invalid(format!(
+            "cannot watch {path:?}: watch is not supported on docker sandboxes (the Engine \
+             API reports no file events); poll stat or list_files, or use a container, \
+             microvm or vm sandbox"
+        )))
     }
 
     async fn pause(&self) -> Result<(), ApiError> {
