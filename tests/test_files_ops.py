@@ -242,13 +242,7 @@ def _until(events: Iterator[dsec.WatchEvent], want: set[tuple[str, str]]) -> lis
 WATCH_WAIT_S = 20.0
 
 
-def _no_docker(backend: str) -> None:
-    if backend == "docker":
-        pytest.skip("docker sandboxes have no watch (test_watch_on_docker_says_so)")
-
-
-def test_watch_sees_create_write_rename_chmod_remove(backend: str, sb: dsec.Sandbox) -> None:
-    _no_docker(backend)
+def test_watch_sees_create_write_rename_chmod_remove(sb: dsec.Sandbox) -> None:
     sb.mkdir("/work/w")
     events = sb.watch("/work/w")
     try:
@@ -284,8 +278,7 @@ def test_watch_sees_create_write_rename_chmod_remove(backend: str, sb: dsec.Sand
         events.close()  # type: ignore[attr-defined]
 
 
-def test_a_recursive_watch_follows_new_subdirectories(backend: str, sb: dsec.Sandbox) -> None:
-    _no_docker(backend)
+def test_a_recursive_watch_follows_new_subdirectories(sb: dsec.Sandbox) -> None:
     sb.write_file("/work/r/old/keep", "k")
     events = sb.watch("/work/r", recursive=True)
     try:
@@ -309,8 +302,7 @@ def test_a_recursive_watch_follows_new_subdirectories(backend: str, sb: dsec.San
         events.close()  # type: ignore[attr-defined]
 
 
-def test_watch_refuses_what_list_refuses(backend: str, sb: dsec.Sandbox) -> None:
-    _no_docker(backend)
+def test_watch_refuses_what_list_refuses(sb: dsec.Sandbox) -> None:
     sb.write_file("/work/file", "f")
     assert sb.run("ln -s /etc /work/abs").ok
     with pytest.raises(dsec.NotFound):
@@ -326,11 +318,10 @@ def test_watch_refuses_what_list_refuses(backend: str, sb: dsec.Sandbox) -> None
 
 
 def test_watches_are_bounded_and_released_when_the_client_goes(
-    backend: str, sb: dsec.Sandbox
+    sb: dsec.Sandbox,
 ) -> None:
     """Eight watches per sandbox; a closed stream gives its watch back (the server sees
     the client gone, at the latest at the next heartbeat, and ends it in the sandbox)."""
-    _no_docker(backend)
     sb.mkdir("/work/b")
 
     def open_all() -> list[Iterator[dsec.WatchEvent]]:
@@ -356,17 +347,7 @@ def test_watches_are_bounded_and_released_when_the_client_goes(
     _until(w, {("create", "/work/b/x")})
 
 
-def test_watch_on_docker_says_so(backend: str, sb: dsec.Sandbox) -> None:
-    if backend != "docker":
-        pytest.skip("only docker has no watch")
-    with pytest.raises(dsec.InvalidArgument, match="not supported on docker"):
-        sb.watch("/tmp")
-
-
-def test_the_async_watch_is_armed_once_awaited(
-    client: dsec.Client, sb: dsec.Sandbox, backend: str
-) -> None:
-    _no_docker(backend)
+def test_the_async_watch_is_armed_once_awaited(client: dsec.Client, sb: dsec.Sandbox) -> None:
 
     async def go() -> None:
         async with dsec.AsyncClient(client.url) as ac:

@@ -376,7 +376,8 @@ class Sandbox(p.SandboxBase):
         """Changes in the directory ``path`` (with ``recursive``, below it too, including
         directories made later), as they happen. The watch is armed when this returns:
         every change after it is seen. It ends when the directory goes; close the
-        iterator to end it sooner. Not on docker sandboxes (``dsec.InvalidArgument``)."""
+        iterator to end it sooner. On docker, changes on the container's own mounts
+        (volumes, a tmpfs) are not seen."""
         return self.client._armed(p.watch_call(self.id, path, recursive), p.parse_watch_event)
 
     def remove(self, path: str, *, recursive: bool = False) -> None:

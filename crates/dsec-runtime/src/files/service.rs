@@ -109,7 +109,7 @@ impl FileService {
 
     /// Appends the frames of the watch events queued since the last call to `out`.
     pub fn pump_watches(&mut self, out: &mut Vec<u8>) {
-        self.watches.pump(self.root.as_ref(), out);
+        self.watches.pump_frames(self.root.as_ref(), out);
     }
 
     fn root(&self, path: &str) -> Result<&SandboxRoot, InitError> {

@@ -2,7 +2,8 @@
 //!
 //! One inotify instance per sandbox (made at the first watch) serves every watch; each
 //! watch is known by the id of the edge's request, and every event is sent as a
-//! [`FrameKind::FileEvents`] frame of that id. A watched directory is opened as a listing
+//! [`FrameKind::FileEvents`] frame of that id (the edge watches a Docker container's
+//! merged root the same way, with one instance per watch). A watched directory is opened as a listing
 //! opens it (resolved beneath the root, checked) and handed to `inotify_add_watch` as
 //! `/proc/self/fd/N`, so the inode watched is the one checked, whatever the path became
 //! since. A recursive watch adds the directories below, and those made or moved in later,
@@ -64,13 +65,22 @@ pub struct WatchEvent {
 
 /// The watches of one sandbox.
 #[derive(Default)]
-pub(super) struct Watches {
+pub struct Watches {
     inotify: Option<OwnedFd>,
     /// Each watch's root path, whether it is recursive, and its directories.
     by_id: HashMap<u32, Watch>,
     /// Each directory watched: the watches that see it, under the path each sees.
     dirs: HashMap<i32, Vec<(u32, String)>>,
     buf: Vec<MaybeUninit<u8>>,
+}
+
+/// What [`Watches::pump`] read.
+#[derive(Debug, Default)]
+pub struct Pumped {
+    /// Each watch's events, in order.
+    pub events: Vec<(u32, Vec<WatchEvent>)>,
+    /// The watches that ended.
+    pub ended: Vec<u32>,
 }
 
 struct Watch {
@@ -91,7 +101,7 @@ const MASK: WatchFlags = WatchFlags::CREATE
 
 impl Watches {
     /// The inotify descriptor to poll, once there is a watch.
-    pub(super) fn fd(&self) -> Option<BorrowedFd<'_>> {
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
         self.inotify
             .as_ref()
             .filter(|_| !self.by_id.is_empty())
@@ -99,7 +109,7 @@ impl Watches {
     }
 
     /// Starts watch `id` of the directory `path` (and with `recursive` what is below).
-    pub(super) fn add(
+    pub fn add(
         &mut self,
         root: &SandboxRoot,
         id: u32,
@@ -130,7 +140,7 @@ impl Watches {
     }
 
     /// Ends watch `id` (its client went away).
-    pub(super) fn remove(&mut self, id: u32) {
+    pub fn remove(&mut self, id: u32) {
         if self.by_id.remove(&id).is_none() {
             return;
         }
@@ -147,9 +157,24 @@ impl Watches {
     }
 
     /// Reads what the kernel queued and appends the frames it makes to `out`.
-    pub(super) fn pump(&mut self, root: Option<&SandboxRoot>, out: &mut Vec<u8>) {
+    pub(super) fn pump_frames(&mut self, root: Option<&SandboxRoot>, out: &mut Vec<u8>) {
+        let pumped = self.pump(root);
+        for (id, list) in pumped.events {
+            for chunk in list.chunks(EVENTS_PER_FRAME) {
+                proto::encode_json(out, FrameKind::FileEvents, id, &chunk);
+            }
+        }
+        for id in pumped.ended {
+            proto::encode(out, FrameKind::Done, id, &[]);
+        }
+    }
+
+    /// Reads what the kernel queued: the events of each watch, and the watches that
+    /// ended (their directory went away; they are removed).
+    pub fn pump(&mut self, root: Option<&SandboxRoot>) -> Pumped {
+        let mut pumped = Pumped::default();
         let Some(fd) = self.inotify.take() else {
-            return;
+            return pumped;
         };
         if self.buf.is_empty() {
             self.buf = vec![MaybeUninit::uninit(); 64 << 10];
@@ -218,17 +243,14 @@ impl Watches {
                 }
             }
         }
-        for (id, list) in events {
-            for chunk in list.chunks(EVENTS_PER_FRAME) {
-                proto::encode_json(out, FrameKind::FileEvents, id, &chunk);
-            }
-        }
+        pumped.events = events.into_iter().collect();
         for id in ended {
             if self.by_id.contains_key(&id) {
                 self.remove(id);
-                proto::encode(out, FrameKind::Done, id, &[]);
+                pumped.ended.push(id);
             }
         }
+        pumped
     }
 
     /// Watches `path` and, below it, every directory on its filesystem.
@@ -319,7 +341,7 @@ mod tests {
 
     fn drain(watches: &mut Watches, root: &SandboxRoot) -> Vec<(u32, Vec<WatchEvent>)> {
         let mut out = Vec::new();
-        watches.pump(Some(root), &mut out);
+        watches.pump_frames(Some(root), &mut out);
         let mut frames = Vec::new();
         while let Some(frame) = proto::decode(&mut out).unwrap() {
             let events = match frame.kind {
@@ -372,7 +394,7 @@ mod tests {
         watches.add(&root, 1, "/gone", false).unwrap();
         std::fs::remove_dir(tmp.path().join("gone")).unwrap();
         let mut out = Vec::new();
-        watches.pump(Some(&root), &mut out);
+        watches.pump_frames(Some(&root), &mut out);
         let mut kinds = Vec::new();
         while let Some(frame) = proto::decode(&mut out).unwrap() {
             kinds.push(frame.kind);

@@ -40,6 +40,7 @@
 
 mod archive;
 mod host;
+mod notify;
 mod ops;
 mod output;
 mod paths;
@@ -149,6 +150,9 @@ impl Backend for DockerBackend {
             id,
             alive: AtomicBool::new(true),
             local,
+            watches: Arc::new(tokio::sync::Semaphore::new(
+                dsec_runtime::files::watch::MAX_WATCHES,
+            )),
         });
         tokio::spawn(watch(Arc::clone(&inner)));
         unfinished.id = None;
@@ -166,6 +170,8 @@ struct Inner {
     id: String,
     alive: AtomicBool,
     local: Option<LocalView>,
+    /// Its watches open (see [`notify`]).
+    watches: Arc<tokio::sync::Semaphore>,
 }
 
 fn not_found(path: &str) -> ApiError {
@@ -395,12 +401,8 @@ impl Sandbox for DockerSandbox {
         self.0.remove_path(req).await
     }
 
-    async fn watch(&self, path: &str, _recursive: bool) -> Result<Box<dyn FileWatch>, ApiError> {
-        Err(ApiError::invalid(format!(
-            "cannot watch {path:?}: watch is not supported on docker sandboxes (the Engine \
-             API reports no file events); poll stat or list_files, or use a container, \
-             microvm or vm sandbox"
-        )))
+    async fn watch(&self, path: &str, recursive: bool) -> Result<Box<dyn FileWatch>, ApiError> {
+        self.0.watch(path, recursive).await
     }
 
     async fn pause(&self) -> Result<(), ApiError> {
