@@ -256,14 +256,32 @@ def test_files_exists_and_info(sandbox: Sandbox) -> None:
         sandbox.files.get_info("/tmp/info/nope")
 
 
+def test_files_make_dir_rename_remove_and_deep_lists(sandbox: Sandbox) -> None:
+    """filesystem.Filesystem's MakeDir, Move, Remove and ListDir(depth) onto dsec's."""
+    assert sandbox.files.make_dir("/tmp/ops/a/b") is True
+    assert sandbox.files.make_dir("/tmp/ops/a/b") is False  # already_exists
+    sandbox.files.write("/tmp/ops/a/b/f.txt", "x")
+    with pytest.raises(SandboxException):
+        sandbox.files.make_dir("/tmp/ops/a/b/f.txt")  # a file there: invalid_argument
+    deep = {e.path: e for e in sandbox.files.list("/tmp/ops", depth=3)}
+    assert set(deep) == {"/tmp/ops/a", "/tmp/ops/a/b", "/tmp/ops/a/b/f.txt"}
+    assert deep["/tmp/ops/a/b/f.txt"].name == "f.txt"
+    assert deep["/tmp/ops/a/b"].type == e2b.FileType.DIR
+    assert [e.name for e in sandbox.files.list("/tmp/ops", depth=1)] == ["a"]
+    moved = sandbox.files.rename("/tmp/ops/a/b/f.txt", "/tmp/ops/new/dir/g.txt")
+    assert (moved.path, moved.name, moved.size) == ("/tmp/ops/new/dir/g.txt", "g.txt", 1)
+    assert sandbox.files.read("/tmp/ops/new/dir/g.txt") == "x"
+    assert not sandbox.files.exists("/tmp/ops/a/b/f.txt")
+    sandbox.files.remove("/tmp/ops")
+    assert not sandbox.files.exists("/tmp/ops")
+    with pytest.raises(e2b.NotFoundException):
+        sandbox.files.remove("/tmp/ops")
+
+
 def test_files_errors(sandbox: Sandbox) -> None:
     with pytest.raises(e2b.NotFoundException):
         sandbox.files.read("/tmp/no/such/file")
     for case in (
-        lambda: sandbox.files.make_dir("/tmp/d"),
-        lambda: sandbox.files.rename("/tmp/a", "/tmp/b"),
-        lambda: sandbox.files.remove("/tmp/a"),
-        lambda: sandbox.files.list("/tmp", depth=2),
         lambda: sandbox.files.watch_dir("/tmp"),
         lambda: sandbox.files.write("/tmp/m.txt", "x", metadata={"k": "v"}),
     ):
@@ -437,8 +455,9 @@ def test_async_sdk(e2b_env: E2bServer) -> None:
             assert r.stdout == "async\n"
             await sb.files.write("/tmp/x.txt", "x")
             assert await sb.files.read("/tmp/x.txt") == "x"
+            assert await sb.files.make_dir("/tmp/d") is True
             with pytest.raises(SandboxException, match=NOT_YET):
-                await sb.files.make_dir("/tmp/d")
+                await sb.files.watch_dir("/tmp/d", lambda ev: None)
         finally:
             assert await sb.kill() is True
         assert not await sb.is_running()

@@ -146,6 +146,16 @@ pub struct ListDirRequest {
     pub depth: u32,
 }
 
+/// `filesystem.Filesystem/Move`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct MoveRequest {
+    /// What is moved.
+    pub source: String,
+    /// Where to.
+    pub destination: String,
+}
+
 /// What kind of file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum FileType {
