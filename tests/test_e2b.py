@@ -21,6 +21,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -278,13 +279,33 @@ def test_files_make_dir_rename_remove_and_deep_lists(sandbox: Sandbox) -> None:
         sandbox.files.remove("/tmp/ops")
 
 
+def test_files_watch_dir_polls_dsec_s_watch(sandbox: Sandbox) -> None:
+    """The sync SDK's watch_dir: CreateWatcher, GetWatcherEvents, RemoveWatcher."""
+    sandbox.files.make_dir("/tmp/wd")
+    handle = sandbox.files.watch_dir("/tmp/wd", recursive=True)
+    sandbox.files.write("/tmp/wd/a.txt", "a")
+    sandbox.files.make_dir("/tmp/wd/sub")
+    sandbox.files.remove("/tmp/wd/a.txt")
+    want = {
+        ("a.txt", e2b.FilesystemEventType.CREATE),
+        ("sub", e2b.FilesystemEventType.CREATE),
+        ("a.txt", e2b.FilesystemEventType.REMOVE),
+    }
+    seen: set[tuple[str, Any]] = set()
+    deadline = time.monotonic() + 20
+    while not want <= seen and time.monotonic() < deadline:
+        seen |= {(ev.name, ev.type) for ev in handle.get_new_events()}
+        time.sleep(0.2)
+    handle.stop()
+    assert want <= seen, seen
+    with pytest.raises(SandboxException):
+        sandbox.files.watch_dir("/tmp/no/such/dir")
+
+
 def test_files_errors(sandbox: Sandbox) -> None:
     with pytest.raises(e2b.NotFoundException):
         sandbox.files.read("/tmp/no/such/file")
-    for case in (
-        lambda: sandbox.files.watch_dir("/tmp"),
-        lambda: sandbox.files.write("/tmp/m.txt", "x", metadata={"k": "v"}),
-    ):
+    for case in (lambda: sandbox.files.write("/tmp/m.txt", "x", metadata={"k": "v"}),):
         with pytest.raises(SandboxException, match=NOT_YET):
             case()
 
@@ -456,8 +477,15 @@ def test_async_sdk(e2b_env: E2bServer) -> None:
             await sb.files.write("/tmp/x.txt", "x")
             assert await sb.files.read("/tmp/x.txt") == "x"
             assert await sb.files.make_dir("/tmp/d") is True
-            with pytest.raises(SandboxException, match=NOT_YET):
-                await sb.files.watch_dir("/tmp/d", lambda ev: None)
+            seen: list[str] = []
+            handle = await sb.files.watch_dir("/tmp/d", lambda ev: seen.append(ev.name))
+            await sb.files.write("/tmp/d/new.txt", "n")
+            for _ in range(100):
+                if "new.txt" in seen:
+                    break
+                await asyncio.sleep(0.1)
+            await handle.stop()
+            assert "new.txt" in seen
         finally:
             assert await sb.kill() is True
         assert not await sb.is_running()

@@ -38,12 +38,14 @@ use sha2::Digest;
 
 use super::connect::{self, Code, ConnectError, MessageStream};
 use super::proto::{
-    DataEvent, EndEvent, EntryInfo, EntryResponse, FileType, ListDirRequest, ListDirResponse,
-    MoveRequest, PathRequest, ProcessEvent, ProcessStreamMessage, StartRequest,
+    DataEvent, Empty, EndEvent, EntryInfo, EntryResponse, EventType, FileType, FilesystemEvent,
+    ListDirRequest, ListDirResponse, MoveRequest, PathRequest, ProcessEvent, ProcessStreamMessage,
+    StartRequest, WatchDirRequest, WatchDirResponse, WatcherRequest,
 };
 use super::{E2b, E2bSandbox, DEBUG_SANDBOX_ID};
 use crate::backend::{FileRead, Output, Upload};
 use crate::error::ApiError;
+use dsec_runtime::files::watch::{WatchEvent, WatchEventKind};
 
 /// Longest time one command may run when the client sets no deadline (dsec's longest).
 const NO_DEADLINE_TIMEOUT_S: f64 = 30.0 * 86400.0;
@@ -556,20 +558,196 @@ async fn filesystem_rpc(
             })
             .await
         }
-        "WatchDir" => connect::stream_error(&needs_file_ops(&method)),
-        "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" => {
-            needs_file_ops(&method).into_response()
+        "WatchDir" => {
+            let req: WatchDirRequest = match connect::decode("WatchDirRequest", &message) {
+                Ok(r) => r,
+                Err(e) => return connect::stream_error(&e),
+            };
+            match watch_dir(&e2b, &call, req).await {
+                Ok(events) => connect::stream_response(
+                    events,
+                    call.deadline,
+                    call.keepalive
+                        .map(|every| (every, || WatchDirResponse::Keepalive(Empty {}))),
+                ),
+                Err(e) => connect::stream_error(&e),
+            }
+        }
+        "CreateWatcher" => {
+            unary(call.deadline, async {
+                let req: WatchDirRequest = connect::decode("CreateWatcherRequest", &message)?;
+                create_watcher(&e2b, &call, req).await
+            })
+            .await
+        }
+        "GetWatcherEvents" => {
+            unary(call.deadline, async {
+                let req: WatcherRequest = connect::decode("GetWatcherEventsRequest", &message)?;
+                e2b.watchers
+                    .take_events(&call.sandbox.info.id, &req.watcher_id)
+            })
+            .await
+        }
+        "RemoveWatcher" => {
+            unary(call.deadline, async {
+                let req: WatcherRequest = connect::decode("RemoveWatcherRequest", &message)?;
+                e2b.watchers.remove(&call.sandbox.info.id, &req.watcher_id)
+            })
+            .await
         }
         other => unknown_method("filesystem.Filesystem", other, streaming),
     }
 }
 
-fn needs_file_ops(method: &str) -> ConnectError {
-    ConnectError::unimplemented(format!(
-        "filesystem.Filesystem/{method} needs dsec's watch mapped onto this endpoint, which \
-         this server does not have yet; dsec's own GET /v1/sandboxes/{{id}}/files/watch \
-         serves it"
-    ))
+/// A dsec watch event as envd names it: the path relative to the watched directory;
+/// `None` for what envd has no type for (an overflow).
+fn filesystem_event(dir: &str, ev: WatchEvent) -> Option<FilesystemEvent> {
+    let event_type = match ev.kind {
+        WatchEventKind::Create => EventType::Create,
+        WatchEventKind::Write => EventType::Write,
+        WatchEventKind::Remove => EventType::Remove,
+        WatchEventKind::Rename => EventType::Rename,
+        WatchEventKind::Chmod => EventType::Chmod,
+        WatchEventKind::Overflow => return None,
+    };
+    let prefix = format!("{}/", dir.trim_end_matches('/'));
+    let name = ev.path.strip_prefix(&prefix).unwrap_or(&ev.path).to_owned();
+    Some(FilesystemEvent { name, event_type })
+}
+
+/// `WatchDir`: dsec's watch as a stream, `start` first once it is armed.
+async fn watch_dir(
+    e2b: &E2b,
+    call: &Call,
+    req: WatchDirRequest,
+) -> Result<MessageStream<WatchDirResponse>, ConnectError> {
+    let dir = resolve_path(&req.path, &call.user)?;
+    let watch = e2b
+        .edge()
+        .watch(&call.sandbox.info.id, &dir, req.recursive)
+        .await?;
+    let started = futures::stream::once(async { Ok(WatchDirResponse::Start(Empty {})) });
+    let events = futures::stream::unfold(watch, |mut watch| async move {
+        let batch = watch.next().await?;
+        Some((batch, watch))
+    })
+    .flat_map(move |batch| {
+        let messages: Vec<Result<WatchDirResponse, ConnectError>> = match batch {
+            Ok(events) => events
+                .into_iter()
+                .filter_map(|ev| filesystem_event(&dir, ev))
+                .map(|ev| Ok(WatchDirResponse::Filesystem(ev)))
+                .collect(),
+            Err(e) => vec![Err(e.into())],
+        };
+        futures::stream::iter(messages)
+    });
+    Ok(Box::pin(started.chain(events)))
+}
+
+/// `CreateWatcher`: dsec's watch, its events gathered until `GetWatcherEvents` takes them.
+async fn create_watcher(
+    e2b: &E2b,
+    call: &Call,
+    req: WatchDirRequest,
+) -> Result<serde_json::Value, ConnectError> {
+    let dir = resolve_path(&req.path, &call.user)?;
+    let sandbox = call.sandbox.info.id.clone();
+    let watch = e2b.edge().watch(&sandbox, &dir, req.recursive).await?;
+    let id = e2b.watchers.add(sandbox, dir, watch);
+    Ok(serde_json::json!({ "watcherId": id }))
+}
+
+/// Events a polling watcher keeps between two `GetWatcherEvents`; older ones are dropped.
+const MAX_WATCHER_EVENTS: usize = 10_000;
+
+type EventQueue = Arc<std::sync::Mutex<std::collections::VecDeque<FilesystemEvent>>>;
+
+/// The polling watchers (`CreateWatcher`), by id.
+#[derive(Default)]
+pub(super) struct Watchers(std::sync::Mutex<std::collections::HashMap<String, Watcher>>);
+
+struct Watcher {
+    sandbox: String,
+    events: EventQueue,
+    /// Gathers the watch's events; aborted (ending the watch) when the watcher goes.
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Watchers {
+    fn add(
+        &self,
+        sandbox: String,
+        dir: String,
+        mut watch: Box<dyn crate::backend::FileWatch>,
+    ) -> String {
+        let events = EventQueue::default();
+        let gathered = Arc::clone(&events);
+        let task = tokio::spawn(async move {
+            while let Some(Ok(batch)) = watch.next().await {
+                let mut queue = gathered.lock().expect("watcher lock");
+                queue.extend(
+                    batch
+                        .into_iter()
+                        .filter_map(|ev| filesystem_event(&dir, ev)),
+                );
+                while queue.len() > MAX_WATCHER_EVENTS {
+                    queue.pop_front();
+                }
+            }
+        });
+        let id = super::new_token();
+        let mut all = self.0.lock().expect("watchers lock");
+        // Watchers whose watch ended (their sandbox went) and whose events were taken are
+        // forgotten.
+        all.retain(|_, w| {
+            !w.task.is_finished() || !w.events.lock().expect("watcher lock").is_empty()
+        });
+        all.insert(
+            id.clone(),
+            Watcher {
+                sandbox,
+                events,
+                task,
+            },
+        );
+        id
+    }
+
+    fn take_events(&self, sandbox: &str, id: &str) -> Result<serde_json::Value, ConnectError> {
+        let all = self.0.lock().expect("watchers lock");
+        let watcher = all
+            .get(id)
+            .filter(|w| w.sandbox == sandbox)
+            .ok_or_else(|| ConnectError::new(Code::NotFound, format!("no watcher {id:?}")))?;
+        let events: Vec<FilesystemEvent> = watcher
+            .events
+            .lock()
+            .expect("watcher lock")
+            .drain(..)
+            .collect();
+        Ok(serde_json::json!({ "events": events }))
+    }
+
+    fn remove(&self, sandbox: &str, id: &str) -> Result<serde_json::Value, ConnectError> {
+        let mut all = self.0.lock().expect("watchers lock");
+        match all.get(id) {
+            Some(w) if w.sandbox == sandbox => {
+                all.remove(id);
+                Ok(serde_json::json!({}))
+            }
+            _ => Err(ConnectError::new(
+                Code::NotFound,
+                format!("no watcher {id:?}"),
+            )),
+        }
+    }
 }
 
 /// `ls -l`'s permission string, e.g. `drwxr-xr-x`.
