@@ -24,7 +24,12 @@
 //!   after the check cannot change which inode is reopened. A missing file is created
 //!   `O_CREAT | O_EXCL | O_NOFOLLOW`, so the create cannot land on anything else either;
 //! - bounded: reads stop at a size the edge gives, listings at an entry count, and the
-//!   in-sandbox side holds a bounded number of open transfers ([`service`]).
+//!   in-sandbox side holds a bounded number of open transfers ([`service`]);
+//! - `stat`, `mkdir`, `move` and `remove` resolve a path's parent as a read does and act on
+//!   its last component without following it: a symbolic link is reported, moved or
+//!   removed itself, never its target; a recursive remove never follows a link nor
+//!   crosses into another filesystem, and the root is never moved or removed;
+//! - watches ([`watch`]) open the directory as a listing does and watch that inode.
 
 pub mod client;
 pub mod service;
@@ -363,8 +368,8 @@ pub struct Entry {
 }
 
 impl Entry {
-    /// The entry for `stat` of the inode named `name` (a symbolic link's target read
-    /// through `dir` and `name`).
+    /// The entry of an inode of status `stat`, named `name` and shown at `path`; `link`
+    /// is its target when it is a symbolic link.
     fn new(name: String, path: String, stat: &rustix::fs::Stat, link: Option<String>) -> Entry {
         let kind = match FileType::from_raw_mode(stat.st_mode) {
             FileType::RegularFile => EntryKind::File,

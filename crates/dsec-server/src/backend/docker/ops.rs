@@ -111,7 +111,7 @@ impl Inner {
                 (false, _) => Err(exists("exists and is not a directory").into()),
             };
         }
-        if !resolved.missing.is_empty() && !resolved.last.dir {
+        if !resolved.last.dir {
             return Err(
                 FileError::os(path, std::io::Error::from_raw_os_error(libc::ENOTDIR)).into(),
             );
