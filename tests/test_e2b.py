@@ -21,6 +21,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -256,17 +257,55 @@ def test_files_exists_and_info(sandbox: Sandbox) -> None:
         sandbox.files.get_info("/tmp/info/nope")
 
 
+def test_files_make_dir_rename_remove_and_deep_lists(sandbox: Sandbox) -> None:
+    """filesystem.Filesystem's MakeDir, Move, Remove and ListDir(depth) onto dsec's."""
+    assert sandbox.files.make_dir("/tmp/ops/a/b") is True
+    assert sandbox.files.make_dir("/tmp/ops/a/b") is False  # already_exists
+    sandbox.files.write("/tmp/ops/a/b/f.txt", "x")
+    with pytest.raises(SandboxException):
+        sandbox.files.make_dir("/tmp/ops/a/b/f.txt")  # a file there: invalid_argument
+    deep = {e.path: e for e in sandbox.files.list("/tmp/ops", depth=3)}
+    assert set(deep) == {"/tmp/ops/a", "/tmp/ops/a/b", "/tmp/ops/a/b/f.txt"}
+    assert deep["/tmp/ops/a/b/f.txt"].name == "f.txt"
+    assert deep["/tmp/ops/a/b"].type == e2b.FileType.DIR
+    assert [e.name for e in sandbox.files.list("/tmp/ops", depth=1)] == ["a"]
+    moved = sandbox.files.rename("/tmp/ops/a/b/f.txt", "/tmp/ops/new/dir/g.txt")
+    assert (moved.path, moved.name, moved.size) == ("/tmp/ops/new/dir/g.txt", "g.txt", 1)
+    assert sandbox.files.read("/tmp/ops/new/dir/g.txt") == "x"
+    assert not sandbox.files.exists("/tmp/ops/a/b/f.txt")
+    sandbox.files.remove("/tmp/ops")
+    assert not sandbox.files.exists("/tmp/ops")
+    with pytest.raises(e2b.NotFoundException):
+        sandbox.files.remove("/tmp/ops")
+
+
+def test_files_watch_dir_polls_dsec_s_watch(sandbox: Sandbox) -> None:
+    """The sync SDK's watch_dir: CreateWatcher, GetWatcherEvents, RemoveWatcher."""
+    sandbox.files.make_dir("/tmp/wd")
+    handle = sandbox.files.watch_dir("/tmp/wd", recursive=True)
+    sandbox.files.write("/tmp/wd/a.txt", "a")
+    sandbox.files.make_dir("/tmp/wd/sub")
+    sandbox.files.remove("/tmp/wd/a.txt")
+    want = {
+        ("a.txt", e2b.FilesystemEventType.CREATE),
+        ("sub", e2b.FilesystemEventType.CREATE),
+        ("a.txt", e2b.FilesystemEventType.REMOVE),
+    }
+    seen: set[tuple[str, Any]] = set()
+    deadline = time.monotonic() + 20
+    while not want <= seen and time.monotonic() < deadline:
+        seen |= {(ev.name, ev.type) for ev in handle.get_new_events()}
+        time.sleep(0.2)
+    handle.stop()
+    assert want <= seen, seen
+    with pytest.raises(SandboxException):
+        sandbox.files.watch_dir("/tmp/no/such/dir")
+
+
 def test_files_errors(sandbox: Sandbox) -> None:
     with pytest.raises(e2b.NotFoundException):
         sandbox.files.read("/tmp/no/such/file")
-    for case in (
-        lambda: sandbox.files.make_dir("/tmp/d"),
-        lambda: sandbox.files.rename("/tmp/a", "/tmp/b"),
-        lambda: sandbox.files.remove("/tmp/a"),
-        lambda: sandbox.files.list("/tmp", depth=2),
-        lambda: sandbox.files.watch_dir("/tmp"),
-        lambda: sandbox.files.write("/tmp/m.txt", "x", metadata={"k": "v"}),
-    ):
+    for case in (lambda: sandbox.files.write("/tmp/m.txt", "x", metadata={"k": "v"}),):
         with pytest.raises(SandboxException, match=NOT_YET):
             case()
 
@@ -437,8 +476,16 @@ def test_async_sdk(e2b_env: E2bServer) -> None:
             assert r.stdout == "async\n"
             await sb.files.write("/tmp/x.txt", "x")
             assert await sb.files.read("/tmp/x.txt") == "x"
-            with pytest.raises(SandboxException, match=NOT_YET):
-                await sb.files.make_dir("/tmp/d")
+            assert await sb.files.make_dir("/tmp/d") is True
+            seen: list[str] = []
+            handle = await sb.files.watch_dir("/tmp/d", lambda ev: seen.append(ev.name))
+            await sb.files.write("/tmp/d/new.txt", "n")
+            for _ in range(100):
+                if "new.txt" in seen:
+                    break
+                await asyncio.sleep(0.1)
+            await handle.stop()
+            assert "new.txt" in seen
         finally:
             assert await sb.kill() is True
         assert not await sb.is_running()

@@ -32,6 +32,7 @@ from .types import (
     SandboxInfo,
     StreamEvent,
     Usage,
+    WatchEvent,
 )
 
 __all__ = [
@@ -61,5 +62,6 @@ __all__ = [
     "Unauthorized",
     "Unavailable",
     "Usage",
+    "WatchEvent",
     "__version__",
 ]

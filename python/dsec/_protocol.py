@@ -28,7 +28,15 @@ from .errors import (
     error_from_kind,
     error_from_response,
 )
-from .types import CommandResult, Event, FileInfo, Image, SandboxInfo, StreamEvent
+from .types import (
+    CommandResult,
+    Event,
+    FileInfo,
+    Image,
+    SandboxInfo,
+    StreamEvent,
+    WatchEvent,
+)
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -337,6 +345,33 @@ def events_call(
     )
 
 
+def watch_call(id: str, path: str, recursive: bool) -> Call[None]:
+    """The watch's NDJSON stream, read line by line with :func:`parse_watch_event`."""
+    params = [("path", path), ("recursive", "true" if recursive else "false")]
+    return Call(
+        "GET",
+        _sb(id, "/files/watch"),
+        parse_none,
+        params=params,
+        read_timeout=FOLLOW_READ_TIMEOUT_S,
+        accept="application/x-ndjson",
+    )
+
+
+def parse_watch_event(line: bytes) -> WatchEvent | None:
+    """Parse one line of a watch (``None`` for heartbeats); the first is ``watching``."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        doc = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise DsecError(f"bad line in the watch stream: {line[:200]!r}") from e
+    if not isinstance(doc, dict):
+        raise DsecError(f"bad line in the watch stream: {line[:200]!r}")
+    return WatchEvent.from_json(doc)
+
+
 def _swallow_not_found(err: DsecError) -> None:
     if isinstance(err, NotFound):
         return None
@@ -626,8 +661,40 @@ def read_file_call(id: str, path: str) -> Call[bytes]:
     )
 
 
-def list_files_call(id: str, path: str) -> Call[list[FileInfo]]:
-    return Call("GET", _sb(id, "/files/list"), parse_files, params=[("path", path)])
+def list_files_call(id: str, path: str, depth: int = 1) -> Call[list[FileInfo]]:
+    params = [("path", path)]
+    if depth != 1:
+        params.append(("depth", str(int(depth))))
+    return Call("GET", _sb(id, "/files/list"), parse_files, params=params)
+
+
+def _file_info(resp: _http.Response) -> FileInfo:
+    return FileInfo.from_json(_obj(resp))
+
+
+def stat_call(id: str, path: str) -> Call[FileInfo]:
+    return Call("GET", _sb(id, "/files/stat"), _file_info, params=[("path", path)])
+
+
+def _created(resp: _http.Response) -> bool:
+    return bool(_obj(resp).get("created"))
+
+
+def mkdir_call(id: str, path: str, parents: bool, exist_ok: bool, mode: int | None) -> Call[bool]:
+    body: dict[str, Any] = {"path": path, "parents": parents, "exist_ok": exist_ok}
+    if mode is not None:
+        body["mode"] = int(mode)
+    return Call("POST", _sb(id, "/files/mkdir"), _created, json=body)
+
+
+def move_call(id: str, src: str, dst: str, overwrite: bool) -> Call[None]:
+    body = {"src": src, "dst": dst, "overwrite": overwrite}
+    return Call("POST", _sb(id, "/files/move"), parse_none, json=body)
+
+
+def remove_call(id: str, path: str, recursive: bool) -> Call[None]:
+    params = [("path", path), ("recursive", "true" if recursive else "false")]
+    return Call("DELETE", _sb(id, "/files"), parse_none, params=params)
 
 
 def set_network_call(id: str, network: Network) -> Call[None]:

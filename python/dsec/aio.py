@@ -14,7 +14,16 @@ from typing import Any, TypeVar
 from . import _http
 from . import _protocol as p
 from ._protocol import Command, Data, Files, Labels, Network, PathLike
-from .types import CommandResult, Event, FileInfo, Image, SandboxInfo, StreamEvent
+from .errors import DsecError
+from .types import (
+    CommandResult,
+    Event,
+    FileInfo,
+    Image,
+    SandboxInfo,
+    StreamEvent,
+    WatchEvent,
+)
 
 T = TypeVar("T")
 E = TypeVar("E")
@@ -65,6 +74,14 @@ class AsyncClient:
 
     def _stream(self, call: p.Call[None]) -> AsyncIterator[StreamEvent]:
         return self._lines(call, p.parse_event)
+
+    async def _armed(
+        self, call: p.Call[None], parse: Callable[[bytes], E | None]
+    ) -> AsyncIterator[E]:
+        lines = self._lines(call, parse)
+        if await anext(lines, None) is None:
+            raise DsecError("the stream ended before it was armed")
+        return lines
 
     async def _lines(
         self, call: p.Call[None], parse: Callable[[bytes], E | None]
@@ -375,8 +392,26 @@ class AsyncSandbox(p.SandboxBase):
     async def read_file(self, path: str) -> bytes:
         return await self.client._do(p.read_file_call(self.id, path))
 
-    async def list_files(self, path: str) -> list[FileInfo]:
-        return await self.client._do(p.list_files_call(self.id, path))
+    async def list_files(self, path: str, depth: int = 1) -> list[FileInfo]:
+        return await self.client._do(p.list_files_call(self.id, path, depth))
+
+    async def stat(self, path: str) -> FileInfo:
+        return await self.client._do(p.stat_call(self.id, path))
+
+    async def mkdir(
+        self, path: str, *, parents: bool = True, exist_ok: bool = True, mode: int | None = None
+    ) -> bool:
+        return await self.client._do(p.mkdir_call(self.id, path, parents, exist_ok, mode))
+
+    async def move(self, src: str, dst: str, *, overwrite: bool = False) -> None:
+        await self.client._do(p.move_call(self.id, src, dst, overwrite))
+
+    async def watch(self, path: str, recursive: bool = False) -> AsyncIterator[WatchEvent]:
+        """``async for ev in await sb.watch(path)``: armed once awaited."""
+        return await self.client._armed(p.watch_call(self.id, path, recursive), p.parse_watch_event)
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self.client._do(p.remove_call(self.id, path, recursive))
 
     async def set_network(self, network: Network) -> None:
         await self.client._do(p.set_network_call(self.id, network))

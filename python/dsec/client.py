@@ -10,7 +10,16 @@ from typing import Any, TypeVar
 from . import _http
 from . import _protocol as p
 from ._protocol import Command, Data, Files, Labels, Network, PathLike
-from .types import CommandResult, Event, FileInfo, Image, SandboxInfo, StreamEvent
+from .errors import DsecError
+from .types import (
+    CommandResult,
+    Event,
+    FileInfo,
+    Image,
+    SandboxInfo,
+    StreamEvent,
+    WatchEvent,
+)
 
 T = TypeVar("T")
 E = TypeVar("E")
@@ -62,6 +71,13 @@ class Client:
             raise p.transport_error(self.url, e) from e
         finally:
             body.close()
+
+    def _armed(self, call: p.Call[None], parse: Callable[[bytes], E | None]) -> Iterator[E]:
+        """The lines of a stream whose first line says it is armed, read past that one."""
+        lines = self._lines(call, parse)
+        if next(lines, None) is None:
+            raise DsecError("the stream ended before it was armed")
+        return lines
 
     # -- sandboxes
 
@@ -336,8 +352,37 @@ class Sandbox(p.SandboxBase):
     def read_file(self, path: str) -> bytes:
         return self.client._do(p.read_file_call(self.id, path))
 
-    def list_files(self, path: str) -> list[FileInfo]:
-        return self.client._do(p.list_files_call(self.id, path))
+    def list_files(self, path: str, depth: int = 1) -> list[FileInfo]:
+        """The entries of a directory, ``depth`` levels deep (1: its own entries), sorted
+        by ``path`` (relative to the listed directory). Links are listed, not followed."""
+        return self.client._do(p.list_files_call(self.id, path, depth))
+
+    def stat(self, path: str) -> FileInfo:
+        """The status of ``path``; a symbolic link is reported (``kind="symlink"``,
+        ``link``), not followed."""
+        return self.client._do(p.stat_call(self.id, path))
+
+    def mkdir(
+        self, path: str, *, parents: bool = True, exist_ok: bool = True, mode: int | None = None
+    ) -> bool:
+        """Make a directory (``mode`` default 0o755); whether it was made."""
+        return self.client._do(p.mkdir_call(self.id, path, parents, exist_ok, mode))
+
+    def move(self, src: str, dst: str, *, overwrite: bool = False) -> None:
+        """Rename ``src`` to ``dst`` (whose parent must exist) within the sandbox."""
+        self.client._do(p.move_call(self.id, src, dst, overwrite))
+
+    def watch(self, path: str, recursive: bool = False) -> Iterator[WatchEvent]:
+        """Changes in the directory ``path`` (with ``recursive``, below it too, including
+        directories made later), as they happen. The watch is armed when this returns:
+        every change after it is seen. It ends when the directory goes; close the
+        iterator to end it sooner. On docker, changes on the container's own mounts
+        (volumes, a tmpfs) are not seen."""
+        return self.client._armed(p.watch_call(self.id, path, recursive), p.parse_watch_event)
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file, a link (itself) or a directory (not empty: ``recursive``)."""
+        self.client._do(p.remove_call(self.id, path, recursive))
 
     def set_network(self, network: Network) -> None:
         """Change the egress policy: False, True or ``{"allow": [...]}``."""

@@ -140,20 +140,57 @@ class StreamEvent:
 
 @dataclass(frozen=True)
 class FileInfo:
-    """An entry of a directory listing. ``mode`` holds the permission bits."""
+    """An entry of a directory listing, or the status of a path. ``mode`` holds the
+    permission bits; ``kind`` is ``file``, ``dir``, ``symlink`` or ``other``; ``path`` is
+    relative to the listed directory (for ``stat``, the path asked); ``mtime`` is seconds
+    since the epoch; ``link`` a symbolic link's target; ``uid``/``gid`` ``None`` where the
+    backend does not know them (docker's ``stat``)."""
 
     name: str
     size: int
     is_dir: bool
     mode: int
+    path: str = ""
+    kind: str = "file"
+    mtime: int = 0
+    uid: int | None = None
+    gid: int | None = None
+    link: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> FileInfo:
+        link = d.get("link")
         return cls(
             name=str(d.get("name", "")),
             size=_opt_int(d.get("size")) or 0,
             is_dir=bool(d.get("is_dir", False)),
             mode=_opt_int(d.get("mode")) or 0,
+            path=str(d.get("path") or d.get("name", "")),
+            kind=str(d.get("kind", "dir" if d.get("is_dir") else "file")),
+            mtime=_opt_int(d.get("mtime")) or 0,
+            uid=_opt_int(d.get("uid")),
+            gid=_opt_int(d.get("gid")),
+            link=None if link is None else str(link),
+        )
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One change seen by :meth:`dsec.Sandbox.watch`. ``kind`` is ``create`` (made or moved
+    in), ``write``, ``remove``, ``rename`` (moved away: the old path), ``chmod`` or
+    ``overflow`` (the sandbox's queue overflowed: events were lost; ``path`` empty);
+    ``path`` is absolute, under the watched one."""
+
+    kind: str
+    path: str
+    is_dir: bool = False
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WatchEvent:
+        return cls(
+            kind=str(d.get("kind", "")),
+            path=str(d.get("path", "")),
+            is_dir=bool(d.get("is_dir", False)),
         )
 
 

@@ -434,17 +434,93 @@ pub enum StreamEvent {
     },
 }
 
-/// An entry of `GET /v1/sandboxes/{id}/files/list`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+/// What a [`FileInfo`] describes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    /// A regular file.
+    #[default]
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link (listings and `stat` never follow one).
+    Symlink,
+    /// A FIFO, a socket or a device.
+    Other,
+}
+
+/// An entry of `GET /v1/sandboxes/{id}/files/list`, or the answer of
+/// `GET /v1/sandboxes/{id}/files/stat`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct FileInfo {
     /// Entry name (not a path).
     pub name: String,
+    /// Path relative to the listed directory (the name, at depth 1); for `stat`, the
+    /// path asked.
+    #[serde(default)]
+    pub path: String,
     /// Size in bytes.
     pub size: u64,
     /// Whether it is a directory.
     pub is_dir: bool,
     /// Permission bits.
     pub mode: u32,
+    /// What it is.
+    #[serde(default)]
+    pub kind: FileKind,
+    /// Last modification, seconds since the epoch.
+    #[serde(default)]
+    pub mtime: i64,
+    /// Owner's uid, where the backend knows it.
+    #[serde(default)]
+    pub uid: Option<u32>,
+    /// Group's gid, where the backend knows it.
+    #[serde(default)]
+    pub gid: Option<u32>,
+    /// A symbolic link's target.
+    #[serde(default)]
+    pub link: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/files/mkdir`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MakeDirRequest {
+    /// Absolute path inside the sandbox.
+    pub path: String,
+    /// Make missing parent directories too (default true).
+    #[serde(default = "yes")]
+    pub parents: bool,
+    /// An existing directory is no error (default true).
+    #[serde(default = "yes")]
+    pub exist_ok: bool,
+    /// Permission bits (default 0755).
+    #[serde(default)]
+    pub mode: Option<u32>,
+}
+
+/// The answer of `POST /v1/sandboxes/{id}/files/mkdir`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct MakeDirResponse {
+    /// Whether the directory was made (false: it existed).
+    pub created: bool,
+}
+
+/// `POST /v1/sandboxes/{id}/files/move`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MoveRequest {
+    /// Absolute path of what is moved (a symbolic link is moved itself).
+    pub src: String,
+    /// Absolute path it gets; its parent must exist.
+    pub dst: String,
+    /// Replace an existing `dst` (a file or link, or an empty directory by a directory).
+    #[serde(default)]
+    pub overwrite: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// `POST /v1/images`.

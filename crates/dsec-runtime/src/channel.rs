@@ -16,6 +16,7 @@ use tokio::net::UnixStream;
 use tokio::sync::{mpsc, watch};
 
 use crate::container::RuntimeError;
+use crate::files::watch::WatchEvent;
 use crate::proto::{self, ExecExit, ExecSpec, Frame, FrameKind, InitError};
 
 type Routes = Arc<Mutex<HashMap<u32, mpsc::UnboundedSender<Frame>>>>;
@@ -190,6 +191,36 @@ impl Channel {
         })
     }
 
+    /// Watches the directory `path` (with `recursive`, the directories below too);
+    /// returns once the watch is armed.
+    pub async fn watch(&self, path: &str, recursive: bool) -> Result<WatchHandle, RuntimeError> {
+        let req = proto::WatchRequest {
+            path: path.to_owned(),
+            recursive,
+        };
+        let payload = serde_json::to_vec(&req).expect("a watch request serializes");
+        let (id, mut frames) = self.send(FrameKind::Watch, &[&payload]).await?;
+        let mut handle = WatchHandle {
+            id,
+            frames: mpsc::unbounded_channel().1,
+            writer: Arc::clone(&self.shared.writer),
+            done: true,
+        };
+        let frame = frames.recv().await.ok_or(RuntimeError::Gone)?;
+        match frame.kind {
+            FrameKind::Watching => {}
+            FrameKind::Error => return Err(refused(frame.json().map_err(channel_err)?)),
+            other => {
+                return Err(RuntimeError::Channel(format!(
+                    "unexpected {other:?} answering a watch"
+                )))
+            }
+        }
+        handle.frames = frames;
+        handle.done = false;
+        Ok(handle)
+    }
+
     /// Sends a request and waits for its answer (`Done`'s payload). An `Error` answer
     /// becomes [`RuntimeError::File`] for a file failure, [`RuntimeError::Exec`] otherwise.
     pub async fn request(&self, kind: FrameKind, payload: &[u8]) -> Result<Vec<u8>, RuntimeError> {
@@ -283,7 +314,12 @@ async fn read_frame<R: AsyncReadExt + Unpin>(
 fn ends_route(frame: &Frame) -> bool {
     !matches!(
         frame.kind,
-        FrameKind::Stdout | FrameKind::Stderr | FrameKind::StepExit | FrameKind::Fetched
+        FrameKind::Stdout
+            | FrameKind::Stderr
+            | FrameKind::StepExit
+            | FrameKind::Fetched
+            | FrameKind::Watching
+            | FrameKind::FileEvents
     )
 }
 
@@ -364,6 +400,45 @@ impl Drop for ExecHandle {
     fn drop(&mut self) {
         if !self.done {
             post(&self.writer, FrameKind::Kill, self.id, &[]);
+        }
+    }
+}
+
+/// An armed watch: batches of events until the watched directory goes away. Dropped,
+/// it tells the sandbox to end the watch.
+pub struct WatchHandle {
+    id: u32,
+    frames: mpsc::UnboundedReceiver<Frame>,
+    writer: Writer,
+    done: bool,
+}
+
+impl WatchHandle {
+    /// The next batch of events; `None` once the watched directory is gone.
+    pub async fn next(&mut self) -> Option<Result<Vec<WatchEvent>, RuntimeError>> {
+        if self.done {
+            return None;
+        }
+        let batch = match self.frames.recv().await {
+            None => Some(Err(RuntimeError::Gone)),
+            Some(frame) => match frame.kind {
+                FrameKind::FileEvents => Some(frame.json().map_err(channel_err)),
+                FrameKind::Done => None,
+                FrameKind::Error => Some(Err(frame.json().map_or_else(channel_err, refused))),
+                other => Some(Err(RuntimeError::Channel(format!(
+                    "unexpected {other:?} for a watch"
+                )))),
+            },
+        };
+        self.done = !matches!(batch, Some(Ok(_)));
+        batch
+    }
+}
+
+impl Drop for WatchHandle {
+    fn drop(&mut self) {
+        if !self.done {
+            post(&self.writer, FrameKind::Unwatch, self.id, &[]);
         }
     }
 }

@@ -22,7 +22,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any incompatible change; the edge refuses a mismatching init or agent.
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 9;
@@ -83,6 +83,29 @@ pub enum FrameKind {
     /// [`ExecSpec::fetch`]), sent before the `Exit` frame; payload: `u32` LE JSON length,
     /// JSON [`FetchedFile`], contents.
     Fetched = 17,
+    /// edge → sandbox: the status of a path, its last component not followed; payload:
+    /// JSON [`PathRequest`]. Answer: JSON [`crate::files::Entry`].
+    Stat = 30,
+    /// edge → sandbox: make a directory; payload: JSON [`MakeDir`]. Answer: JSON `bool`,
+    /// whether it was made (false: it existed and `exist_ok` was given).
+    MakeDir = 31,
+    /// edge → sandbox: rename a path within the sandbox; payload: JSON [`MovePath`].
+    /// Answer: empty.
+    MovePath = 32,
+    /// edge → sandbox: remove a file, a link or a directory; payload: JSON
+    /// [`RemovePath`]. Answer: empty.
+    RemovePath = 33,
+    /// edge → sandbox: watch a directory; payload: JSON [`WatchRequest`]. Answer:
+    /// `Watching` once the watch is armed (or `Error`), then `FileEvents` frames of the
+    /// same id, until `Done` (the directory went away) or the edge's `Unwatch`.
+    Watch = 34,
+    /// init → edge: the watch of this id is armed; empty payload.
+    Watching = 35,
+    /// init → edge: events of the watch of this id; payload: JSON
+    /// `Vec<`[`crate::files::watch::WatchEvent`]`>`.
+    FileEvents = 36,
+    /// edge → sandbox: end the watch of this id (its client went away). No answer.
+    Unwatch = 37,
 }
 
 impl FrameKind {
@@ -105,6 +128,14 @@ impl FrameKind {
             15 => FrameKind::CloseFile,
             16 => FrameKind::StepExit,
             17 => FrameKind::Fetched,
+            30 => FrameKind::Stat,
+            31 => FrameKind::MakeDir,
+            32 => FrameKind::MovePath,
+            33 => FrameKind::RemovePath,
+            34 => FrameKind::Watch,
+            35 => FrameKind::Watching,
+            36 => FrameKind::FileEvents,
+            37 => FrameKind::Unwatch,
             _ => return None,
         })
     }
@@ -460,8 +491,60 @@ pub struct OpenWrite {
 pub struct ListDir {
     /// Absolute path in the sandbox.
     pub path: String,
-    /// Refuse a directory with more entries.
+    /// Refuse a listing with more entries.
     pub max_entries: usize,
+    /// Levels listed: 1 lists the directory's own entries, 2 those of its
+    /// subdirectories too, and so on.
+    pub depth: u32,
+}
+
+/// A [`FrameKind::Stat`] request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PathRequest {
+    /// Absolute path in the sandbox.
+    pub path: String,
+}
+
+/// A [`FrameKind::MakeDir`] request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MakeDir {
+    /// Absolute path in the sandbox.
+    pub path: String,
+    /// Permission bits of the directory (missing parents get 0755).
+    pub mode: u32,
+    /// Make missing parent directories too.
+    pub parents: bool,
+    /// An existing directory is no error.
+    pub exist_ok: bool,
+}
+
+/// A [`FrameKind::MovePath`] request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MovePath {
+    /// Absolute path of what is moved; a symbolic link is moved itself.
+    pub src: String,
+    /// Absolute path it gets; missing parents are made.
+    pub dst: String,
+    /// Replace what `dst` names (a file, a link or an empty directory).
+    pub overwrite: bool,
+}
+
+/// A [`FrameKind::Watch`] request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchRequest {
+    /// Absolute path of a directory in the sandbox.
+    pub path: String,
+    /// Watch the directories below it too, and those made later.
+    pub recursive: bool,
+}
+
+/// A [`FrameKind::RemovePath`] request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemovePath {
+    /// Absolute path in the sandbox; a symbolic link is removed itself.
+    pub path: String,
+    /// Remove a directory with everything in it.
+    pub recursive: bool,
 }
 
 /// The answer to [`FrameKind::ReadFile`] and [`FrameKind::WriteFile`].

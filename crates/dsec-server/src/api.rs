@@ -18,7 +18,7 @@ use axum::{Json, Router};
 use dsec_api::{
     CommandResult, CreateManyRequest, CreateManyResponse, CreateSandboxRequest, ErrorBody,
     ErrorDetail, ErrorKind, ExecRequest, FileInfo, ImageInfo, ImportEvent, ImportImageRequest,
-    PruneResult, SandboxInfo, StoreInfo, StreamEvent,
+    MakeDirRequest, MakeDirResponse, MoveRequest, PruneResult, SandboxInfo, StoreInfo, StreamEvent,
 };
 use futures::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -82,8 +82,15 @@ pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
         .route("/sandboxes/{id}/exec", post(exec))
         .route("/sandboxes/{id}/exec/stream", post(exec_stream))
         .route("/sandboxes/{id}/log", get(sandbox_log))
-        .route("/sandboxes/{id}/files", get(read_file).put(write_file))
+        .route(
+            "/sandboxes/{id}/files",
+            get(read_file).put(write_file).delete(remove_path),
+        )
         .route("/sandboxes/{id}/files/list", get(list_files))
+        .route("/sandboxes/{id}/files/stat", get(stat_path))
+        .route("/sandboxes/{id}/files/mkdir", post(make_dir))
+        .route("/sandboxes/{id}/files/move", post(move_path))
+        .route("/sandboxes/{id}/files/watch", get(watch_files))
         .route("/sandboxes/{id}/pause", post(pause_sandbox))
         .route("/sandboxes/{id}/snapshot", post(snapshot_sandbox))
         .route("/sandboxes/{id}/fork", post(fork_sandbox))
@@ -546,9 +553,43 @@ struct PathQuery {
     mode: Option<u32>,
 }
 
-fn path_query(
-    query: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
-) -> Result<PathQuery, ApiError> {
+#[derive(Deserialize, utoipa::IntoParams)]
+struct ListQuery {
+    /// Absolute path of a directory inside the sandbox.
+    path: String,
+    /// Levels listed (default 1: the directory's own entries).
+    depth: Option<u32>,
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+struct RemoveQuery {
+    /// Absolute path inside the sandbox.
+    path: String,
+    /// Remove a directory with everything in it (default false).
+    recursive: Option<bool>,
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+struct WatchQuery {
+    /// Absolute path of a directory inside the sandbox.
+    path: String,
+    /// Watch the directories below it too, and those made later (default false).
+    recursive: Option<bool>,
+}
+
+/// How often an idle watch stream gets a blank line: a client that went away is noticed
+/// by the next one, and its watch ended in the sandbox.
+const WATCH_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(5);
+
+#[derive(Deserialize, utoipa::IntoParams)]
+struct StatQuery {
+    /// Absolute path inside the sandbox.
+    path: String,
+}
+
+fn path_query<Q>(
+    query: Result<Query<Q>, axum::extract::rejection::QueryRejection>,
+) -> Result<Q, ApiError> {
     query
         .map(|Query(q)| q)
         .map_err(|e| ApiError::invalid(e.body_text()))
@@ -618,15 +659,120 @@ fn closing(mut response: Response) -> Response {
     response
 }
 
-#[utoipa::path(get, path = "/v1/sandboxes/{id}/files/list", params(PathQuery),
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files/list", params(ListQuery),
     responses((status = 200, body = [FileInfo]), (status = 404, body = ErrorBody)))]
 async fn list_files(
     State(state): State<AppState>,
     Path(id): Path<String>,
-    query: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Vec<FileInfo>>, ApiError> {
     let q = path_query(query)?;
-    Ok(Json(state.edge.list_files(&id, &q.path).await?))
+    let depth = q.depth.unwrap_or(1);
+    Ok(Json(state.edge.list_files(&id, &q.path, depth).await?))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files/stat", params(StatQuery),
+    responses((status = 200, body = FileInfo), (status = 400, body = ErrorBody),
+              (status = 404, body = ErrorBody)))]
+async fn stat_path(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    query: Result<Query<StatQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<FileInfo>, ApiError> {
+    let q = path_query(query)?;
+    Ok(Json(state.edge.stat(&id, &q.path).await?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/files/mkdir", request_body = MakeDirRequest,
+    responses((status = 200, body = MakeDirResponse), (status = 400, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+async fn make_dir(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<MakeDirRequest>,
+) -> Result<Json<MakeDirResponse>, ApiError> {
+    let req = crate::backend::MakeDir {
+        path: req.path,
+        mode: req.mode.unwrap_or(0o755) & 0o7777,
+        parents: req.parents,
+        exist_ok: req.exist_ok,
+    };
+    let created = state.edge.make_dir(&id, req).await?;
+    Ok(Json(MakeDirResponse { created }))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/files/move", request_body = MoveRequest,
+    responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, body = ErrorBody)))]
+async fn move_path(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<MoveRequest>,
+) -> Result<StatusCode, ApiError> {
+    let req = crate::backend::MovePath {
+        src: req.src,
+        dst: req.dst,
+        overwrite: req.overwrite,
+    };
+    state.edge.move_path(&id, req).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Watches a directory: NDJSON, a first line `{"kind": "watching", "path": ...}` once the
+/// watch is armed, then one line per event `{"kind", "path", "is_dir"}`; the answer ends
+/// when the directory goes away.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files/watch", params(WatchQuery),
+    responses((status = 200, description = "NDJSON watch events", content_type = "application/x-ndjson"),
+              (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 409, body = ErrorBody)))]
+async fn watch_files(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    query: Result<Query<WatchQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let q = path_query(query)?;
+    let watch = state
+        .edge
+        .watch(&id, &q.path, q.recursive.unwrap_or(false))
+        .await?;
+    let armed = serde_json::json!({"kind": "watching", "path": q.path, "is_dir": true});
+    let mut armed = serde_json::to_vec(&armed).expect("JSON serializes");
+    armed.push(b'\n');
+    let events = futures::stream::unfold(Some(watch), |watch| async move {
+        let mut watch = watch?;
+        match tokio::time::timeout(WATCH_HEARTBEAT, watch.next()).await {
+            Err(_) => Some((Ok(axum::body::Bytes::from_static(b"\n")), Some(watch))),
+            Ok(Some(Ok(batch))) => {
+                let mut lines = Vec::new();
+                for event in batch {
+                    lines.extend(serde_json::to_vec(&event).expect("an event serializes"));
+                    lines.push(b'\n');
+                }
+                Some((Ok(axum::body::Bytes::from(lines)), Some(watch)))
+            }
+            Ok(Some(Err(e))) => Some((Err(std::io::Error::other(e.message)), None)),
+            Ok(None) => None,
+        }
+    });
+    let first = futures::stream::once(async move { Ok(axum::body::Bytes::from(armed)) });
+    let body = Body::from_stream(first.chain(events));
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
+}
+
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}/files", params(RemoveQuery),
+    responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+async fn remove_path(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    query: Result<Query<RemoveQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<StatusCode, ApiError> {
+    let q = path_query(query)?;
+    let req = crate::backend::RemovePath {
+        path: q.path,
+        recursive: q.recursive.unwrap_or(false),
+    };
+    state.edge.remove_path(&id, req).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// Imports an image. A client that accepts `application/x-ndjson` gets the progress as
@@ -758,6 +904,11 @@ async fn delete_image(
         read_file,
         write_file,
         list_files,
+        stat_path,
+        make_dir,
+        move_path,
+        remove_path,
+        watch_files,
         import_image,
         list_images,
         get_image,

@@ -26,8 +26,8 @@ use tracing::Instrument;
 use crate::admission::{Admission, Grant};
 use crate::backend::files::too_large_upload;
 use crate::backend::{
-    image_info, Backend, Backends, CommandSpec, Created, FileRead, FileWrite, OutputStream,
-    Sandbox, SandboxRequest, Upload,
+    image_info, Backend, Backends, CommandSpec, Created, FileRead, FileWatch, FileWrite, MakeDir,
+    MovePath, OutputStream, RemovePath, Sandbox, SandboxRequest, Upload,
 };
 use crate::error::ApiError;
 use crate::events::{kind, Events, Subject};
@@ -1092,13 +1092,98 @@ impl Edge {
     }
 
     /// Lists a directory of a sandbox.
-    pub async fn list_files(&self, id: &str, path: &str) -> Result<Vec<FileInfo>, ApiError> {
+    pub async fn list_files(
+        &self,
+        id: &str,
+        path: &str,
+        depth: u32,
+    ) -> Result<Vec<FileInfo>, ApiError> {
+        if depth == 0 {
+            return Err(ApiError::invalid(
+                "depth must be at least 1 (1 lists the directory's own entries)",
+            ));
+        }
         async {
             let (entry, _slot) = self.file_transfer(id, path).await?;
-            let result = entry.sandbox.list_files(path).await;
+            let result = entry.sandbox.list_files(path, depth).await;
             entry.or_failed(result).await
         }
         .instrument(file_span(id, path, "list"))
+        .await
+    }
+
+    /// The status of a path in a sandbox, a symbolic link in its last component not
+    /// followed.
+    pub async fn stat(&self, id: &str, path: &str) -> Result<FileInfo, ApiError> {
+        async {
+            let (entry, _slot) = self.file_transfer(id, path).await?;
+            let result = entry.sandbox.stat(path).await;
+            entry.or_failed(result).await
+        }
+        .instrument(file_span(id, path, "stat"))
+        .await
+    }
+
+    /// Makes a directory in a sandbox; whether it was made.
+    pub async fn make_dir(&self, id: &str, req: MakeDir) -> Result<bool, ApiError> {
+        async {
+            let (entry, _slot) = self.file_transfer(id, &req.path).await?;
+            let result = entry.sandbox.make_dir(&req).await;
+            let made = entry.or_failed(result).await?;
+            if made {
+                let data = serde_json::json!({"path": req.path, "mode": req.mode});
+                entry.emit(kind::FILE_MKDIR, data);
+            }
+            Ok(made)
+        }
+        .instrument(file_span(id, &req.path, "mkdir"))
+        .await
+    }
+
+    /// Renames a path within a sandbox.
+    pub async fn move_path(&self, id: &str, req: MovePath) -> Result<(), ApiError> {
+        async {
+            let (entry, _slot) = self.file_transfer(id, &req.src).await?;
+            let result = entry.sandbox.move_path(&req).await;
+            entry.or_failed(result).await?;
+            let data =
+                serde_json::json!({"src": req.src, "dst": req.dst, "overwrite": req.overwrite});
+            entry.emit(kind::FILE_MOVE, data);
+            Ok(())
+        }
+        .instrument(file_span(id, &req.src, "move"))
+        .await
+    }
+
+    /// Watches a directory of a sandbox; returns once the watch is armed. A watch holds
+    /// no transfer slot: the sandbox bounds its watches itself.
+    pub async fn watch(
+        &self,
+        id: &str,
+        path: &str,
+        recursive: bool,
+    ) -> Result<Box<dyn FileWatch>, ApiError> {
+        check_absolute("path", path)?;
+        async {
+            let entry = self.live_entry(id).await?;
+            let result = entry.sandbox.watch(path, recursive).await;
+            entry.or_failed(result).await
+        }
+        .instrument(file_span(id, path, "watch"))
+        .await
+    }
+
+    /// Removes a file, a link or a directory of a sandbox.
+    pub async fn remove_path(&self, id: &str, req: RemovePath) -> Result<(), ApiError> {
+        async {
+            let (entry, _slot) = self.file_transfer(id, &req.path).await?;
+            let result = entry.sandbox.remove_path(&req).await;
+            entry.or_failed(result).await?;
+            let data = serde_json::json!({"path": req.path, "recursive": req.recursive});
+            entry.emit(kind::FILE_REMOVE, data);
+            Ok(())
+        }
+        .instrument(file_span(id, &req.path, "remove"))
         .await
     }
 

@@ -130,6 +130,7 @@ impl From<FileError> for ApiError {
     fn from(e: FileError) -> ApiError {
         let kind = match &e {
             FileError::NotFound { .. } => ErrorKind::NotFound,
+            FileError::Exists { .. } | FileError::TooManyWatches { .. } => ErrorKind::Conflict,
             FileError::Io { .. } => ErrorKind::Internal,
             FileError::Busy { .. } => ErrorKind::Unavailable,
             FileError::TooLarge {

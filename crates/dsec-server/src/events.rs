@@ -42,6 +42,12 @@ pub mod kind {
     pub const FILE_READ: &str = "file.read";
     /// A file was written through the files API (or by a command's `files`).
     pub const FILE_WRITE: &str = "file.write";
+    /// A directory was made through the files API.
+    pub const FILE_MKDIR: &str = "file.mkdir";
+    /// A path was renamed through the files API.
+    pub const FILE_MOVE: &str = "file.move";
+    /// A path was removed through the files API.
+    pub const FILE_REMOVE: &str = "file.remove";
     /// The memory limit killed a process.
     pub const LIMIT_OOM: &str = "limit.oom";
     /// A fork was refused by the pids limit.

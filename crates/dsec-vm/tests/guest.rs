@@ -193,7 +193,7 @@ async fn cold_then_restore(machine: Machine) {
             run(&vm, "true").await;
         }
         eprintln!("{machine:?} exec round trip {:?}", t.elapsed() / 20);
-        let listing = vm.channel().list_dir("/root", 100).await.unwrap();
+        let listing = vm.channel().list_dir("/root", 100, 1).await.unwrap();
         assert!(listing.iter().any(|e| e.name == "f"), "{listing:?}");
         vm.pause().await.unwrap();
         vm.resume().await.unwrap();

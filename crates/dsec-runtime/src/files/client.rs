@@ -55,18 +55,50 @@ impl Channel {
         })
     }
 
-    /// Lists a directory; refuses one with more than `max_entries` entries.
+    /// Lists a directory `depth` levels deep; refuses a listing of more than
+    /// `max_entries` entries.
     pub async fn list_dir(
         &self,
         path: &str,
         max_entries: usize,
+        depth: u32,
     ) -> Result<Vec<Entry>, RuntimeError> {
         let req = proto::ListDir {
             path: path.to_owned(),
             max_entries,
+            depth,
         };
         let answer = self.request(FrameKind::ListDir, &json(&req)).await?;
         serde_json::from_slice(&answer).map_err(channel_err)
+    }
+
+    /// The status of `path`, a symbolic link in its last component not followed.
+    pub async fn stat(&self, path: &str) -> Result<Entry, RuntimeError> {
+        let req = proto::PathRequest {
+            path: path.to_owned(),
+        };
+        let answer = self.request(FrameKind::Stat, &json(&req)).await?;
+        serde_json::from_slice(&answer).map_err(channel_err)
+    }
+
+    /// Makes a directory (see [`proto::MakeDir`]); whether it was made.
+    pub async fn make_dir(&self, req: &proto::MakeDir) -> Result<bool, RuntimeError> {
+        let answer = self.request(FrameKind::MakeDir, &json(req)).await?;
+        serde_json::from_slice(&answer).map_err(channel_err)
+    }
+
+    /// Renames a path within the sandbox (see [`proto::MovePath`]).
+    pub async fn move_path(&self, req: &proto::MovePath) -> Result<(), RuntimeError> {
+        self.request(FrameKind::MovePath, &json(req))
+            .await
+            .map(drop)
+    }
+
+    /// Removes a path (see [`proto::RemovePath`]).
+    pub async fn remove_path(&self, req: &proto::RemovePath) -> Result<(), RuntimeError> {
+        self.request(FrameKind::RemovePath, &json(req))
+            .await
+            .map(drop)
     }
 
     fn close_transfer(&self, id: u32) {

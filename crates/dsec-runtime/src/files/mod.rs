@@ -24,10 +24,16 @@
 //!   after the check cannot change which inode is reopened. A missing file is created
 //!   `O_CREAT | O_EXCL | O_NOFOLLOW`, so the create cannot land on anything else either;
 //! - bounded: reads stop at a size the edge gives, listings at an entry count, and the
-//!   in-sandbox side holds a bounded number of open transfers ([`service`]).
+//!   in-sandbox side holds a bounded number of open transfers ([`service`]);
+//! - `stat`, `mkdir`, `move` and `remove` resolve a path's parent as a read does and act on
+//!   its last component without following it: a symbolic link is reported, moved or
+//!   removed itself, never its target; a recursive remove never follows a link nor
+//!   crosses into another filesystem, and the root is never moved or removed;
+//! - watches ([`watch`]) open the directory as a listing does and watch that inode.
 
 pub mod client;
 pub mod service;
+pub mod watch;
 
 use std::fs::File;
 use std::io;
@@ -47,6 +53,16 @@ pub enum FileOp {
     Write,
     /// `list_files`.
     List,
+    /// `stat`.
+    Stat,
+    /// `mkdir`.
+    MakeDir,
+    /// `move`.
+    Move,
+    /// `remove`.
+    Remove,
+    /// `watch`.
+    Watch,
 }
 
 impl FileOp {
@@ -55,6 +71,11 @@ impl FileOp {
             FileOp::Read => "read",
             FileOp::Write => "written",
             FileOp::List => "listed",
+            FileOp::Stat => "examined",
+            FileOp::MakeDir => "made",
+            FileOp::Move => "moved",
+            FileOp::Remove => "removed",
+            FileOp::Watch => "watched",
         }
     }
 }
@@ -128,6 +149,14 @@ pub enum FileError {
         /// The path as given.
         path: String,
     },
+    /// Something is already there.
+    #[error("{path:?} {reason}")]
+    Exists {
+        /// The path as given.
+        path: String,
+        /// What is there, and how to replace it.
+        reason: String,
+    },
     /// A directory where a file was expected, or the reverse.
     #[error("{path:?} {reason}")]
     WrongType {
@@ -167,6 +196,16 @@ pub enum FileError {
         /// The limit.
         limit: usize,
     },
+    /// The sandbox has too many watches open.
+    #[error(
+        "{path:?}: the sandbox has {limit} watches open already; end one (close its stream) first"
+    )]
+    TooManyWatches {
+        /// The path as given.
+        path: String,
+        /// The limit.
+        limit: usize,
+    },
     /// The writable layer is full.
     #[error("no space left in the sandbox's writable layer writing {path:?}")]
     NoSpace {
@@ -189,10 +228,12 @@ fn refused_message(path: &str, op: FileOp, refusal: &Refusal, link: Option<&str>
     let through = link.map_or_else(String::new, |l| {
         format!(" (through a symbolic link to {l})")
     });
-    let wanted = if op == FileOp::List {
-        "directories"
-    } else {
-        "regular files"
+    let wanted = match op {
+        FileOp::List | FileOp::Watch => "directories",
+        FileOp::Read | FileOp::Write => "regular files",
+        FileOp::Stat | FileOp::MakeDir | FileOp::Move | FileOp::Remove => {
+            "regular files, directories and symbolic links"
+        }
     };
     let kind = |what: &str| {
         format!(
@@ -262,6 +303,7 @@ impl FileError {
             FileError::Escapes { .. } => Some("escapes"),
             FileError::TooLarge { .. } => Some("too_large"),
             FileError::Busy { .. } => Some("busy"),
+            FileError::TooManyWatches { .. } => Some("watches"),
             _ => None,
         }
     }
@@ -272,28 +314,86 @@ impl FileError {
             FileError::InvalidPath { path, .. }
             | FileError::Escapes { path }
             | FileError::NotFound { path }
+            | FileError::Exists { path, .. }
             | FileError::WrongType { path, .. }
             | FileError::Refused { path, .. }
             | FileError::TooLarge { path, .. }
             | FileError::Busy { path, .. }
+            | FileError::TooManyWatches { path, .. }
             | FileError::NoSpace { path }
             | FileError::Io { path, .. } => path,
         }
     }
 }
 
-/// An entry of a directory listing.
+/// What an entry is. Only files and directories are read, written or listed; the others
+/// are reported by listings and `stat`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EntryKind {
+    /// A regular file.
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link (never followed by a listing or `stat`).
+    Symlink,
+    /// A FIFO, a socket or a device.
+    Other,
+}
+
+/// An entry of a directory listing, or the status of one path.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Entry {
     /// File name.
     pub name: String,
+    /// Path relative to the listed directory (the name, at depth 1); for `stat`, the
+    /// absolute path asked.
+    pub path: String,
     /// Size in bytes.
     pub size: u64,
     /// Whether it is a directory.
     pub is_dir: bool,
     /// Permission bits.
     pub mode: u32,
+    /// What it is.
+    pub kind: EntryKind,
+    /// Last modification, seconds since the epoch.
+    pub mtime: i64,
+    /// Owner.
+    pub uid: u32,
+    /// Group.
+    pub gid: u32,
+    /// A symbolic link's target.
+    pub link: Option<String>,
 }
+
+impl Entry {
+    /// The entry of an inode of status `stat`, named `name` and shown at `path`; `link`
+    /// is its target when it is a symbolic link.
+    fn new(name: String, path: String, stat: &rustix::fs::Stat, link: Option<String>) -> Entry {
+        let kind = match FileType::from_raw_mode(stat.st_mode) {
+            FileType::RegularFile => EntryKind::File,
+            FileType::Directory => EntryKind::Dir,
+            FileType::Symlink => EntryKind::Symlink,
+            _ => EntryKind::Other,
+        };
+        Entry {
+            name,
+            path,
+            size: size(stat),
+            is_dir: kind == EntryKind::Dir,
+            mode: stat.st_mode & 0o7777,
+            kind,
+            mtime: stat.st_mtime,
+            uid: stat.st_uid,
+            gid: stat.st_gid,
+            link,
+        }
+    }
+}
+
+/// Directories [`SandboxRoot::remove`] descends at most: deeper trees are refused.
+const MAX_REMOVE_DEPTH: usize = 256;
 
 /// Filesystems whose regular files and directories are served: what a sandbox's root,
 /// writable layer and image layers are made of (`statfs(2)` magic numbers).
@@ -408,7 +508,7 @@ impl SandboxRoot {
             path: path.to_owned(),
             reason: "names a directory, not a file".into(),
         })?;
-        let dir = self.parent(path, &rel)?;
+        let dir = self.parent(path, &rel, FileOp::Write)?;
         let mode = Mode::from_raw_mode(mode & 0o7777);
         // Each round either opens the file, or finds it missing and creates it; a path the
         // sandbox keeps swapping between the two is given up on.
@@ -458,8 +558,26 @@ impl SandboxRoot {
         io::Write::write_all(&mut file, data).map_err(|e| FileError::os(path, e))
     }
 
-    /// Lists a directory, sorted by name; refuses one with more than `max_entries`.
-    pub fn list(&self, path: &str, max_entries: usize) -> Result<Vec<Entry>, FileError> {
+    /// Lists a directory `depth` levels deep (1: its own entries), sorted by path;
+    /// refuses a listing of more than `max_entries`. Symbolic links are listed, never
+    /// followed, and a subdirectory on another filesystem (a mount point) is listed but
+    /// not entered.
+    pub fn list(
+        &self,
+        path: &str,
+        max_entries: usize,
+        depth: u32,
+    ) -> Result<Vec<Entry>, FileError> {
+        let fd = self.open_dir(path, FileOp::List)?;
+        let mut entries = Vec::new();
+        let listing = Listing { path, max_entries };
+        listing.read(&fd, "", depth.max(1), &mut entries)?;
+        entries.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(entries)
+    }
+
+    /// Opens the directory `path` for reading, checked for `op` (a listing or a watch).
+    pub(crate) fn open_dir(&self, path: &str, op: FileOp) -> Result<OwnedFd, FileError> {
         let rel = relative(path)?;
         // O_DIRECTORY: anything but a directory fails the lookup and is never opened.
         let fd = openat2(
@@ -475,39 +593,213 @@ impl SandboxRoot {
             },
             _ => FileError::os(path, e),
         })?;
-        self.check(&fd, FileOp::List)
-            .map_err(|f| f.into_error(path, FileOp::List, self.link_of(&rel)))?;
-        let mut entries = Vec::new();
-        let dir = rustix::fs::Dir::read_from(&fd).map_err(|e| FileError::os(path, e.into()))?;
-        for entry in dir {
-            let entry = entry.map_err(|e| FileError::os(path, e.into()))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name == "." || name == ".." {
-                continue;
+        self.check(&fd, op)
+            .map_err(|f| f.into_error(path, op, self.link_of(&rel)))?;
+        Ok(fd)
+    }
+
+    /// The status of `path`. A symbolic link in its last component is reported, not
+    /// followed; the filesystems and the `/dev` the files API never serves are refused.
+    pub fn stat(&self, path: &str) -> Result<Entry, FileError> {
+        let rel = relative(path)?;
+        let (fd, name) = match rel.file_name() {
+            None => (
+                openat2(&self.root, Path::new("."), OFlags::PATH, Mode::empty())
+                    .map_err(|e| FileError::os(path, e))?,
+                String::new(),
+            ),
+            Some(name) => {
+                let dir = self.parent_of(path, &rel, FileOp::Stat)?;
+                (
+                    leaf(&dir, name).map_err(|e| FileError::os(path, e))?,
+                    name.to_string_lossy().into_owned(),
+                )
             }
-            if entries.len() == max_entries {
-                return Err(FileError::TooLarge {
-                    path: path.to_owned(),
-                    op: FileOp::List,
-                    what: format!(
-                        "has more than {max_entries} entries, the most list_files returns; \
-                         list a subdirectory, or run a command"
-                    ),
-                });
-            }
-            let Ok(stat) = rustix::fs::statat(&fd, entry.file_name(), AtFlags::SYMLINK_NOFOLLOW)
-            else {
-                continue;
+        };
+        let stat = rustix::fs::fstat(&fd).map_err(|e| FileError::os(path, e.into()))?;
+        self.check_filesystem(&fd, stat.st_dev)
+            .map_err(|f| f.into_error(path, FileOp::Stat, None))?;
+        let link = (FileType::from_raw_mode(stat.st_mode) == FileType::Symlink)
+            .then(|| link_target(&fd, ""))
+            .flatten();
+        Ok(Entry::new(name, path.to_owned(), &stat, link))
+    }
+
+    /// Makes the directory `path` with `mode`, and with `parents` its missing parents
+    /// (mode 0755). Returns whether it was made: an existing directory is `Ok(false)`
+    /// with `exist_ok`, an error without.
+    pub fn mkdir(
+        &self,
+        path: &str,
+        mode: u32,
+        parents: bool,
+        exist_ok: bool,
+    ) -> Result<bool, FileError> {
+        let rel = relative(path)?;
+        let exists = |is_dir: bool| {
+            let reason = match is_dir {
+                true => "is a directory already; pass exist_ok=True to accept one",
+                false => "exists and is not a directory",
             };
-            entries.push(Entry {
-                name,
-                size: size(&stat),
-                is_dir: FileType::from_raw_mode(stat.st_mode) == FileType::Directory,
-                mode: stat.st_mode & 0o7777,
-            });
+            FileError::Exists {
+                path: path.to_owned(),
+                reason: reason.into(),
+            }
+        };
+        let Some(name) = rel.file_name() else {
+            return if exist_ok {
+                Ok(false)
+            } else {
+                Err(exists(true))
+            };
+        };
+        let dir = match parents {
+            true => self.parent(path, &rel, FileOp::MakeDir)?,
+            false => self.parent_of(path, &rel, FileOp::MakeDir)?,
+        };
+        let mode = Mode::from_raw_mode(mode & 0o7777);
+        match rustix::fs::mkdirat(&dir, name, mode) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::EXIST) => {
+                let is_dir = openat2(
+                    &self.root,
+                    &rel,
+                    OFlags::PATH | OFlags::DIRECTORY,
+                    Mode::empty(),
+                )
+                .is_ok();
+                return if is_dir && exist_ok {
+                    Ok(false)
+                } else {
+                    Err(exists(is_dir))
+                };
+            }
+            Err(e) => return Err(FileError::os(path, e.into())),
         }
-        entries.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(entries)
+        // The sandbox's umask must not change the mode the caller asked for.
+        let made = rustix::fs::openat(
+            &dir,
+            name,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | REOPEN,
+            Mode::empty(),
+        )
+        .map_err(|e| FileError::os(path, e.into()))?;
+        rustix::fs::fchmod(&made, mode).map_err(|e| FileError::os(path, e.into()))?;
+        Ok(true)
+    }
+
+    /// Renames `src` to `dst`, both resolved beneath the root; a symbolic link in `src`'s
+    /// last component is moved itself. `dst`'s parent must exist. Without `overwrite`
+    /// an existing `dst` is an error; with it, `dst` is replaced as `rename(2)` replaces
+    /// (a file or link, or an empty directory by a directory).
+    pub fn rename(&self, src: &str, dst: &str, overwrite: bool) -> Result<(), FileError> {
+        let src_rel = relative(src)?;
+        let dst_rel = relative(dst)?;
+        let root = |path: &str| FileError::InvalidPath {
+            path: path.to_owned(),
+            reason: "is the sandbox's root, which cannot be moved or replaced".into(),
+        };
+        let src_name = src_rel.file_name().ok_or_else(|| root(src))?;
+        let dst_name = dst_rel.file_name().ok_or_else(|| root(dst))?;
+        let src_dir = self.parent_of(src, &src_rel, FileOp::Move)?;
+        let moved = leaf(&src_dir, src_name).map_err(|e| FileError::os(src, e))?;
+        let st_dev = rustix::fs::fstat(&moved)
+            .map_err(|e| FileError::os(src, e.into()))?
+            .st_dev;
+        self.check_filesystem(&moved, st_dev)
+            .map_err(|f| f.into_error(src, FileOp::Move, None))?;
+        let dst_dir = self.parent_of(dst, &dst_rel, FileOp::Move)?;
+        let flags = match overwrite {
+            true => rustix::fs::RenameFlags::empty(),
+            false => rustix::fs::RenameFlags::NOREPLACE,
+        };
+        rustix::fs::renameat_with(&src_dir, src_name, &dst_dir, dst_name, flags).map_err(|e| {
+            let dst_error = |reason: &str| FileError::Exists {
+                path: dst.to_owned(),
+                reason: reason.to_owned(),
+            };
+            match e {
+                rustix::io::Errno::EXIST if !overwrite => {
+                    dst_error("exists; pass overwrite=True to replace it")
+                }
+                rustix::io::Errno::EXIST | rustix::io::Errno::NOTEMPTY => {
+                    dst_error("is a directory that is not empty; remove it first")
+                }
+                rustix::io::Errno::ISDIR => {
+                    dst_error("is a directory, which only a directory can replace")
+                }
+                rustix::io::Errno::NOTDIR => {
+                    dst_error("is not a directory, which a directory cannot replace")
+                }
+                rustix::io::Errno::INVAL => FileError::InvalidPath {
+                    path: dst.to_owned(),
+                    reason: format!("is inside {src:?}, which cannot move into itself"),
+                },
+                rustix::io::Errno::XDEV => FileError::Io {
+                    path: src.to_owned(),
+                    errno: Some(libc::EXDEV),
+                    message: format!(
+                        "cannot be renamed to {dst:?}: another filesystem, or a directory \
+                         of the image, which overlayfs cannot rename; copy it with a command"
+                    ),
+                },
+                e => FileError::os(src, e.into()),
+            }
+        })
+    }
+
+    /// Removes the file, symbolic link (itself, never its target) or directory `path`;
+    /// a directory that is not empty only with `recursive`, which never crosses into
+    /// another filesystem. The root is never removed.
+    pub fn remove(&self, path: &str, recursive: bool) -> Result<(), FileError> {
+        let rel = relative(path)?;
+        let name = rel.file_name().ok_or_else(|| FileError::InvalidPath {
+            path: path.to_owned(),
+            reason: "is the sandbox's root, which cannot be removed".into(),
+        })?;
+        let dir = self.parent_of(path, &rel, FileOp::Remove)?;
+        let stat = rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(|e| FileError::os(path, e.into()))?;
+        if FileType::from_raw_mode(stat.st_mode) != FileType::Directory {
+            return rustix::fs::unlinkat(&dir, name, AtFlags::empty())
+                .map_err(|e| FileError::os(path, e.into()));
+        }
+        let fd = open_subdir(&dir, name).map_err(|e| FileError::os(path, e))?;
+        self.check_filesystem(&fd, stat.st_dev)
+            .map_err(|f| f.into_error(path, FileOp::Remove, None))?;
+        if recursive {
+            empty_dir(&fd, path, stat.st_dev, 0)?;
+        }
+        rustix::fs::unlinkat(&dir, name, AtFlags::REMOVEDIR).map_err(|e| match e {
+            rustix::io::Errno::NOTEMPTY | rustix::io::Errno::EXIST => FileError::WrongType {
+                path: path.to_owned(),
+                reason: "is a directory that is not empty; pass recursive=True".into(),
+            },
+            rustix::io::Errno::BUSY => FileError::WrongType {
+                path: path.to_owned(),
+                reason: "is a mount point".into(),
+            },
+            e => FileError::os(path, e.into()),
+        })
+    }
+
+    /// The directory holding `rel`'s last component, resolved as a read resolves (never
+    /// made) and checked to be on a filesystem the files API serves.
+    fn parent_of(&self, path: &str, rel: &Path, op: FileOp) -> Result<OwnedFd, FileError> {
+        let parent = rel.parent().filter(|p| !p.as_os_str().is_empty());
+        let dir = openat2(
+            &self.root,
+            parent.unwrap_or(Path::new(".")),
+            OFlags::PATH | OFlags::DIRECTORY,
+            Mode::empty(),
+        )
+        .map_err(|e| FileError::os(path, e))?;
+        let st_dev = rustix::fs::fstat(&dir)
+            .map_err(|e| FileError::os(path, e.into()))?
+            .st_dev;
+        self.check_filesystem(&dir, st_dev)
+            .map_err(|f| f.into_error(path, op, None))?;
+        Ok(dir)
     }
 
     /// Checks the inode behind `fd` (an `O_PATH` or directory descriptor) for `op`;
@@ -517,7 +809,7 @@ impl SandboxRoot {
         let wrong = |reason: &str| Fault::WrongType(reason.to_owned());
         match (FileType::from_raw_mode(stat.st_mode), op) {
             (FileType::RegularFile, FileOp::Read | FileOp::Write) => {}
-            (FileType::Directory, FileOp::List) => {}
+            (FileType::Directory, FileOp::List | FileOp::Watch) => {}
             (FileType::Directory, FileOp::Read) => {
                 return Err(wrong("is a directory; use list_files"))
             }
@@ -557,14 +849,14 @@ impl SandboxRoot {
 
     /// The directory that holds `rel`'s last component, made (mode 0755) where missing;
     /// every directory on the way is checked as a listing would be.
-    fn parent(&self, path: &str, rel: &Path) -> Result<OwnedFd, FileError> {
+    fn parent(&self, path: &str, rel: &Path, op: FileOp) -> Result<OwnedFd, FileError> {
         let dir_flags = OFlags::PATH | OFlags::DIRECTORY;
         let checked = |fd: OwnedFd| -> Result<OwnedFd, FileError> {
             let st_dev = rustix::fs::fstat(&fd)
                 .map_err(|e| FileError::os(path, e.into()))?
                 .st_dev;
             self.check_filesystem(&fd, st_dev)
-                .map_err(|f| f.into_error(path, FileOp::Write, None))?;
+                .map_err(|f| f.into_error(path, op, None))?;
             Ok(fd)
         };
         let mut dir = checked(
@@ -645,10 +937,144 @@ fn set_mode(file: File, mode: Mode, path: &str) -> Result<File, FileError> {
     Ok(file)
 }
 
-fn link_target(dir: &OwnedFd, name: &std::ffi::OsStr) -> Option<String> {
+fn link_target(dir: &OwnedFd, name: impl rustix::path::Arg) -> Option<String> {
     rustix::fs::readlinkat(dir, name, Vec::new())
         .ok()
         .map(|t| t.to_string_lossy().into_owned())
+}
+
+/// A directory's entries, read a level at a time for [`SandboxRoot::list`].
+struct Listing<'a> {
+    /// The listed path, for the messages.
+    path: &'a str,
+    max_entries: usize,
+}
+
+impl Listing<'_> {
+    /// Appends the entries of `fd` (at `prefix` below the listed directory) to `out`,
+    /// and with `depth` over 1 those of its subdirectories on the same filesystem.
+    fn read(
+        &self,
+        fd: &OwnedFd,
+        prefix: &str,
+        depth: u32,
+        out: &mut Vec<Entry>,
+    ) -> Result<(), FileError> {
+        let path = self.path;
+        let st_dev = rustix::fs::fstat(fd)
+            .map_err(|e| FileError::os(path, e.into()))?
+            .st_dev;
+        let dir = rustix::fs::Dir::read_from(fd).map_err(|e| FileError::os(path, e.into()))?;
+        let mut subdirs = Vec::new();
+        for entry in dir {
+            let entry = entry.map_err(|e| FileError::os(path, e.into()))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name == "." || name == ".." {
+                continue;
+            }
+            if out.len() == self.max_entries {
+                return Err(FileError::TooLarge {
+                    path: path.to_owned(),
+                    op: FileOp::List,
+                    what: format!(
+                        "has more than {} entries, the most list_files returns; \
+                         list a subdirectory or less deep, or run a command",
+                        self.max_entries
+                    ),
+                });
+            }
+            let Ok(stat) = rustix::fs::statat(fd, entry.file_name(), AtFlags::SYMLINK_NOFOLLOW)
+            else {
+                continue;
+            };
+            let kind = FileType::from_raw_mode(stat.st_mode);
+            let link = (kind == FileType::Symlink)
+                .then(|| link_target(fd, entry.file_name()))
+                .flatten();
+            let rel_path = match prefix {
+                "" => name.clone(),
+                _ => format!("{prefix}/{name}"),
+            };
+            if depth > 1 && kind == FileType::Directory && stat.st_dev == st_dev {
+                subdirs.push((entry.file_name().to_owned(), rel_path.clone()));
+            }
+            out.push(Entry::new(name, rel_path, &stat, link));
+        }
+        for (name, sub_path) in subdirs {
+            // A directory swapped for a link since it was read is not entered.
+            let Ok(sub) = open_subdir(fd, name.as_c_str()) else {
+                continue;
+            };
+            self.read(&sub, &sub_path, depth - 1, out)?;
+        }
+        Ok(())
+    }
+}
+
+/// Opens the directory `name` of `dir` for reading, never through a symbolic link.
+fn open_subdir(dir: &OwnedFd, name: impl rustix::path::Arg) -> io::Result<OwnedFd> {
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | REOPEN;
+    rustix::fs::openat(dir, name, flags, Mode::empty()).map_err(Into::into)
+}
+
+/// An `O_PATH` descriptor of `name` in `dir`, a symbolic link itself rather than its
+/// target.
+fn leaf(dir: &OwnedFd, name: &std::ffi::OsStr) -> io::Result<OwnedFd> {
+    openat2(
+        dir,
+        Path::new(name),
+        OFlags::PATH | OFlags::NOFOLLOW,
+        Mode::empty(),
+    )
+}
+
+/// Removes everything in the directory `fd` of `path`, never descending into another
+/// filesystem than `st_dev` nor through a symbolic link.
+fn empty_dir(fd: &OwnedFd, path: &str, st_dev: u64, depth: usize) -> Result<(), FileError> {
+    if depth == MAX_REMOVE_DEPTH {
+        return Err(FileError::TooLarge {
+            path: path.to_owned(),
+            op: FileOp::Remove,
+            what: format!(
+                "is nested more than {MAX_REMOVE_DEPTH} directories deep; remove it with a command"
+            ),
+        });
+    }
+    let os = |e: rustix::io::Errno| FileError::os(path, e.into());
+    let mut names = Vec::new();
+    for entry in rustix::fs::Dir::read_from(fd).map_err(os)? {
+        let name = entry.map_err(os)?.file_name().to_owned();
+        if name.as_bytes() != b"." && name.as_bytes() != b".." {
+            names.push(name);
+        }
+    }
+    for name in names {
+        let stat = match rustix::fs::statat(fd, name.as_c_str(), AtFlags::SYMLINK_NOFOLLOW) {
+            Err(rustix::io::Errno::NOENT) => continue,
+            other => other.map_err(os)?,
+        };
+        let flags = if FileType::from_raw_mode(stat.st_mode) == FileType::Directory {
+            if stat.st_dev != st_dev {
+                return Err(FileError::WrongType {
+                    path: path.to_owned(),
+                    reason: format!(
+                        "holds a mount point ({}), which remove does not cross",
+                        name.to_string_lossy()
+                    ),
+                });
+            }
+            let sub = open_subdir(fd, name.as_c_str()).map_err(|e| FileError::os(path, e))?;
+            empty_dir(&sub, path, st_dev, depth + 1)?;
+            AtFlags::REMOVEDIR
+        } else {
+            AtFlags::empty()
+        };
+        match rustix::fs::unlinkat(fd, name.as_c_str(), flags) {
+            Ok(()) | Err(rustix::io::Errno::NOENT) => {}
+            Err(e) => return Err(os(e)),
+        }
+    }
+    Ok(())
 }
 
 /// `rel`, or `.` for the root itself.
@@ -775,17 +1201,16 @@ mod tests {
         assert_eq!(read(&sb, "/a/b/c.txt").unwrap(), b"hello");
         sb.write_all("/a/b/c.txt", b"2", 0o640).unwrap();
         assert_eq!(read(&sb, "/a/b/c.txt").unwrap(), b"2");
-        let listing = sb.list("/a", 10).unwrap();
+        let listing = sb.list("/a", 10, 1).unwrap();
         assert_eq!(listing.len(), 1);
         assert!(listing[0].is_dir);
+        let listing = sb.list("/a/b", 10, 1).unwrap();
+        assert_eq!(listing.len(), 1);
+        let c = &listing[0];
+        assert_eq!((c.name.as_str(), c.path.as_str()), ("c.txt", "c.txt"));
         assert_eq!(
-            sb.list("/a/b", 10).unwrap(),
-            vec![Entry {
-                name: "c.txt".into(),
-                size: 1,
-                is_dir: false,
-                mode: 0o640
-            }]
+            (c.size, c.is_dir, c.mode, c.kind),
+            (1, false, 0o640, EntryKind::File)
         );
         assert!(matches!(read(&sb, "/a"), Err(FileError::WrongType { .. })));
         assert!(matches!(
@@ -793,7 +1218,7 @@ mod tests {
             Err(FileError::NotFound { .. })
         ));
         assert!(matches!(
-            sb.list("/a/b/c.txt", 10),
+            sb.list("/a/b/c.txt", 10, 1),
             Err(FileError::WrongType { .. })
         ));
     }
@@ -838,7 +1263,7 @@ mod tests {
         );
         // A listing looks only for directories: the FIFO is not opened either.
         assert!(matches!(
-            sb.list("/fifo", 10),
+            sb.list("/fifo", 10, 1),
             Err(FileError::WrongType { .. })
         ));
     }
@@ -864,7 +1289,7 @@ mod tests {
         };
         assert_eq!(refusal(read(&sb, "/proc/self/environ")), procfs);
         assert_eq!(refusal(read(&sb, "/proc/kmsg")), procfs);
-        assert_eq!(refusal(sb.list("/proc", 10)), procfs);
+        assert_eq!(refusal(sb.list("/proc", 10, 1)), procfs);
         assert_eq!(refusal(sb.open_write("/proc/self/comm", 0o644)), procfs);
         if Path::new("/sys/kernel/vmcoreinfo").exists() {
             assert_eq!(
@@ -921,8 +1346,132 @@ mod tests {
             std::fs::write(tmp.path().join(i.to_string()), b"").unwrap();
         }
         let sb = SandboxRoot::open(tmp.path()).unwrap();
-        assert_eq!(sb.list("/", 5).unwrap().len(), 5);
-        assert!(matches!(sb.list("/", 4), Err(FileError::TooLarge { .. })));
+        assert_eq!(sb.list("/", 5, 1).unwrap().len(), 5);
+        assert!(matches!(
+            sb.list("/", 4, 1),
+            Err(FileError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn listings_go_as_deep_as_asked_without_following_links() {
+        let tmp = tempfile::tempdir().unwrap();
+        let sb = SandboxRoot::open(tmp.path()).unwrap();
+        sb.write_all("/d/a/b/deep.txt", b"x", 0o644).unwrap();
+        sb.write_all("/d/top.txt", b"xy", 0o644).unwrap();
+        std::os::unix::fs::symlink("a", tmp.path().join("d/link")).unwrap();
+        let paths = |depth| -> Vec<String> {
+            sb.list("/d", 100, depth)
+                .unwrap()
+                .into_iter()
+                .map(|e| e.path)
+                .collect()
+        };
+        assert_eq!(paths(1), ["a", "link", "top.txt"]);
+        assert_eq!(paths(2), ["a", "a/b", "link", "top.txt"]);
+        assert_eq!(paths(9), ["a", "a/b", "a/b/deep.txt", "link", "top.txt"]);
+        let link = sb.list("/d", 100, 1).unwrap().remove(1);
+        assert_eq!(
+            (link.kind, link.link.as_deref()),
+            (EntryKind::Symlink, Some("a"))
+        );
+        assert!(matches!(
+            sb.list("/d", 3, 3),
+            Err(FileError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn stat_reports_links_without_following_them() {
+        let tmp = tempfile::tempdir().unwrap();
+        let sb = SandboxRoot::open(tmp.path()).unwrap();
+        sb.write_all("/f", b"abc", 0o600).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", tmp.path().join("abs")).unwrap();
+        let f = sb.stat("/f").unwrap();
+        assert_eq!(
+            (f.kind, f.size, f.mode, f.path.as_str()),
+            (EntryKind::File, 3, 0o600, "/f")
+        );
+        let abs = sb.stat("/abs").unwrap();
+        assert_eq!(abs.kind, EntryKind::Symlink);
+        assert_eq!(abs.link.as_deref(), Some("/etc/passwd"));
+        assert_eq!(sb.stat("/").unwrap().kind, EntryKind::Dir);
+        assert!(matches!(sb.stat("/abs/x"), Err(FileError::Escapes { .. })));
+        assert!(matches!(sb.stat("/nope"), Err(FileError::NotFound { .. })));
+        let host = SandboxRoot::open(Path::new("/")).unwrap();
+        assert!(matches!(
+            refusal(host.stat("/proc/self")),
+            Refusal::Filesystem { .. }
+        ));
+    }
+
+    #[test]
+    fn mkdir_move_and_remove_stay_beneath_the_root() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        std::fs::create_dir(&root).unwrap();
+        std::fs::create_dir(tmp.path().join("outside")).unwrap();
+        std::fs::write(tmp.path().join("outside/keep"), b"host").unwrap();
+        std::os::unix::fs::symlink("../outside", root.join("out")).unwrap();
+        let sb = SandboxRoot::open(&root).unwrap();
+
+        assert!(sb.mkdir("/a/b", 0o700, true, false).unwrap());
+        assert_eq!(sb.stat("/a/b").unwrap().mode, 0o700);
+        assert!(!sb.mkdir("/a/b", 0o700, true, true).unwrap());
+        assert!(matches!(
+            sb.mkdir("/a/b", 0o700, true, false),
+            Err(FileError::Exists { .. })
+        ));
+        assert!(matches!(
+            sb.mkdir("/x/y", 0o755, false, true),
+            Err(FileError::NotFound { .. })
+        ));
+        assert!(matches!(
+            sb.mkdir("/out/new", 0o755, true, true),
+            Err(FileError::Escapes { .. })
+        ));
+
+        sb.write_all("/a/f", b"1", 0o644).unwrap();
+        sb.write_all("/a/g", b"2", 0o644).unwrap();
+        assert!(matches!(
+            sb.rename("/a/f", "/a/g", false),
+            Err(FileError::Exists { .. })
+        ));
+        sb.rename("/a/f", "/a/g", true).unwrap();
+        assert_eq!(read(&sb, "/a/g").unwrap(), b"1");
+        assert!(matches!(
+            sb.rename("/a/g", "/out/g", true),
+            Err(FileError::Escapes { .. })
+        ));
+        assert!(matches!(
+            sb.rename("/out/keep", "/k", true),
+            Err(FileError::Escapes { .. })
+        ));
+        assert!(matches!(
+            sb.rename("/a", "/a/b/c", false),
+            Err(FileError::InvalidPath { .. })
+        ));
+        // A link is moved itself, and removed itself.
+        sb.rename("/out", "/a/link", false).unwrap();
+        sb.remove("/a/link", false).unwrap();
+        assert!(tmp.path().join("outside/keep").exists());
+
+        assert!(matches!(
+            sb.remove("/a", false),
+            Err(FileError::WrongType { .. })
+        ));
+        assert!(matches!(
+            sb.remove("/", true),
+            Err(FileError::InvalidPath { .. })
+        ));
+        std::os::unix::fs::symlink("../outside", root.join("a/b/out")).unwrap();
+        sb.remove("/a", true).unwrap();
+        assert!(!root.join("a").exists());
+        assert!(tmp.path().join("outside/keep").exists());
+        assert!(matches!(
+            sb.remove("/a", true),
+            Err(FileError::NotFound { .. })
+        ));
     }
 
     #[test]

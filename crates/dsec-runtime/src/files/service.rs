@@ -12,6 +12,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
+use super::watch::Watches;
 use super::{FileError, FileOp, SandboxRoot};
 use crate::proto::{self, Frame, FrameKind, InitError};
 
@@ -37,6 +38,7 @@ pub struct FileService {
     open: HashMap<u32, Open>,
     next_id: u32,
     buf: Vec<u8>,
+    watches: Watches,
 }
 
 impl FileService {
@@ -47,6 +49,7 @@ impl FileService {
             open: HashMap::new(),
             next_id: 1,
             buf: Vec::new(),
+            watches: Watches::default(),
         }
     }
 
@@ -66,6 +69,10 @@ impl FileService {
                 .map_err(decode)
                 .and_then(|(h, data)| self.open_write(h, data)),
             FrameKind::ListDir => frame.json().map_err(decode).and_then(|r| self.list(r)),
+            FrameKind::Stat => frame.json().map_err(decode).and_then(|r| self.stat(r)),
+            FrameKind::MakeDir => frame.json().map_err(decode).and_then(|r| self.mkdir(r)),
+            FrameKind::MovePath => frame.json().map_err(decode).and_then(|r| self.rename(r)),
+            FrameKind::RemovePath => frame.json().map_err(decode).and_then(|r| self.remove(r)),
             FrameKind::ReadChunk => frame.json().map_err(decode).and_then(|t| self.read(t)),
             FrameKind::WriteChunk => proto::decode_with_header(frame)
                 .map_err(decode)
@@ -81,13 +88,32 @@ impl FileService {
         Some(answer)
     }
 
+    /// Starts the watch a [`FrameKind::Watch`] frame asks for, known by the frame's id.
+    pub fn watch(&mut self, frame: &Frame) -> Result<(), InitError> {
+        let req: proto::WatchRequest = frame.json().map_err(decode)?;
+        let root = self.root.as_ref().ok_or_else(|| no_files(&req.path))?;
+        self.watches
+            .add(root, frame.exec_id, &req.path, req.recursive)
+            .map_err(failed)
+    }
+
+    /// Ends watch `id` (its client went away); nothing is sent.
+    pub fn unwatch(&mut self, id: u32) {
+        self.watches.remove(id);
+    }
+
+    /// The descriptor to poll for watch events, while a watch is open.
+    pub fn watch_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.watches.fd()
+    }
+
+    /// Appends the frames of the watch events queued since the last call to `out`.
+    pub fn pump_watches(&mut self, out: &mut Vec<u8>) {
+        self.watches.pump_frames(self.root.as_ref(), out);
+    }
+
     fn root(&self, path: &str) -> Result<&SandboxRoot, InitError> {
-        self.root.as_ref().ok_or_else(|| {
-            failed(FileError::InvalidPath {
-                path: path.to_owned(),
-                reason: "this sandbox serves no files (a fncall worker: pass files= to run)".into(),
-            })
-        })
+        self.root.as_ref().ok_or_else(|| no_files(path))
     }
 
     fn open_read(&mut self, req: proto::OpenRead) -> Result<Vec<u8>, InitError> {
@@ -138,9 +164,36 @@ impl FileService {
     fn list(&mut self, req: proto::ListDir) -> Result<Vec<u8>, InitError> {
         let entries = self
             .root(&req.path)?
-            .list(&req.path, req.max_entries)
+            .list(&req.path, req.max_entries, req.depth)
             .map_err(failed)?;
         Ok(serde_json::to_vec(&entries).expect("entries serialize"))
+    }
+
+    fn stat(&mut self, req: proto::PathRequest) -> Result<Vec<u8>, InitError> {
+        let entry = self.root(&req.path)?.stat(&req.path).map_err(failed)?;
+        Ok(serde_json::to_vec(&entry).expect("an entry serializes"))
+    }
+
+    fn mkdir(&mut self, req: proto::MakeDir) -> Result<Vec<u8>, InitError> {
+        let made = self
+            .root(&req.path)?
+            .mkdir(&req.path, req.mode, req.parents, req.exist_ok)
+            .map_err(failed)?;
+        Ok(serde_json::to_vec(&made).expect("a bool serializes"))
+    }
+
+    fn rename(&mut self, req: proto::MovePath) -> Result<Vec<u8>, InitError> {
+        self.root(&req.src)?
+            .rename(&req.src, &req.dst, req.overwrite)
+            .map_err(failed)?;
+        Ok(Vec::new())
+    }
+
+    fn remove(&mut self, req: proto::RemovePath) -> Result<Vec<u8>, InitError> {
+        self.root(&req.path)?
+            .remove(&req.path, req.recursive)
+            .map_err(failed)?;
+        Ok(Vec::new())
     }
 
     fn read(&mut self, t: proto::Transfer) -> Result<Vec<u8>, InitError> {
@@ -226,6 +279,13 @@ fn failed(e: FileError) -> InitError {
         message: e.to_string(),
         file: Some(Box::new(e)),
     }
+}
+
+fn no_files(path: &str) -> InitError {
+    failed(FileError::InvalidPath {
+        path: path.to_owned(),
+        reason: "this sandbox serves no files (a fncall worker: pass files= to run)".into(),
+    })
 }
 
 fn decode(e: proto::ProtoError) -> InitError {

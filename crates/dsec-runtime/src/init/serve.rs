@@ -136,6 +136,7 @@ enum Slot {
     Stderr(u32),
     Stdin(u32),
     Reports(u32),
+    Watches,
 }
 
 impl Init {
@@ -203,6 +204,9 @@ impl Init {
                     }
                 }
             }
+            if let Some(fd) = self.files.watch_fd().filter(|_| reading) {
+                add(fd, PollFlags::IN, Slot::Watches);
+            }
             let timeout = self.next_deadline().map(poll_timeout);
             if rustix::event::poll(&mut fds, timeout.as_ref()).is_err() {
                 continue;
@@ -233,6 +237,7 @@ impl Init {
                     Slot::Stderr(id) => self.pump_output(id, 1),
                     Slot::Stdin(id) => self.pump_stdin(id),
                     Slot::Reports(id) => self.pump_reports(id),
+                    Slot::Watches => self.files.pump_watches(&mut self.outbuf),
                 }
             }
             self.expire_deadlines();
@@ -277,9 +282,21 @@ impl Init {
                     kill_command(ex.pid, self.prepared.confine.own_pid_namespace());
                 }
             }
+            FrameKind::Watch => {
+                let id = frame.exec_id;
+                match self.files.watch(&frame) {
+                    Ok(()) => proto::encode(&mut self.outbuf, FrameKind::Watching, id, &[]),
+                    Err(err) => proto::encode_json(&mut self.outbuf, FrameKind::Error, id, &err),
+                }
+            }
+            FrameKind::Unwatch => self.files.unwatch(frame.exec_id),
             FrameKind::ReadFile
             | FrameKind::WriteFile
             | FrameKind::ListDir
+            | FrameKind::Stat
+            | FrameKind::MakeDir
+            | FrameKind::MovePath
+            | FrameKind::RemovePath
             | FrameKind::ReadChunk
             | FrameKind::WriteChunk
             | FrameKind::CloseFile => match self.files.serve(&frame) {

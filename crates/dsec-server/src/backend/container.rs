@@ -17,7 +17,8 @@ use dsec_runtime::proto::{ExecExit, ExecFile, ExecSpec};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
 
-use super::files::{list_served, read_served, write_served};
+use super::files::{list_served, read_served, watch_served, write_served, FileWatch};
+use super::{file_info, MakeDir, MovePath, RemovePath};
 use super::{
     Backend, CommandSpec, Created, ExitStatus, Failure, FileRead, FileWrite, ImageDefaults, Output,
     OutputStream, Sandbox, SandboxRequest, Upload,
@@ -298,8 +299,28 @@ impl Sandbox for ContainerSandbox {
         write_served(self.container.channel(), path, mode, data).await
     }
 
-    async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError> {
-        list_served(self.container.channel(), path).await
+    async fn list_files(&self, path: &str, depth: u32) -> Result<Vec<FileInfo>, ApiError> {
+        list_served(self.container.channel(), path, depth).await
+    }
+
+    async fn stat(&self, path: &str) -> Result<FileInfo, ApiError> {
+        Ok(file_info(self.container.channel().stat(path).await?))
+    }
+
+    async fn make_dir(&self, req: &MakeDir) -> Result<bool, ApiError> {
+        Ok(self.container.channel().make_dir(req).await?)
+    }
+
+    async fn move_path(&self, req: &MovePath) -> Result<(), ApiError> {
+        Ok(self.container.channel().move_path(req).await?)
+    }
+
+    async fn remove_path(&self, req: &RemovePath) -> Result<(), ApiError> {
+        Ok(self.container.channel().remove_path(req).await?)
+    }
+
+    async fn watch(&self, path: &str, recursive: bool) -> Result<Box<dyn FileWatch>, ApiError> {
+        watch_served(self.container.channel(), path, recursive).await
     }
 
     async fn pause(&self) -> Result<(), ApiError> {

@@ -13,8 +13,9 @@ use std::pin::Pin;
 use async_trait::async_trait;
 use axum::body::Bytes;
 use dsec_api::FileInfo;
-use dsec_runtime::channel::Channel;
+use dsec_runtime::channel::{Channel, WatchHandle};
 use dsec_runtime::files::client::FileReader;
+use dsec_runtime::files::watch::WatchEvent;
 use dsec_runtime::files::{FileError, FileOp};
 pub use dsec_runtime::proto::FILE_CHUNK;
 use futures::{Stream, StreamExt};
@@ -180,6 +181,31 @@ pub(crate) fn too_large_upload(path: &str, size: Option<u64>, limit: u64) -> Fil
     }
 }
 
+/// An armed watch of a directory: its events in batches, as they happen.
+#[async_trait]
+pub trait FileWatch: Send {
+    /// The next batch; `None` once the watched directory is gone.
+    async fn next(&mut self) -> Option<Result<Vec<WatchEvent>, ApiError>>;
+}
+
+/// Watches a directory of a sandbox whose init or agent serves its files.
+pub(crate) async fn watch_served(
+    channel: &Channel,
+    path: &str,
+    recursive: bool,
+) -> Result<Box<dyn FileWatch>, ApiError> {
+    Ok(Box::new(ServedWatch(channel.watch(path, recursive).await?)))
+}
+
+struct ServedWatch(WatchHandle);
+
+#[async_trait]
+impl FileWatch for ServedWatch {
+    async fn next(&mut self) -> Option<Result<Vec<WatchEvent>, ApiError>> {
+        self.0.next().await.map(|r| r.map_err(ApiError::from))
+    }
+}
+
 /// Reads a file that the sandbox's init or agent serves.
 pub(crate) async fn read_served(
     channel: &Channel,
@@ -247,8 +273,12 @@ fn slices(pieces: &[Bytes]) -> Vec<&[u8]> {
 }
 
 /// Lists a directory that the sandbox's init or agent serves.
-pub(crate) async fn list_served(channel: &Channel, path: &str) -> Result<Vec<FileInfo>, ApiError> {
-    let entries = channel.list_dir(path, MAX_LIST_ENTRIES).await?;
+pub(crate) async fn list_served(
+    channel: &Channel,
+    path: &str,
+    depth: u32,
+) -> Result<Vec<FileInfo>, ApiError> {
+    let entries = channel.list_dir(path, MAX_LIST_ENTRIES, depth).await?;
     Ok(entries.into_iter().map(file_info).collect())
 }
 

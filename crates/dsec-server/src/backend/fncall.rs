@@ -51,8 +51,8 @@ use tokio::sync::Notify;
 
 use super::container::{carry, create_options, exit_status, run, ContainerOutput};
 use super::{
-    Backend, CommandSpec, Created, ExitStatus, FileRead, FileWrite, ImageDefaults, Output,
-    OutputStream, Sandbox, SandboxRequest, Upload,
+    Backend, CommandSpec, Created, ExitStatus, FileRead, FileWatch, FileWrite, ImageDefaults,
+    MakeDir, MovePath, Output, OutputStream, RemovePath, Sandbox, SandboxRequest, Upload,
 };
 use crate::admission::{Admission, Grant};
 use crate::error::ApiError;
@@ -754,8 +754,28 @@ impl Sandbox for FnCallSandbox {
         Err(stateless("write_file"))
     }
 
-    async fn list_files(&self, _path: &str) -> Result<Vec<FileInfo>, ApiError> {
+    async fn list_files(&self, _path: &str, _depth: u32) -> Result<Vec<FileInfo>, ApiError> {
         Err(stateless("list_files"))
+    }
+
+    async fn stat(&self, _path: &str) -> Result<FileInfo, ApiError> {
+        Err(stateless("stat"))
+    }
+
+    async fn make_dir(&self, _req: &MakeDir) -> Result<bool, ApiError> {
+        Err(stateless("mkdir"))
+    }
+
+    async fn move_path(&self, _req: &MovePath) -> Result<(), ApiError> {
+        Err(stateless("move"))
+    }
+
+    async fn remove_path(&self, _req: &RemovePath) -> Result<(), ApiError> {
+        Err(stateless("remove"))
+    }
+
+    async fn watch(&self, _path: &str, _recursive: bool) -> Result<Box<dyn FileWatch>, ApiError> {
+        Err(stateless("watch"))
     }
 
     fn usage(&self) -> Usage {

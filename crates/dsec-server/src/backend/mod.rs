@@ -16,11 +16,12 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use dsec_api::{BackendKind, FileInfo, ImageInfo, Usage};
+use dsec_api::{BackendKind, FileInfo, FileKind, ImageInfo, Usage};
 use dsec_image::{Image, ImageStore};
-use dsec_runtime::files::Entry;
+use dsec_runtime::files::{Entry, EntryKind};
+pub use dsec_runtime::proto::{MakeDir, MovePath, RemovePath};
 
-pub use self::files::{FileRead, Upload};
+pub use self::files::{FileRead, FileWatch, Upload};
 use crate::error::ApiError;
 
 /// A validated request for a new sandbox, defaults filled in.
@@ -147,8 +148,18 @@ pub trait Sandbox: Send + Sync {
     /// Writes a regular file (created with `mode`, or truncated) from `data`, creating
     /// parent directories.
     async fn write_file(&self, path: &str, mode: u32, data: Upload) -> Result<(), ApiError>;
-    /// Lists a directory.
-    async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError>;
+    /// Lists a directory `depth` levels deep (1: its own entries).
+    async fn list_files(&self, path: &str, depth: u32) -> Result<Vec<FileInfo>, ApiError>;
+    /// The status of a path, a symbolic link in its last component not followed.
+    async fn stat(&self, path: &str) -> Result<FileInfo, ApiError>;
+    /// Makes a directory; whether it was made (false: it existed and `exist_ok`).
+    async fn make_dir(&self, req: &MakeDir) -> Result<bool, ApiError>;
+    /// Renames a path within the sandbox.
+    async fn move_path(&self, req: &MovePath) -> Result<(), ApiError>;
+    /// Removes a file, a link or a directory.
+    async fn remove_path(&self, req: &RemovePath) -> Result<(), ApiError>;
+    /// Watches a directory (with `recursive`, what is below too); returns once armed.
+    async fn watch(&self, path: &str, recursive: bool) -> Result<Box<dyn FileWatch>, ApiError>;
     /// Freezes every process of the sandbox.
     async fn pause(&self) -> Result<(), ApiError> {
         Err(ApiError::unavailable("this backend cannot pause sandboxes"))
@@ -215,9 +226,20 @@ pub trait Sandbox: Send + Sync {
 pub(crate) fn file_info(e: Entry) -> FileInfo {
     FileInfo {
         name: e.name,
+        path: e.path,
         size: e.size,
         is_dir: e.is_dir,
         mode: e.mode,
+        kind: match e.kind {
+            EntryKind::File => FileKind::File,
+            EntryKind::Dir => FileKind::Dir,
+            EntryKind::Symlink => FileKind::Symlink,
+            EntryKind::Other => FileKind::Other,
+        },
+        mtime: e.mtime,
+        uid: Some(e.uid),
+        gid: Some(e.gid),
+        link: e.link,
     }
 }
 

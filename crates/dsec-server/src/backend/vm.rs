@@ -34,7 +34,8 @@ use dsec_vm::VmError;
 use serde::{Deserialize, Serialize};
 use tokio::sync::OnceCell;
 
-use super::files::{list_served, read_served, write_served};
+use super::files::{list_served, read_served, watch_served, write_served, FileWatch};
+use super::{file_info, MakeDir, MovePath, RemovePath};
 use super::{
     Backend, CommandSpec, Created, Failure, FileRead, ImageDefaults, Output, OutputStream, Sandbox,
     SandboxRequest, Upload,
@@ -631,8 +632,28 @@ impl Sandbox for VmSandbox {
         write_served(self.vm.channel(), path, mode, data).await
     }
 
-    async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError> {
-        list_served(self.vm.channel(), path).await
+    async fn list_files(&self, path: &str, depth: u32) -> Result<Vec<FileInfo>, ApiError> {
+        list_served(self.vm.channel(), path, depth).await
+    }
+
+    async fn stat(&self, path: &str) -> Result<FileInfo, ApiError> {
+        Ok(file_info(self.vm.channel().stat(path).await?))
+    }
+
+    async fn make_dir(&self, req: &MakeDir) -> Result<bool, ApiError> {
+        Ok(self.vm.channel().make_dir(req).await?)
+    }
+
+    async fn move_path(&self, req: &MovePath) -> Result<(), ApiError> {
+        Ok(self.vm.channel().move_path(req).await?)
+    }
+
+    async fn remove_path(&self, req: &RemovePath) -> Result<(), ApiError> {
+        Ok(self.vm.channel().remove_path(req).await?)
+    }
+
+    async fn watch(&self, path: &str, recursive: bool) -> Result<Box<dyn FileWatch>, ApiError> {
+        watch_served(self.vm.channel(), path, recursive).await
     }
 
     async fn pause(&self) -> Result<(), ApiError> {

@@ -38,12 +38,14 @@ use sha2::Digest;
 
 use super::connect::{self, Code, ConnectError, MessageStream};
 use super::proto::{
-    DataEvent, EndEvent, EntryInfo, EntryResponse, FileType, ListDirRequest, ListDirResponse,
-    PathRequest, ProcessEvent, ProcessStreamMessage, StartRequest,
+    DataEvent, Empty, EndEvent, EntryInfo, EntryResponse, EventType, FileType, FilesystemEvent,
+    ListDirRequest, ListDirResponse, MoveRequest, PathRequest, ProcessEvent, ProcessStreamMessage,
+    StartRequest, WatchDirRequest, WatchDirResponse, WatcherRequest,
 };
 use super::{E2b, E2bSandbox, DEBUG_SANDBOX_ID};
 use crate::backend::{FileRead, Output, Upload};
 use crate::error::ApiError;
+use dsec_runtime::files::watch::{WatchEvent, WatchEventKind};
 
 /// Longest time one command may run when the client sets no deadline (dsec's longest).
 const NO_DEADLINE_TIMEOUT_S: f64 = 30.0 * 86400.0;
@@ -535,20 +537,217 @@ async fn filesystem_rpc(
             })
             .await
         }
-        "WatchDir" => connect::stream_error(&needs_file_ops(&method)),
-        "MakeDir" | "Move" | "Remove" | "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" => {
-            needs_file_ops(&method).into_response()
+        "MakeDir" => {
+            unary(call.deadline, async {
+                let req: PathRequest = connect::decode("MakeDirRequest", &message)?;
+                make_dir(&e2b, &call, req).await
+            })
+            .await
+        }
+        "Move" => {
+            unary(call.deadline, async {
+                let req: MoveRequest = connect::decode("MoveRequest", &message)?;
+                move_path(&e2b, &call, req).await
+            })
+            .await
+        }
+        "Remove" => {
+            unary(call.deadline, async {
+                let req: PathRequest = connect::decode("RemoveRequest", &message)?;
+                remove(&e2b, &call, req).await
+            })
+            .await
+        }
+        "WatchDir" => {
+            let req: WatchDirRequest = match connect::decode("WatchDirRequest", &message) {
+                Ok(r) => r,
+                Err(e) => return connect::stream_error(&e),
+            };
+            match watch_dir(&e2b, &call, req).await {
+                Ok(events) => connect::stream_response(
+                    events,
+                    call.deadline,
+                    call.keepalive
+                        .map(|every| (every, || WatchDirResponse::Keepalive(Empty {}))),
+                ),
+                Err(e) => connect::stream_error(&e),
+            }
+        }
+        "CreateWatcher" => {
+            unary(call.deadline, async {
+                let req: WatchDirRequest = connect::decode("CreateWatcherRequest", &message)?;
+                create_watcher(&e2b, &call, req).await
+            })
+            .await
+        }
+        "GetWatcherEvents" => {
+            unary(call.deadline, async {
+                let req: WatcherRequest = connect::decode("GetWatcherEventsRequest", &message)?;
+                e2b.watchers
+                    .take_events(&call.sandbox.info.id, &req.watcher_id)
+            })
+            .await
+        }
+        "RemoveWatcher" => {
+            unary(call.deadline, async {
+                let req: WatcherRequest = connect::decode("RemoveWatcherRequest", &message)?;
+                e2b.watchers.remove(&call.sandbox.info.id, &req.watcher_id)
+            })
+            .await
         }
         other => unknown_method("filesystem.Filesystem", other, streaming),
     }
 }
 
-fn needs_file_ops(method: &str) -> ConnectError {
-    ConnectError::unimplemented(format!(
-        "filesystem.Filesystem/{method} needs dsec's file operations beyond read, write and \
-         list (mkdir, move, remove, watch, listing deeper than one level), which this server \
-         does not have yet"
-    ))
+/// A dsec watch event as envd names it: the path relative to the watched directory;
+/// `None` for what envd has no type for (an overflow).
+fn filesystem_event(dir: &str, ev: WatchEvent) -> Option<FilesystemEvent> {
+    let event_type = match ev.kind {
+        WatchEventKind::Create => EventType::Create,
+        WatchEventKind::Write => EventType::Write,
+        WatchEventKind::Remove => EventType::Remove,
+        WatchEventKind::Rename => EventType::Rename,
+        WatchEventKind::Chmod => EventType::Chmod,
+        WatchEventKind::Overflow => return None,
+    };
+    let prefix = format!("{}/", dir.trim_end_matches('/'));
+    let name = ev.path.strip_prefix(&prefix).unwrap_or(&ev.path).to_owned();
+    Some(FilesystemEvent { name, event_type })
+}
+
+/// `WatchDir`: dsec's watch as a stream, `start` first once it is armed.
+async fn watch_dir(
+    e2b: &E2b,
+    call: &Call,
+    req: WatchDirRequest,
+) -> Result<MessageStream<WatchDirResponse>, ConnectError> {
+    let dir = resolve_path(&req.path, &call.user)?;
+    let watch = e2b
+        .edge()
+        .watch(&call.sandbox.info.id, &dir, req.recursive)
+        .await?;
+    let started = futures::stream::once(async { Ok(WatchDirResponse::Start(Empty {})) });
+    let events = futures::stream::unfold(watch, |mut watch| async move {
+        let batch = watch.next().await?;
+        Some((batch, watch))
+    })
+    .flat_map(move |batch| {
+        let messages: Vec<Result<WatchDirResponse, ConnectError>> = match batch {
+            Ok(events) => events
+                .into_iter()
+                .filter_map(|ev| filesystem_event(&dir, ev))
+                .map(|ev| Ok(WatchDirResponse::Filesystem(ev)))
+                .collect(),
+            Err(e) => vec![Err(e.into())],
+        };
+        futures::stream::iter(messages)
+    });
+    Ok(Box::pin(started.chain(events)))
+}
+
+/// `CreateWatcher`: dsec's watch, its events gathered until `GetWatcherEvents` takes them.
+async fn create_watcher(
+    e2b: &E2b,
+    call: &Call,
+    req: WatchDirRequest,
+) -> Result<serde_json::Value, ConnectError> {
+    let dir = resolve_path(&req.path, &call.user)?;
+    let sandbox = call.sandbox.info.id.clone();
+    let watch = e2b.edge().watch(&sandbox, &dir, req.recursive).await?;
+    let id = e2b.watchers.add(sandbox, dir, watch);
+    Ok(serde_json::json!({ "watcherId": id }))
+}
+
+/// Events a polling watcher keeps between two `GetWatcherEvents`; older ones are dropped.
+const MAX_WATCHER_EVENTS: usize = 10_000;
+
+type EventQueue = Arc<std::sync::Mutex<std::collections::VecDeque<FilesystemEvent>>>;
+
+/// The polling watchers (`CreateWatcher`), by id.
+#[derive(Default)]
+pub(super) struct Watchers(std::sync::Mutex<std::collections::HashMap<String, Watcher>>);
+
+struct Watcher {
+    sandbox: String,
+    events: EventQueue,
+    /// Gathers the watch's events; aborted (ending the watch) when the watcher goes.
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Watchers {
+    fn add(
+        &self,
+        sandbox: String,
+        dir: String,
+        mut watch: Box<dyn crate::backend::FileWatch>,
+    ) -> String {
+        let events = EventQueue::default();
+        let gathered = Arc::clone(&events);
+        let task = tokio::spawn(async move {
+            while let Some(Ok(batch)) = watch.next().await {
+                let mut queue = gathered.lock().expect("watcher lock");
+                queue.extend(
+                    batch
+                        .into_iter()
+                        .filter_map(|ev| filesystem_event(&dir, ev)),
+                );
+                while queue.len() > MAX_WATCHER_EVENTS {
+                    queue.pop_front();
+                }
+            }
+        });
+        let id = super::new_token();
+        let mut all = self.0.lock().expect("watchers lock");
+        // Watchers whose watch ended (their sandbox went) and whose events were taken are
+        // forgotten.
+        all.retain(|_, w| {
+            !w.task.is_finished() || !w.events.lock().expect("watcher lock").is_empty()
+        });
+        all.insert(
+            id.clone(),
+            Watcher {
+                sandbox,
+                events,
+                task,
+            },
+        );
+        id
+    }
+
+    fn take_events(&self, sandbox: &str, id: &str) -> Result<serde_json::Value, ConnectError> {
+        let all = self.0.lock().expect("watchers lock");
+        let watcher = all
+            .get(id)
+            .filter(|w| w.sandbox == sandbox)
+            .ok_or_else(|| ConnectError::new(Code::NotFound, format!("no watcher {id:?}")))?;
+        let events: Vec<FilesystemEvent> = watcher
+            .events
+            .lock()
+            .expect("watcher lock")
+            .drain(..)
+            .collect();
+        Ok(serde_json::json!({ "events": events }))
+    }
+
+    fn remove(&self, sandbox: &str, id: &str) -> Result<serde_json::Value, ConnectError> {
+        let mut all = self.0.lock().expect("watchers lock");
+        match all.get(id) {
+            Some(w) if w.sandbox == sandbox => {
+                all.remove(id);
+                Ok(serde_json::json!({}))
+            }
+            _ => Err(ConnectError::new(
+                Code::NotFound,
+                format!("no watcher {id:?}"),
+            )),
+        }
+    }
 }
 
 /// `ls -l`'s permission string, e.g. `drwxr-xr-x`.
@@ -568,17 +767,16 @@ fn permissions(file_type: FileType, mode: u32) -> String {
     s
 }
 
-/// The entry of `name` in directory `dir`, from dsec's directory listing (which gives
-/// names, sizes, types and modes; owners, times and symlinks need dsec's stat).
-fn entry_info(dir: &str, file: dsec_api::FileInfo) -> EntryInfo {
-    let file_type = if file.is_dir {
-        FileType::Directory
-    } else {
-        FileType::File
+/// The entry at `path` (absolute), from dsec's listing or stat of it.
+fn entry_info(path: String, file: dsec_api::FileInfo) -> EntryInfo {
+    let file_type = match file.kind {
+        dsec_api::FileKind::Dir => FileType::Directory,
+        dsec_api::FileKind::Symlink => FileType::Symlink,
+        dsec_api::FileKind::File | dsec_api::FileKind::Other => FileType::File,
     };
     let mode = file.mode & 0o777;
     EntryInfo {
-        path: format!("{}/{}", dir.trim_end_matches('/'), file.name),
+        path,
         name: file.name,
         file_type,
         size: i64::try_from(file.size).unwrap_or(i64::MAX),
@@ -586,55 +784,127 @@ fn entry_info(dir: &str, file: dsec_api::FileInfo) -> EntryInfo {
         permissions: permissions(file_type, mode),
         owner: String::new(),
         group: String::new(),
-        modified_time: None,
-        symlink_target: None,
+        modified_time: chrono::DateTime::from_timestamp(file.mtime, 0)
+            .filter(|_| file.mtime != 0)
+            .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+        symlink_target: file.link,
         metadata: BTreeMap::new(),
     }
 }
 
-/// `ListDir` of depth 1.
+/// `path/name`, for the entries of a listing of `dir`.
+fn child_path(dir: &str, rel: &str) -> String {
+    format!("{}/{rel}", dir.trim_end_matches('/'))
+}
+
+/// The entry of an absolute path, through dsec's stat.
+async fn stat_entry(e2b: &E2b, call: &Call, path: &str) -> Result<EntryInfo, ConnectError> {
+    let mut file = e2b.edge().stat(&call.sandbox.info.id, path).await?;
+    if file.name.is_empty() {
+        file.name = "/".to_owned();
+    }
+    Ok(entry_info(path.to_owned(), file))
+}
+
+/// `MakeDir`: with its parents, as `os.MkdirAll`; an existing directory is
+/// `already_exists`, anything else there `invalid_argument`.
+async fn make_dir(e2b: &E2b, call: &Call, req: PathRequest) -> Result<EntryResponse, ConnectError> {
+    let path = resolve_path(&req.path, &call.user)?;
+    let mkdir = crate::backend::MakeDir {
+        path: path.clone(),
+        mode: 0o755,
+        parents: true,
+        exist_ok: false,
+    };
+    match e2b.edge().make_dir(&call.sandbox.info.id, mkdir).await {
+        Ok(_) => {}
+        Err(e) if e.kind == dsec_api::ErrorKind::Conflict => {
+            let is_dir = matches!(
+                e2b.edge().stat(&call.sandbox.info.id, &path).await,
+                Ok(f) if f.is_dir
+            );
+            let code = if is_dir {
+                Code::AlreadyExists
+            } else {
+                Code::InvalidArgument
+            };
+            return Err(ConnectError::new(code, e.message));
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(EntryResponse {
+        entry: stat_entry(e2b, call, &path).await?,
+    })
+}
+
+/// `Move`: as `os.Rename` after making the destination's parents (a file there is
+/// replaced).
+async fn move_path(
+    e2b: &E2b,
+    call: &Call,
+    req: MoveRequest,
+) -> Result<EntryResponse, ConnectError> {
+    let src = resolve_path(&req.source, &call.user)?;
+    let dst = resolve_path(&req.destination, &call.user)?;
+    let id = &call.sandbox.info.id;
+    if let Some((parent, _)) = dst.rsplit_once('/').filter(|(p, _)| !p.is_empty()) {
+        let mkdir = crate::backend::MakeDir {
+            path: parent.to_owned(),
+            mode: 0o755,
+            parents: true,
+            exist_ok: true,
+        };
+        e2b.edge().make_dir(id, mkdir).await?;
+    }
+    let mv = crate::backend::MovePath {
+        src,
+        dst: dst.clone(),
+        overwrite: true,
+    };
+    e2b.edge().move_path(id, mv).await?;
+    Ok(EntryResponse {
+        entry: stat_entry(e2b, call, &dst).await?,
+    })
+}
+
+/// `Remove`: as `os.RemoveAll`, but a missing path is `not_found`.
+async fn remove(
+    e2b: &E2b,
+    call: &Call,
+    req: PathRequest,
+) -> Result<serde_json::Value, ConnectError> {
+    let path = resolve_path(&req.path, &call.user)?;
+    let rm = crate::backend::RemovePath {
+        path,
+        recursive: true,
+    };
+    e2b.edge().remove_path(&call.sandbox.info.id, rm).await?;
+    Ok(serde_json::json!({}))
+}
+
+/// `ListDir`, `depth` levels deep (0 is 1).
 async fn list_dir(
     e2b: &E2b,
     call: &Call,
     req: ListDirRequest,
 ) -> Result<ListDirResponse, ConnectError> {
-    if req.depth > 1 {
-        return Err(needs_file_ops("ListDir with depth > 1"));
-    }
     let dir = resolve_path(&req.path, &call.user)?;
-    let files = e2b.edge().list_files(&call.sandbox.info.id, &dir).await?;
-    let entries = files.into_iter().map(|f| entry_info(&dir, f)).collect();
+    let files = e2b
+        .edge()
+        .list_files(&call.sandbox.info.id, &dir, req.depth.max(1))
+        .await?;
+    let entries = files
+        .into_iter()
+        .map(|f| entry_info(child_path(&dir, &f.path), f))
+        .collect();
     Ok(ListDirResponse { entries })
 }
 
-/// `Stat`, as the entry of the path in its parent's listing (what the SDK's `exists` and
-/// `get_info` need); the root, which has no parent, is a directory.
+/// `Stat`: a symbolic link is reported, not followed.
 async fn stat(e2b: &E2b, call: &Call, req: PathRequest) -> Result<EntryResponse, ConnectError> {
     let path = resolve_path(&req.path, &call.user)?;
-    let Some((parent, name)) = path.rsplit_once('/').filter(|(_, name)| !name.is_empty()) else {
-        let root = dsec_api::FileInfo {
-            name: String::new(),
-            size: 0,
-            is_dir: true,
-            mode: 0o755,
-        };
-        let mut entry = entry_info("/", root);
-        entry.path = "/".to_owned();
-        return Ok(EntryResponse { entry });
-    };
-    let parent = if parent.is_empty() { "/" } else { parent };
-    let not_found = || ConnectError::new(Code::NotFound, format!("no such file: {path}"));
-    let files = match e2b.edge().list_files(&call.sandbox.info.id, parent).await {
-        Ok(files) => files,
-        Err(e) if e.kind == dsec_api::ErrorKind::NotFound => return Err(not_found()),
-        Err(e) => return Err(e.into()),
-    };
-    let file = files
-        .into_iter()
-        .find(|f| f.name == name)
-        .ok_or_else(not_found)?;
     Ok(EntryResponse {
-        entry: entry_info(parent, file),
+        entry: stat_entry(e2b, call, &path).await?,
     })
 }
 

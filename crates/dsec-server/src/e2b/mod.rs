@@ -182,6 +182,8 @@ pub struct E2b {
     records: Mutex<HashMap<String, Record>>,
     /// The sandbox answering for [`DEBUG_SANDBOX_ID`], once made.
     debug_sandbox: tokio::sync::Mutex<Option<String>>,
+    /// envd's polling watchers.
+    watchers: envd::Watchers,
 }
 
 fn unix_now() -> f64 {
@@ -239,6 +241,7 @@ impl E2b {
             max_upload_bytes,
             records: Mutex::default(),
             debug_sandbox: tokio::sync::Mutex::new(None),
+            watchers: envd::Watchers::default(),
         }
     }
 

@@ -146,6 +146,76 @@ pub struct ListDirRequest {
     pub depth: u32,
 }
 
+/// `filesystem.Filesystem/Move`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct MoveRequest {
+    /// What is moved.
+    pub source: String,
+    /// Where to.
+    pub destination: String,
+}
+
+/// `filesystem.Filesystem/WatchDir` and `CreateWatcher`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct WatchDirRequest {
+    /// The directory.
+    pub path: String,
+    /// Below it too.
+    pub recursive: bool,
+}
+
+/// `GetWatcherEvents` and `RemoveWatcher`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct WatcherRequest {
+    /// What `CreateWatcher` answered.
+    pub watcher_id: String,
+}
+
+/// What happened to a file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum EventType {
+    /// Made, or moved in.
+    #[serde(rename = "EVENT_TYPE_CREATE")]
+    Create,
+    /// Written.
+    #[serde(rename = "EVENT_TYPE_WRITE")]
+    Write,
+    /// Removed.
+    #[serde(rename = "EVENT_TYPE_REMOVE")]
+    Remove,
+    /// Moved away.
+    #[serde(rename = "EVENT_TYPE_RENAME")]
+    Rename,
+    /// Mode or owner changed.
+    #[serde(rename = "EVENT_TYPE_CHMOD")]
+    Chmod,
+}
+
+/// One change under a watched directory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FilesystemEvent {
+    /// Its path relative to the watched directory.
+    pub name: String,
+    /// What happened.
+    #[serde(rename = "type")]
+    pub event_type: EventType,
+}
+
+/// A message of the `WatchDir` reply stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum WatchDirResponse {
+    /// First: the watch is armed.
+    Start(Empty),
+    /// A change.
+    Filesystem(FilesystemEvent),
+    /// Nothing; keeps a quiet stream alive.
+    Keepalive(Empty),
+}
+
 /// What kind of file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum FileType {

@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use axum::body::Bytes;
 use bollard::errors::Error as DockerError;
 use bollard::query_parameters::DownloadFromContainerOptionsBuilder;
-use dsec_api::FileInfo;
+use dsec_api::{FileInfo, FileKind};
 use dsec_runtime::files::FileError;
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
@@ -231,7 +231,9 @@ pub(super) async fn sized(
 }
 
 /// The direct children of the archived directory, sorted by name.
-pub(super) fn list_tar(tar: File) -> Result<Vec<FileInfo>, ApiError> {
+/// The entries of a directory's archive `depth` levels below it.
+pub(super) fn list_tar(tar: File, depth: u32) -> Result<Vec<FileInfo>, ApiError> {
+    let depth = usize::try_from(depth.max(1)).unwrap_or(usize::MAX);
     let mut archive = tar::Archive::new(tar);
     let mut base: Option<Vec<String>> = None;
     let mut out = Vec::new();
@@ -250,7 +252,8 @@ pub(super) fn list_tar(tar: File) -> Result<Vec<FileInfo>, ApiError> {
             base = Some(comps);
             continue;
         };
-        if comps.len() != base.len() + 1 || !comps.starts_with(base) {
+        if comps.len() <= base.len() || comps.len() > base.len() + depth || !comps.starts_with(base)
+        {
             continue;
         }
         let header = entry.header();
@@ -264,14 +267,38 @@ pub(super) fn list_tar(tar: File) -> Result<Vec<FileInfo>, ApiError> {
         } else {
             header.size().unwrap_or(0)
         };
+        let file_kind = if kind.is_dir() {
+            FileKind::Dir
+        } else if kind.is_symlink() {
+            FileKind::Symlink
+        } else if kind.is_file() {
+            FileKind::File
+        } else {
+            FileKind::Other
+        };
         out.push(FileInfo {
             name: comps[comps.len() - 1].clone(),
+            path: comps[base.len()..].join("/"),
             size,
             is_dir: kind.is_dir(),
             mode: header.mode().unwrap_or(0) & 0o7777,
+            kind: file_kind,
+            mtime: header
+                .mtime()
+                .ok()
+                .and_then(|t| i64::try_from(t).ok())
+                .unwrap_or(0),
+            uid: header.uid().ok().and_then(|u| u32::try_from(u).ok()),
+            gid: header.gid().ok().and_then(|g| u32::try_from(g).ok()),
+            link: entry
+                .link_name()
+                .ok()
+                .flatten()
+                .filter(|_| kind.is_symlink())
+                .map(|l| l.to_string_lossy().into_owned()),
         });
     }
-    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out.sort_by(|a, b| a.path.cmp(&b.path));
     Ok(out)
 }
 #[cfg(test)]
@@ -343,9 +370,12 @@ mod tests {
             .unwrap();
         let mut file = tempfile::tempfile().unwrap();
         file.write_all(&builder.into_inner().unwrap()).unwrap();
-        file.rewind().unwrap();
-        let list = list_tar(file).unwrap();
-        let names: Vec<(&str, u64, bool, u32)> = list
+        let mut list = |depth| {
+            file.rewind().unwrap();
+            list_tar(file.try_clone().unwrap(), depth).unwrap()
+        };
+        let first = list(1);
+        let names: Vec<(&str, u64, bool, u32)> = first
             .iter()
             .map(|f| (f.name.as_str(), f.size, f.is_dir, f.mode))
             .collect();
@@ -353,5 +383,7 @@ mod tests {
             names,
             vec![("a.txt", 3, false, 0o640), ("sub", 0, true, 0o755)]
         );
+        let paths: Vec<String> = list(2).into_iter().map(|f| f.path).collect();
+        assert_eq!(paths, ["a.txt", "sub", "sub/deep"]);
     }
 }

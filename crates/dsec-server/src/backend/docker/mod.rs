@@ -40,6 +40,8 @@
 
 mod archive;
 mod host;
+mod notify;
+mod ops;
 mod output;
 mod paths;
 
@@ -68,7 +70,8 @@ use self::host::{
 use self::output::DockerOutput;
 use self::paths::join;
 use super::{
-    Backend, CommandSpec, Created, FileRead, OutputStream, Sandbox, SandboxRequest, Upload,
+    Backend, CommandSpec, Created, FileRead, FileWatch, MakeDir, MovePath, OutputStream,
+    RemovePath, Sandbox, SandboxRequest, Upload,
 };
 use crate::error::ApiError;
 
@@ -147,6 +150,9 @@ impl Backend for DockerBackend {
             id,
             alive: AtomicBool::new(true),
             local,
+            watches: Arc::new(tokio::sync::Semaphore::new(
+                dsec_runtime::files::watch::MAX_WATCHES,
+            )),
         });
         tokio::spawn(watch(Arc::clone(&inner)));
         unfinished.id = None;
@@ -164,6 +170,8 @@ struct Inner {
     id: String,
     alive: AtomicBool,
     local: Option<LocalView>,
+    /// Its watches open (see [`notify`]).
+    watches: Arc<tokio::sync::Semaphore>,
 }
 
 fn not_found(path: &str) -> ApiError {
@@ -343,7 +351,7 @@ impl Sandbox for DockerSandbox {
         })
     }
 
-    async fn list_files(&self, path: &str) -> Result<Vec<FileInfo>, ApiError> {
+    async fn list_files(&self, path: &str, depth: u32) -> Result<Vec<FileInfo>, ApiError> {
         let inner = &self.0;
         let resolved = inner.resolve(path).await?;
         resolved.check(path, FileOp::List)?;
@@ -374,7 +382,27 @@ impl Sandbox for DockerSandbox {
                     ),
                 })
             })?;
-        blocking(move || list_tar(tar)).await
+        blocking(move || list_tar(tar, depth)).await
+    }
+
+    async fn stat(&self, path: &str) -> Result<FileInfo, ApiError> {
+        self.0.stat_path(path).await
+    }
+
+    async fn make_dir(&self, req: &MakeDir) -> Result<bool, ApiError> {
+        self.0.make_dir(req).await
+    }
+
+    async fn move_path(&self, req: &MovePath) -> Result<(), ApiError> {
+        self.0.move_path(req).await
+    }
+
+    async fn remove_path(&self, req: &RemovePath) -> Result<(), ApiError> {
+        self.0.remove_path(req).await
+    }
+
+    async fn watch(&self, path: &str, recursive: bool) -> Result<Box<dyn FileWatch>, ApiError> {
+        self.0.watch(path, recursive).await
     }
 
     async fn pause(&self) -> Result<(), ApiError> {

@@ -6,7 +6,9 @@
 
 use std::collections::VecDeque;
 
+use bollard::container::PathStatResponse;
 use bollard::query_parameters::ContainerArchiveInfoOptionsBuilder;
+use dsec_api::FileKind;
 use dsec_runtime::files::{relative, FileError, FileOp, Refusal};
 
 use super::host::{daemon_error, status};
@@ -32,22 +34,22 @@ const KERNEL_DIRS: &[(&str, Option<&str>)] = &[
 ];
 
 impl Inner {
-    async fn stat(&self, path: &str) -> Result<Option<Stat>, ApiError> {
+    /// The daemon's status of the resolved `path`, a symbolic link itself (`lstat`).
+    pub(super) async fn path_stat(&self, path: &str) -> Result<Option<PathStatResponse>, ApiError> {
         let opts = ContainerArchiveInfoOptionsBuilder::new().path(path).build();
         match self
             .docker
             .get_container_archive_info(&self.id, Some(opts))
             .await
         {
-            Ok(s) => Ok(Some(Stat {
-                dir: s.file_mode & GO_MODE_DIR != 0,
-                symlink: s.file_mode & GO_MODE_SYMLINK != 0,
-                go_mode: s.file_mode,
-                size: u64::try_from(s.size).unwrap_or(0),
-            })),
+            Ok(s) => Ok(Some(s)),
             Err(e) if status(&e) == Some(404) => Ok(None),
             Err(e) => Err(daemon_error(&self.host, "reading the file's status", e)),
         }
+    }
+
+    async fn stat(&self, path: &str) -> Result<Option<Stat>, ApiError> {
+        Ok(self.path_stat(path).await?.map(|s| Stat::of(&s)))
     }
 
     /// Resolves `path` inside the container the way the native backend's
@@ -123,13 +125,35 @@ impl Inner {
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Stat {
     pub(super) dir: bool,
-    symlink: bool,
+    pub(super) symlink: bool,
     /// Go's `os.FileMode` of the path.
     go_mode: u32,
     pub(super) size: u64,
 }
 
 impl Stat {
+    pub(super) fn of(s: &PathStatResponse) -> Stat {
+        Stat {
+            dir: s.file_mode & GO_MODE_DIR != 0,
+            symlink: s.file_mode & GO_MODE_SYMLINK != 0,
+            go_mode: s.file_mode,
+            size: u64::try_from(s.size).unwrap_or(0),
+        }
+    }
+
+    /// What the entry is, as the API names it.
+    pub(super) fn kind(&self) -> FileKind {
+        if self.dir {
+            FileKind::Dir
+        } else if self.symlink {
+            FileKind::Symlink
+        } else if self.refusal().is_some() {
+            FileKind::Other
+        } else {
+            FileKind::File
+        }
+    }
+
     /// The root, or a directory reached through `..`.
     const DIR: Stat = Stat {
         dir: true,
@@ -169,16 +193,29 @@ impl Resolved {
     /// Refuses a path that is (or would be created) under the container's kernel
     /// interfaces, or that is neither a regular file nor a directory.
     pub(super) fn check(&self, path: &str, op: FileOp) -> Result<(), FileError> {
+        self.check_in(path, op, None)
+    }
+
+    /// As [`check`](Self::check), for the entry `name` of the resolved directory.
+    pub(super) fn check_in(
+        &self,
+        path: &str,
+        op: FileOp,
+        name: Option<&str>,
+    ) -> Result<(), FileError> {
         let refused = |refusal| FileError::Refused {
             path: path.to_owned(),
             op,
             refusal,
             link: None,
         };
-        let top = self.existing.first().or(self.missing.first());
-        let kernel = KERNEL_DIRS
-            .iter()
-            .find(|(dir, _)| top.is_some_and(|t| t == dir));
+        let top = self
+            .existing
+            .first()
+            .or(self.missing.first())
+            .map(String::as_str)
+            .or(name);
+        let kernel = KERNEL_DIRS.iter().find(|(dir, _)| top == Some(*dir));
         if let Some((_, fs)) = kernel {
             return Err(refused(match fs {
                 None => Refusal::SandboxDev,
@@ -188,7 +225,7 @@ impl Resolved {
             }));
         }
         match self.last.refusal() {
-            Some(r) if self.missing.is_empty() => Err(refused(r)),
+            Some(r) if self.missing.is_empty() && name.is_none() => Err(refused(r)),
             _ => Ok(()),
         }
     }
