@@ -29,6 +29,7 @@ use rand::Rng;
 
 use crate::edge::Edge;
 use crate::error::ApiError;
+use crate::projects::Caller;
 
 /// The envd version dsec reports to the SDK, which enables its features by version
 /// (`e2b/envd/versions.py`). 0.6.4 turns on every gate the SDK knows, so the SDK sends
@@ -255,7 +256,7 @@ impl E2b {
     /// Creates a sandbox with its E2B record.
     pub async fn create(&self, new: NewSandbox) -> Result<E2bSandbox, ApiError> {
         let timeout = check_timeout(new.timeout_s)?;
-        let info = self.edge.create(new.request).await?;
+        let info = self.edge.create(new.request, &Caller::Admin).await?;
         let record = Record {
             template_id: new.template_id,
             access_token: new_token(),
@@ -310,7 +311,7 @@ impl E2b {
 
     /// Every sandbox having all of `labels`, oldest first.
     pub fn list(&self, labels: &[(String, String)]) -> Vec<E2bSandbox> {
-        let infos = self.edge.list(labels);
+        let infos = self.edge.list(labels, &Caller::Admin);
         let records = self.records.lock().expect("lock");
         let views: Vec<(SandboxInfo, Option<Record>)> = infos
             .into_iter()
@@ -430,7 +431,7 @@ impl E2b {
         let mut labels = BTreeMap::new();
         labels.insert("e2b.debug".to_owned(), "true".to_owned());
         let request = create_request(template, BTreeMap::new(), labels, Network::default());
-        let info = self.edge.create(request).await?;
+        let info = self.edge.create(request, &Caller::Admin).await?;
         tracing::info!(sandbox = %info.id, "E2B debug sandbox created");
         *current = Some(info.id.clone());
         Ok(info.id)
