@@ -95,12 +95,26 @@ def test_a_project_sees_and_touches_only_its_own(server: Server) -> None:
             # Images are the admin's, shared: a project uses them but cannot change them.
             assert any(i.name == "busybox" for i in cb.images())
             for refused in (
-                lambda: cb.delete_image("busybox"),
-                lambda: sb.snapshot("b-snap"),
-                lambda: sb.fork(1),
+                partial(cb.delete_image, "busybox"),
+                partial(cb.import_image, "/nonexistent", "b-image"),
+                partial(sb.snapshot, "busybox"),
             ):
                 with pytest.raises(dsec.Unauthorized, match="admin token"):
                     refused()
+            # A fork's children are B's; its image (B's filesystem) only the admin sees.
+            (kid,) = sb.fork(1)
+            try:
+                assert kid.id in {s.id for s in cb.list()}
+                assert kid.id not in {s.id for s in ca.list()}
+                (fork_image,) = [i.name for i in admin.images() if i.raw.get("fork_of") == sb.id]
+                for c in (ca, cb):
+                    assert fork_image not in {i.name for i in c.images()}
+                    with pytest.raises(dsec.NotFound, match="import it first"):
+                        c.get_image(fork_image)
+                with pytest.raises(dsec.NotFound, match="import it first"):
+                    ca.create(image=fork_image)
+            finally:
+                kid.stop()
             # Projects: a project lists only itself; only the admin makes or deletes.
             assert [p["name"] for p in cb.projects()] == ["team-b"]
             assert {"team-a", "team-b"} <= {p["name"] for p in admin.projects()}
@@ -116,6 +130,19 @@ def test_a_project_sees_and_touches_only_its_own(server: Server) -> None:
         finally:
             sa.stop()
             sb.stop()
+
+
+def test_trajectory_ids_reveal_no_other_project_sandbox(server: Server) -> None:
+    a, b = new_project(server, "traj-a"), new_project(server, "traj-b")
+    with server.client(token=a) as ca, server.client(token=b) as cb:
+        sa = ca.create(image="busybox", trajectory_id="shared-name")
+        try:
+            sa.run("true")
+            with pytest.raises(dsec.Conflict, match="pick a new one") as e:
+                cb.create(image="busybox", trajectory_id="shared-name")
+            assert sa.id not in str(e.value)
+        finally:
+            sa.stop()
 
 
 def test_idempotency_keys_are_per_project(server: Server) -> None:

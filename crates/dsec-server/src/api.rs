@@ -399,8 +399,6 @@ async fn fork_sandbox(
     Visible(id): Visible,
     ApiJson(req): ApiJson<ForkRequest>,
 ) -> Result<(StatusCode, Json<Vec<SandboxInfo>>), ApiError> {
-    // A fork's image is listed to every token: per-project images are not built yet.
-    caller.require_admin("forking")?;
     Ok((
         StatusCode::CREATED,
         Json(state.edge.fork(&id, req.n, &caller).await?),
@@ -780,17 +778,21 @@ async fn prune_store(
 }
 
 #[utoipa::path(get, path = "/v1/images", responses((status = 200, body = [ImageInfo])))]
-async fn list_images(State(state): State<AppState>) -> Result<Json<Vec<ImageInfo>>, ApiError> {
-    Ok(Json(state.edge.images()?))
+async fn list_images(
+    State(state): State<AppState>,
+    caller: Caller,
+) -> Result<Json<Vec<ImageInfo>>, ApiError> {
+    Ok(Json(state.edge.images(&caller)?))
 }
 
 #[utoipa::path(get, path = "/v1/images/{name}",
     responses((status = 200, body = ImageInfo), (status = 404, body = ErrorBody)))]
 async fn get_image(
     State(state): State<AppState>,
+    caller: Caller,
     Path(name): Path<String>,
 ) -> Result<Json<ImageInfo>, ApiError> {
-    Ok(Json(state.edge.image(&name)?))
+    Ok(Json(state.edge.image(&name, &caller)?))
 }
 
 #[utoipa::path(delete, path = "/v1/images/{name}",

@@ -15,7 +15,7 @@ use dsec_api::{
     BackendKind, Command, CreateSandboxRequest, ExecRequest, FileInfo, ImageInfo, Limits, Network,
     PruneResult, SandboxInfo, SandboxState, StoreInfo,
 };
-use dsec_image::ImageStore;
+use dsec_image::{ImageError, ImageStore};
 use dsec_trajectory::{
     digest, FileDigest, ForkOf, SandboxLog, SandboxRecord, StepRequest, TrajectoryLog,
 };
@@ -408,6 +408,13 @@ fn network_policy(
     Ok(policy)
 }
 
+/// Whether `caller` sees `image`: a fork's image holds its parent's filesystem, so only the
+/// admin sees it (the fork's children are made from it inside the edge); every other image
+/// is the admin's, shared by all projects.
+fn shown(caller: &Caller, image: &ImageInfo) -> bool {
+    *caller == Caller::Admin || image.fork_of.is_none()
+}
+
 /// The error for a sandbox id this edge does not have (or the caller may not see).
 fn no_such_sandbox(id: &str) -> ApiError {
     ApiError::not_found(format!(
@@ -563,6 +570,11 @@ impl Edge {
         caller: &Caller,
     ) -> Result<SandboxInfo, ApiError> {
         let _in_flight = fleet::InFlight::enter(&self.creating);
+        if let Ok(image) = self.images.get(&req.image) {
+            if !shown(caller, &image_info(&self.images, image)) {
+                return Err(ImageError::NotFound { name: req.image }.into());
+            }
+        }
         self.create_from(req, None, caller).await
     }
 
@@ -673,7 +685,19 @@ impl Edge {
         if info.trajectory_id.is_some() {
             if let Err(e) = registered.wait().await {
                 sandbox.stop().await;
-                return Err(e.into());
+                return Err(match e {
+                    // Its message names the sandbox that has the trajectory: maybe another
+                    // project's.
+                    dsec_trajectory::LogError::TrajectoryTaken { trajectory_id, .. }
+                        if *caller != Caller::Admin =>
+                    {
+                        ApiError::conflict(format!(
+                            "trajectory_id {trajectory_id:?} already names another sandbox's \
+                             trajectory: pick a new one"
+                        ))
+                    }
+                    e => e.into(),
+                });
             }
         }
         let entry = Arc::new(Entry {
@@ -1250,17 +1274,26 @@ impl Edge {
     }
 
     /// All images.
-    pub fn images(&self) -> Result<Vec<ImageInfo>, ApiError> {
+    pub fn images(&self, caller: &Caller) -> Result<Vec<ImageInfo>, ApiError> {
         let images = self.images.list()?;
         Ok(images
             .into_iter()
             .map(|i| image_info(&self.images, i))
+            .filter(|i| shown(caller, i))
             .collect())
     }
 
     /// One image.
-    pub fn image(&self, name: &str) -> Result<ImageInfo, ApiError> {
-        Ok(image_info(&self.images, self.images.get(name)?))
+    pub fn image(&self, name: &str, caller: &Caller) -> Result<ImageInfo, ApiError> {
+        let info = image_info(&self.images, self.images.get(name)?);
+        if shown(caller, &info) {
+            Ok(info)
+        } else {
+            Err(ImageError::NotFound {
+                name: name.to_owned(),
+            }
+            .into())
+        }
     }
 
     /// Deletes an image; layers that live sandboxes use stay until those stop.
