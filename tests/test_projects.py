@@ -17,7 +17,8 @@ ADMIN = "admin-token-of-the-projects-test"
 
 
 @pytest.fixture
-def server(make_server: Callable[..., Server], tmp_path: Path) -> Server:
+def srv(make_server: Callable[..., Server], tmp_path: Path) -> Server:
+    """A server of its own, with an admin token (the shared one has none)."""
     f = tmp_path / "token"
     f.write_text(ADMIN + "\n")
     f.chmod(0o600)
@@ -61,12 +62,12 @@ def assert_hidden(c: dsec.Client, own: dsec.Sandbox, target: str) -> None:
         assert "not found: it was stopped, expired, or never existed" in str(e.value)
 
 
-def test_a_project_sees_and_touches_only_its_own(server: Server) -> None:
-    a, b = new_project(server, "team-a"), new_project(server, "team-b")
+def test_a_project_sees_and_touches_only_its_own(srv: Server) -> None:
+    a, b = new_project(srv, "team-a"), new_project(srv, "team-b")
     with (
-        server.client(token=a) as ca,
-        server.client(token=b) as cb,
-        server.client(token=ADMIN) as admin,
+        srv.client(token=a) as ca,
+        srv.client(token=b) as cb,
+        srv.client(token=ADMIN) as admin,
     ):
         sa = ca.create(image="busybox", labels={"who": "a"})
         sb = cb.create(image="busybox")
@@ -79,7 +80,7 @@ def test_a_project_sees_and_touches_only_its_own(server: Server) -> None:
             assert_hidden(cb, sb, sa.id)
             assert_hidden(cb, sb, "nosuch-000000000000")
             r = httpx.delete(
-                f"{server.url}/v1/sandboxes/{sa.id}",
+                f"{srv.url}/v1/sandboxes/{sa.id}",
                 headers={"Authorization": "Bearer " + b},
                 trust_env=False,
             )
@@ -123,18 +124,18 @@ def test_a_project_sees_and_touches_only_its_own(server: Server) -> None:
             with pytest.raises(dsec.Unauthorized, match="admin token"):
                 cb.delete_project("team-a")
             auth = {"Authorization": "Bearer " + b}
-            r = httpx.get(server.url + "/metrics", headers=auth, trust_env=False)
+            r = httpx.get(srv.url + "/metrics", headers=auth, trust_env=False)
             assert r.status_code == 401
-            r = httpx.post(server.url + "/run_code", json={}, headers=auth, trust_env=False)
+            r = httpx.post(srv.url + "/run_code", json={}, headers=auth, trust_env=False)
             assert r.status_code == 401
         finally:
             sa.stop()
             sb.stop()
 
 
-def test_trajectory_ids_reveal_no_other_project_sandbox(server: Server) -> None:
-    a, b = new_project(server, "traj-a"), new_project(server, "traj-b")
-    with server.client(token=a) as ca, server.client(token=b) as cb:
+def test_trajectory_ids_reveal_no_other_project_sandbox(srv: Server) -> None:
+    a, b = new_project(srv, "traj-a"), new_project(srv, "traj-b")
+    with srv.client(token=a) as ca, srv.client(token=b) as cb:
         sa = ca.create(image="busybox", trajectory_id="shared-name")
         try:
             sa.run("true")
@@ -145,14 +146,14 @@ def test_trajectory_ids_reveal_no_other_project_sandbox(server: Server) -> None:
             sa.stop()
 
 
-def test_idempotency_keys_are_per_project(server: Server) -> None:
-    a, b = new_project(server, "key-a"), new_project(server, "key-b")
+def test_idempotency_keys_are_per_project(srv: Server) -> None:
+    a, b = new_project(srv, "key-a"), new_project(srv, "key-b")
     headers = {"Idempotency-Key": "same-key"}
     body = {"backend": "container", "image": "busybox"}
     made = []
     for token in (a, b):
         r = httpx.post(
-            server.url + "/v1/sandboxes",
+            srv.url + "/v1/sandboxes",
             json=body,
             headers={**headers, "Authorization": "Bearer " + token},
             trust_env=False,
@@ -162,22 +163,22 @@ def test_idempotency_keys_are_per_project(server: Server) -> None:
     try:
         assert made[0] != made[1]
         r = httpx.get(
-            server.url + "/v1/idempotency/same-key",
+            srv.url + "/v1/idempotency/same-key",
             headers={"Authorization": "Bearer " + b},
             trust_env=False,
         )
         assert r.json()["id"] == made[1]
     finally:
-        with server.client(token=ADMIN) as admin:
+        with srv.client(token=ADMIN) as admin:
             for id in made:
                 admin.get(id).stop()
 
 
-def test_quotas_refuse_naming_the_quota_and_free_at_stop(server: Server) -> None:
+def test_quotas_refuse_naming_the_quota_and_free_at_stop(srv: Server) -> None:
     token = new_project(
-        server, "small", "--max-sandboxes", "2", "--max-cpus", "1.5", "--max-memory-mb", "384"
+        srv, "small", "--max-sandboxes", "2", "--max-cpus", "1.5", "--max-memory-mb", "384"
     )
-    with server.client(token=token) as c:
+    with srv.client(token=token) as c:
         first = c.create(image="busybox", cpus=0.5, memory_mb=128)
         try:
             with pytest.raises(dsec.QuotaExceeded) as e:
@@ -200,9 +201,9 @@ def test_quotas_refuse_naming_the_quota_and_free_at_stop(server: Server) -> None
         assert [p["usage"]["sandboxes"] for p in c.projects()] == [0]
 
 
-def test_concurrent_creates_do_not_overshoot(server: Server) -> None:
-    token = new_project(server, "burst", "--max-sandboxes", "3")
-    with server.client(token=token) as c:
+def test_concurrent_creates_do_not_overshoot(srv: Server) -> None:
+    token = new_project(srv, "burst", "--max-sandboxes", "3")
+    with srv.client(token=token) as c:
         with pytest.raises(dsec.BatchError) as e:
             c.create_many(6, image="busybox", memory_mb=64)
         made = e.value.sandboxes
@@ -235,41 +236,41 @@ def test_concurrent_creates_do_not_overshoot(server: Server) -> None:
                 sb.stop()
 
 
-def test_tokens_survive_restart_and_are_stored_hashed(server: Server) -> None:
-    token = new_project(server, "durable", "--max-sandboxes", "1")
-    added = cli(server, "project", "token", "durable")
+def test_tokens_survive_restart_and_are_stored_hashed(srv: Server) -> None:
+    token = new_project(srv, "durable", "--max-sandboxes", "1")
+    added = cli(srv, "project", "token", "durable")
     assert added.returncode == 0, added.stderr
     second = added.stdout.strip()
-    server.stop()
-    server.restart()
+    srv.stop()
+    srv.restart()
     for t in (token, second):
-        with server.client(token=t) as c:
+        with srv.client(token=t) as c:
             assert [p["name"] for p in c.projects()] == ["durable"]
             assert c.projects()[0]["quotas"] == {"max_sandboxes": 1}
-    for f in server.state_dir.rglob("*"):
+    for f in srv.state_dir.rglob("*"):
         if f.is_file():
             data = f.read_bytes()
             assert token.encode() not in data and second.encode() not in data, f
-    with server.client(token="dsecp_" + "0" * 64) as c, pytest.raises(dsec.Unauthorized):
+    with srv.client(token="dsecp_" + "0" * 64) as c, pytest.raises(dsec.Unauthorized):
         c.list()
 
 
-def test_project_management_errors(server: Server, make_server: Callable[..., Server]) -> None:
-    token = new_project(server, "busy")
-    r = cli(server, "project", "create", "busy")
+def test_project_management_errors(srv: Server, make_server: Callable[..., Server]) -> None:
+    token = new_project(srv, "busy")
+    r = cli(srv, "project", "create", "busy")
     assert r.returncode != 0 and "already exists" in r.stderr
-    r = cli(server, "project", "create", "Bad Name")
+    r = cli(srv, "project", "create", "Bad Name")
     assert r.returncode != 0 and "project name must be" in r.stderr
-    r = cli(server, "project", "create", "x", token=token)
+    r = cli(srv, "project", "create", "x", token=token)
     assert r.returncode != 0 and "admin token" in r.stderr
-    with server.client(token=token) as c, server.client(token=ADMIN) as admin:
+    with srv.client(token=token) as c, srv.client(token=ADMIN) as admin:
         sb = c.create(image="busybox")
         with pytest.raises(dsec.Conflict, match="still has 1 sandbox"):
             admin.delete_project("busy")
         sb.stop()
-        r = cli(server, "project", "list")
+        r = cli(srv, "project", "list")
         assert r.returncode == 0 and "busy" in r.stdout, r.stderr
-        r = cli(server, "project", "delete", "busy")
+        r = cli(srv, "project", "delete", "busy")
         assert r.returncode == 0, r.stderr
         with pytest.raises(dsec.Unauthorized):
             c.list()
@@ -278,3 +279,24 @@ def test_project_management_errors(server: Server, make_server: Callable[..., Se
     open_server = make_server()
     with open_server.client() as c, pytest.raises(dsec.Conflict, match="--token-file"):
         c.create_project("p")
+
+
+def test_scoping_and_quotas_on_every_backend(srv: Server, backend: str, image: str) -> None:
+    a = new_project(srv, "on-" + backend, "--max-sandboxes", "1", "--max-memory-mb", "256")
+    b = new_project(srv, "off-" + backend)
+    with srv.client(token=a) as ca, srv.client(token=b) as cb:
+        sa = ca.create(backend=backend, image=image, memory_mb=256)
+        try:
+            sa.write_file("/secret", b"a's")
+            with pytest.raises(dsec.QuotaExceeded, match="max_sandboxes"):
+                ca.create(backend=backend, image=image, memory_mb=64)
+            own = cb.create(backend=backend, image=image)
+            try:
+                assert_hidden(cb, own, sa.id)
+            finally:
+                own.stop()
+            assert sa.run("cat /secret").stdout == "a's"
+        finally:
+            sa.stop()
+        ca.create(backend=backend, image=image, memory_mb=256).stop()
+        assert ca.projects()[0]["usage"] == {"sandboxes": 0, "cpus": 0.0, "memory_mb": 0}

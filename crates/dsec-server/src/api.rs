@@ -894,6 +894,7 @@ mod tests {
             "/v1/sandboxes/{id}/network",
             "/v1/sandboxes/{id}/log",
             "/v1/images/{name}",
+            "/v1/projects/{name}/tokens",
             "/healthz",
         ] {
             assert!(doc.contains(route), "{route} missing");
