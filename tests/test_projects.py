@@ -75,7 +75,8 @@ def test_a_project_sees_and_touches_only_its_own(srv: Server) -> None:
             sa.write_file("/secret", b"a's")
             assert [s.id for s in ca.list()] == [sa.id]
             assert [s.id for s in cb.list()] == [sb.id]
-            assert {sa.id, sb.id} <= {s.id for s in admin.list()}
+            owners = {s.id: s.info().project for s in admin.list()}
+            assert owners[sa.id] == "team-a" and owners[sb.id] == "team-b"
             # Every route with A's id answers B as for an id that never existed.
             assert_hidden(cb, sb, sa.id)
             assert_hidden(cb, sb, "nosuch-000000000000")

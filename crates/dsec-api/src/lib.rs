@@ -310,6 +310,9 @@ pub struct SandboxInfo {
     /// is missing or does not boot guests.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub accelerator: Option<String>,
+    /// The project it belongs to (`dsec project create`); absent: the admin's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
     /// Resource usage now.
     pub usage: Usage,
 }

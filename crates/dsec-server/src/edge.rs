@@ -669,6 +669,7 @@ impl Edge {
             trajectory_id: req.trajectory_id,
             next_step: None,
             accelerator: sandbox.accelerator().map(str::to_owned),
+            project: caller.project().map(|p| p.to_string()),
             usage: Default::default(),
         };
         let registered = self.log.register(SandboxRecord {
