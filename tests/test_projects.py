@@ -11,7 +11,7 @@ from pathlib import Path
 import dsec
 import httpx
 import pytest
-from dsec_testlib import DSEC_BIN, Server
+from dsec_testlib import DSEC_BIN, Server, free_port
 
 ADMIN = "admin-token-of-the-projects-test"
 
@@ -301,3 +301,48 @@ def test_scoping_and_quotas_on_every_backend(srv: Server, backend: str, image: s
             sa.stop()
         ca.create(backend=backend, image=image, memory_mb=256).stop()
         assert ca.projects()[0]["usage"] == {"sandboxes": 0, "cpus": 0.0, "memory_mb": 0}
+
+
+def test_e2b_api_keys_are_scoped_like_tokens(
+    make_server: Callable[..., Server], tmp_path: Path
+) -> None:
+    f = tmp_path / "token"
+    f.write_text(ADMIN + "\n")
+    port = free_port()
+    srv = make_server(
+        token_file=f,
+        extra_args=[
+            "--e2b-listen",
+            f"127.0.0.1:{port}",
+            "--e2b-envd-listen",
+            f"127.0.0.1:{free_port()}",
+        ],
+    )
+    a = new_project(srv, "e2b-a", "--max-sandboxes", "1")
+    b = new_project(srv, "e2b-b")
+    e2b = httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=60)
+
+    def call(method: str, path: str, key: str, **kw: object) -> httpx.Response:
+        return e2b.request(method, path, headers={"X-API-KEY": key}, **kw)  # type: ignore[arg-type]
+
+    made = call("POST", "/sandboxes", a, json={"templateID": "busybox", "timeout": 60})
+    assert made.status_code == 201, made.text
+    id = made.json()["sandboxID"]
+    try:
+        refused = call("POST", "/sandboxes", a, json={"templateID": "busybox"})
+        assert refused.status_code == 409 and "max_sandboxes" in refused.text, refused.text
+        for method, path in (
+            ("GET", f"/sandboxes/{id}"),
+            ("POST", f"/sandboxes/{id}/pause"),
+            ("DELETE", f"/sandboxes/{id}"),
+        ):
+            r = call(method, path, b)
+            assert r.status_code == 404 and "never existed" in r.text, (path, r.text)
+        assert id not in call("GET", "/v2/sandboxes", b).text
+        assert id not in call("GET", f"/sandboxes/metrics?sandbox_ids={id}", b).text
+        assert call("GET", f"/sandboxes/{id}", ADMIN).status_code == 200
+        assert call("GET", "/v2/sandboxes", "wrong").status_code == 401
+        with srv.client(token=a) as ca:
+            assert [s.id for s in ca.list()] == [id]
+    finally:
+        assert call("DELETE", f"/sandboxes/{id}", a).status_code == 204
