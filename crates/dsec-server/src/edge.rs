@@ -504,9 +504,18 @@ impl Edge {
         }
     }
 
-    /// Whether project `name` has sandboxes here (live or being created).
-    pub fn project_in_use(&self, name: &str) -> bool {
-        self.project_usage.of(name).sandboxes > 0
+    /// How many sandboxes project `name` has here: being created, live, or failed and not
+    /// yet stopped (which hold no quota but are still its).
+    pub fn project_sandboxes(&self, name: &str) -> u64 {
+        let in_table = self
+            .sandboxes
+            .read()
+            .expect("lock")
+            .values()
+            .filter(|e| e.project.as_deref() == Some(name))
+            .count();
+        let in_table = u64::try_from(in_table).unwrap_or(u64::MAX);
+        in_table.max(self.project_usage.of(name).sandboxes)
     }
 
     /// What project `name`'s sandboxes hold now.

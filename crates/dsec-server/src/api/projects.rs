@@ -78,8 +78,8 @@ pub(super) async fn delete_project(
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     caller.require_admin("deleting a project")?;
-    if state.edge.project_in_use(&name) {
-        let n = state.edge.project_usage(&name).sandboxes;
+    let n = state.edge.project_sandboxes(&name);
+    if n > 0 {
         return Err(ApiError::conflict(format!(
             "project {name:?} still has {n} sandbox(es): stop them first (its token can \
              list them), then delete it"
