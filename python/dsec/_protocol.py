@@ -758,6 +758,26 @@ def delete_image_call(name: str) -> Call[None]:
     return Call("DELETE", _image(name), parse_none)
 
 
+def create_project_call(
+    name: str, max_sandboxes: int | None, max_cpus: float | None, max_memory_mb: int | None
+) -> Call[Any]:
+    body = {
+        "name": name,
+        "max_sandboxes": max_sandboxes,
+        "max_cpus": max_cpus,
+        "max_memory_mb": max_memory_mb,
+    }
+    return Call("POST", "/v1/projects", parse_any, json=_drop_none(body))
+
+
+def projects_call() -> Call[Any]:
+    return Call("GET", "/v1/projects", parse_any)
+
+
+def delete_project_call(name: str) -> Call[None]:
+    return Call("DELETE", f"/v1/projects/{urllib.parse.quote(name, safe='')}", parse_none)
+
+
 def health_call() -> Call[Any]:
     return Call("GET", "/healthz", parse_any, read_timeout=30.0)
 

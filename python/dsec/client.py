@@ -251,6 +251,27 @@ class Client:
     def delete_image(self, name: str) -> None:
         self._do(p.delete_image_call(name))
 
+    # -- projects (with the server's admin token)
+
+    def create_project(
+        self,
+        name: str,
+        *,
+        max_sandboxes: int | None = None,
+        max_cpus: float | None = None,
+        max_memory_mb: int | None = None,
+    ) -> Any:
+        """Create a project; returns ``{"name", "token", "quotas"}``: the token is shown once."""
+        return self._do(p.create_project_call(name, max_sandboxes, max_cpus, max_memory_mb))
+
+    def projects(self) -> Any:
+        """The projects (a project's token: its own), with quotas and current usage."""
+        return self._do(p.projects_call())
+
+    def delete_project(self, name: str) -> None:
+        """Delete a project and its tokens (refused while it has sandboxes)."""
+        self._do(p.delete_project_call(name))
+
     # -- misc
 
     def health(self) -> Any:

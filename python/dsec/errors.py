@@ -73,6 +73,11 @@ class SandboxFailed(Conflict):
     create a new one (HTTP 409)."""
 
 
+class QuotaExceeded(Conflict):
+    """A create would take the project past one of its quotas; the message names the quota,
+    its limit and the current use (HTTP 409)."""
+
+
 class Unavailable(DsecError):
     """The server cannot do this on this host (backend missing, feature not there: HTTP 503)."""
 
@@ -114,6 +119,7 @@ _BY_KIND: dict[str, type[DsecError]] = {
     "sandbox_failed": SandboxFailed,
     "unavailable": Unavailable,
     "capacity": CapacityExceeded,
+    "quota_exceeded": QuotaExceeded,
     "internal": DsecError,
 }
 

@@ -284,6 +284,8 @@ class SandboxInfo:
     accelerator: str | None = None
     #: The name of the edge that owns the sandbox (``dsec serve``: the server's ``--name``).
     edge: str = ""
+    #: The project it belongs to (``dsec project create``); ``None``: the admin's.
+    project: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -305,6 +307,7 @@ class SandboxInfo:
                 "next_step": d.get("next_step"),
                 "accelerator": d.get("accelerator"),
                 "edge": d.get("edge") or "",
+                "project": d.get("project"),
                 "raw": d,
             },
         )

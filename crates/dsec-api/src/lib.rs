@@ -322,6 +322,9 @@ pub struct SandboxInfo {
     /// is missing or does not boot guests.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub accelerator: Option<String>,
+    /// The project it belongs to (`dsec project create`); absent: the admin's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
     /// Resource usage now.
     pub usage: Usage,
 }
@@ -640,6 +643,8 @@ pub enum ErrorKind {
     /// The sandbox's init died (killed from outside, by the OOM killer, or crashed), so
     /// the sandbox can serve nothing more (409).
     SandboxFailed,
+    /// A project's quota would be exceeded by the create (409).
+    QuotaExceeded,
     /// A bug or a host failure (500).
     Internal,
 }
@@ -651,7 +656,10 @@ impl ErrorKind {
             ErrorKind::InvalidArgument => 400,
             ErrorKind::Unauthorized => 401,
             ErrorKind::NotFound => 404,
-            ErrorKind::Conflict | ErrorKind::TrajectoryDiverged | ErrorKind::SandboxFailed => 409,
+            ErrorKind::Conflict
+            | ErrorKind::TrajectoryDiverged
+            | ErrorKind::SandboxFailed
+            | ErrorKind::QuotaExceeded => 409,
             ErrorKind::PayloadTooLarge => 413,
             ErrorKind::Unavailable | ErrorKind::Capacity => 503,
             ErrorKind::Internal => 500,
@@ -670,6 +678,7 @@ impl ErrorKind {
             ErrorKind::Unavailable => "unavailable",
             ErrorKind::Capacity => "capacity",
             ErrorKind::SandboxFailed => "sandbox_failed",
+            ErrorKind::QuotaExceeded => "quota_exceeded",
             ErrorKind::Internal => "internal",
         }
     }
@@ -786,4 +795,70 @@ mod tests {
             (Some(1), true, false)
         );
     }
+}
+
+/// A project's limits; an absent one is unlimited.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Quotas {
+    /// Sandboxes running at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_sandboxes: Option<u64>,
+    /// Sum of the running sandboxes' `cpus`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cpus: Option<f64>,
+    /// Sum of the running sandboxes' `memory_mb`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_memory_mb: Option<u64>,
+}
+
+/// What a project's sandboxes hold now, counted against its [`Quotas`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ProjectUsage {
+    /// Sandboxes running (or being created).
+    pub sandboxes: u64,
+    /// Sum of their `cpus`.
+    pub cpus: f64,
+    /// Sum of their `memory_mb`.
+    pub memory_mb: u64,
+}
+
+/// Body of `POST /v1/projects`.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateProjectRequest {
+    /// 1 to 64 characters of `[a-z0-9_-]`, starting with a letter or digit.
+    pub name: String,
+    /// Sandboxes running at once (absent: unlimited).
+    #[serde(default)]
+    pub max_sandboxes: Option<u64>,
+    /// Sum of the running sandboxes' `cpus`.
+    #[serde(default)]
+    pub max_cpus: Option<f64>,
+    /// Sum of the running sandboxes' `memory_mb`.
+    #[serde(default)]
+    pub max_memory_mb: Option<u64>,
+}
+
+/// A project, as `GET /v1/projects` lists it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ProjectInfo {
+    /// Its name.
+    pub name: String,
+    /// Its limits.
+    pub quotas: Quotas,
+    /// What it holds now.
+    pub usage: ProjectUsage,
+    /// How many tokens it has.
+    pub tokens: u64,
+}
+
+/// A new token: shown once, stored only as a hash.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ProjectToken {
+    /// The project.
+    pub name: String,
+    /// The bearer token for it.
+    pub token: String,
+    /// Its limits.
+    pub quotas: Quotas,
 }

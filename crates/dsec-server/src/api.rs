@@ -27,10 +27,12 @@ use utoipa::OpenApi;
 
 mod call;
 mod events;
+mod projects;
 
 use crate::backend::{Output, OutputStream, Upload};
 use crate::edge::{Edge, Execution};
 use crate::error::ApiError;
+use crate::projects::Caller;
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -39,8 +41,10 @@ pub struct AppState {
     pub edge: Arc<Edge>,
     /// Renders `/metrics`.
     pub metrics: PrometheusHandle,
-    /// Bearer token, when the server requires one.
+    /// The admin's bearer token, when the server requires one.
     pub token: Option<Arc<str>>,
+    /// The projects and their tokens.
+    pub projects: Arc<crate::projects::Projects>,
     /// SandboxFusion's `/run_code`.
     pub sandboxfusion: Arc<crate::sandboxfusion::SandboxFusion>,
 }
@@ -104,6 +108,15 @@ pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
         .route("/store", get(store_info))
         .route("/store/prune", post(prune_store))
         .route("/events", get(events::events))
+        .route(
+            "/projects",
+            post(projects::create_project).get(projects::list_projects),
+        )
+        .route(
+            "/projects/{name}",
+            axum::routing::delete(projects::delete_project),
+        )
+        .route("/projects/{name}/tokens", post(projects::add_token))
         .fallback(|| async { ApiError::not_found("no such API route") });
     Router::new()
         .nest("/v1", v1)
@@ -116,16 +129,73 @@ pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
         .with_state(state)
 }
 
-async fn authenticate(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    request: Request,
-    next: Next,
-) -> Response {
-    if let Err(e) = check_bearer(state.token.as_deref(), &headers) {
-        return e.into_response();
+async fn authenticate(State(state): State<AppState>, mut request: Request, next: Next) -> Response {
+    let caller = match caller(&state, request.headers()) {
+        Ok(caller) => caller,
+        Err(e) => return e.into_response(),
+    };
+    if !request.uri().path().starts_with("/v1/") {
+        // SandboxFusion, /metrics and /openapi.json are not scoped to a project.
+        if let Err(e) = caller.require_admin(request.uri().path()) {
+            return e.into_response();
+        }
     }
+    request.extensions_mut().insert(caller);
     next.run(request).await
+}
+
+/// Who sent `headers`: the admin (the server's token, or none required), a project (one
+/// of its tokens), or nobody known (`Unauthorized`).
+fn caller(state: &AppState, headers: &HeaderMap) -> Result<Caller, ApiError> {
+    let refused = match check_bearer(state.token.as_deref(), headers) {
+        Ok(()) => return Ok(Caller::Admin),
+        Err(e) => e,
+    };
+    bearer(headers)
+        .and_then(|token| state.projects.authenticate(token))
+        .ok_or(refused)
+}
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Caller, ApiError> {
+        parts
+            .extensions
+            .get::<Caller>()
+            .cloned()
+            .ok_or_else(|| ApiError::internal("route outside authentication"))
+    }
+}
+
+/// The `{id}` of a sandbox route, checked to be a sandbox the caller may see (see
+/// [`Edge::check_visible`]).
+pub struct Visible(pub String);
+
+impl axum::extract::FromRequestParts<AppState> for Visible {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &AppState,
+    ) -> Result<Visible, ApiError> {
+        let Path(id) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| ApiError::invalid(e.body_text()))?;
+        let caller = Caller::from_request_parts(parts, state).await?;
+        state.edge.check_visible(&caller, &id)?;
+        Ok(Visible(id))
+    }
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
 }
 
 /// Refuses a request whose bearer token is not `token` (none required: every request
@@ -134,11 +204,7 @@ pub fn check_bearer(token: Option<&str>, headers: &HeaderMap) -> Result<(), ApiE
     let Some(token) = token else {
         return Ok(());
     };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or_default();
+    let given = bearer(headers).unwrap_or_default();
     if constant_time_eq(given.as_bytes(), token.as_bytes()) {
         Ok(())
     } else {
@@ -179,12 +245,13 @@ async fn openapi() -> Json<utoipa::openapi::OpenApi> {
               (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 async fn create_sandbox(
     State(state): State<AppState>,
+    caller: Caller,
     headers: HeaderMap,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
     match idempotency_key(&headers)? {
         Some(key) => {
-            let (info, made) = state.edge.create_once(key, req).await?;
+            let (info, made) = state.edge.create_once(key, req, &caller).await?;
             let status = if made {
                 StatusCode::CREATED
             } else {
@@ -192,7 +259,10 @@ async fn create_sandbox(
             };
             Ok((status, Json(info)))
         }
-        None => Ok((StatusCode::CREATED, Json(state.edge.create(req).await?))),
+        None => Ok((
+            StatusCode::CREATED,
+            Json(state.edge.create(req, &caller).await?),
+        )),
     }
 }
 
@@ -201,12 +271,13 @@ async fn create_sandbox(
         (status = 400, body = ErrorBody)))]
 async fn create_sandboxes(
     State(state): State<AppState>,
+    caller: Caller,
     headers: HeaderMap,
     ApiJson(req): ApiJson<CreateManyRequest>,
 ) -> Result<Json<CreateManyResponse>, ApiError> {
     let key = idempotency_key(&headers)?;
     Ok(Json(CreateManyResponse {
-        items: state.edge.create_many(key, req).await?,
+        items: state.edge.create_many(key, req, &caller).await?,
     }))
 }
 
@@ -229,9 +300,10 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
     responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorBody)))]
 async fn sandbox_by_idempotency_key(
     State(state): State<AppState>,
+    caller: Caller,
     Path(key): Path<String>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
-    Ok(Json(state.edge.by_idempotency_key(&key)?))
+    Ok(Json(state.edge.by_idempotency_key(&key, &caller)?))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes",
@@ -239,6 +311,7 @@ async fn sandbox_by_idempotency_key(
     responses((status = 200, body = [SandboxInfo])))]
 async fn list_sandboxes(
     State(state): State<AppState>,
+    caller: Caller,
     RawQuery(query): RawQuery,
 ) -> Result<Json<Vec<SandboxInfo>>, ApiError> {
     let mut labels = Vec::new();
@@ -251,7 +324,7 @@ async fn list_sandboxes(
         })?;
         labels.push((k.to_owned(), v.to_owned()));
     }
-    Ok(Json(state.edge.list(&labels)))
+    Ok(Json(state.edge.list(&labels, &caller)))
 }
 
 /// Decodes `a=1&b=2`, keeping repeated keys.
@@ -265,7 +338,7 @@ fn form_pairs(query: &str) -> Vec<(String, String)> {
     responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorBody)))]
 async fn get_sandbox(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
 ) -> Result<Json<SandboxInfo>, ApiError> {
     Ok(Json(state.edge.get(&id)?))
 }
@@ -274,7 +347,7 @@ async fn get_sandbox(
     responses((status = 204), (status = 404, body = ErrorBody)))]
 async fn delete_sandbox(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
 ) -> Result<StatusCode, ApiError> {
     state.edge.stop(&id).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -285,7 +358,7 @@ async fn delete_sandbox(
               (status = 409, body = ErrorBody)))]
 async fn pause_sandbox(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
 ) -> Result<Json<SandboxInfo>, ApiError> {
     Ok(Json(state.edge.pause(&id).await?))
 }
@@ -312,9 +385,12 @@ struct ForkRequest {
               (status = 409, body = ErrorBody)))]
 async fn snapshot_sandbox(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    caller: Caller,
+    Visible(id): Visible,
     ApiJson(req): ApiJson<SnapshotRequest>,
 ) -> Result<(StatusCode, Json<ImageInfo>), ApiError> {
+    // A snapshot is listed to every token: per-project images are not built yet.
+    caller.require_admin("snapshotting")?;
     Ok((
         StatusCode::CREATED,
         Json(state.edge.snapshot(&id, req.name).await?),
@@ -326,12 +402,13 @@ async fn snapshot_sandbox(
               (status = 404, body = ErrorBody)))]
 async fn fork_sandbox(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    caller: Caller,
+    Visible(id): Visible,
     ApiJson(req): ApiJson<ForkRequest>,
 ) -> Result<(StatusCode, Json<Vec<SandboxInfo>>), ApiError> {
     Ok((
         StatusCode::CREATED,
-        Json(state.edge.fork(&id, req.n).await?),
+        Json(state.edge.fork(&id, req.n, &caller).await?),
     ))
 }
 
@@ -340,7 +417,7 @@ async fn fork_sandbox(
               (status = 503, body = ErrorBody)))]
 async fn set_network(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     ApiJson(req): ApiJson<dsec_api::SetNetworkRequest>,
 ) -> Result<StatusCode, ApiError> {
     state.edge.set_network(&id, &req.network).await?;
@@ -351,7 +428,7 @@ async fn set_network(
     responses((status = 200, body = dsec_api::NetworkInfo), (status = 404, body = ErrorBody)))]
 async fn get_network(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
 ) -> Result<Json<dsec_api::NetworkInfo>, ApiError> {
     Ok(Json(state.edge.network_info(&id).await?))
 }
@@ -360,7 +437,7 @@ async fn get_network(
     responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorBody)))]
 async fn resume_sandbox(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
 ) -> Result<Json<SandboxInfo>, ApiError> {
     Ok(Json(state.edge.resume(&id).await?))
 }
@@ -415,7 +492,7 @@ fn incomplete_tail(bytes: &[u8]) -> usize {
               (status = 404, body = ErrorBody), (status = 413, body = ErrorBody)))]
 async fn exec(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     ApiJson(req): ApiJson<ExecRequest>,
 ) -> Result<Json<CommandResult>, ApiError> {
     let started = Instant::now();
@@ -446,7 +523,7 @@ async fn exec(
               (status = 404, body = ErrorBody)))]
 async fn exec_stream(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     headers: HeaderMap,
     ApiJson(req): ApiJson<ExecRequest>,
 ) -> Result<Response, ApiError> {
@@ -538,7 +615,7 @@ struct LogQuery {
               (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 async fn sandbox_log(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     query: Result<Query<LogQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<dsec_trajectory::SandboxLog>, ApiError> {
     let Query(q) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
@@ -601,7 +678,7 @@ fn path_query<Q>(
               (status = 503, body = ErrorBody)))]
 async fn read_file(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     query: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let q = path_query(query)?;
@@ -628,7 +705,7 @@ async fn read_file(
               (status = 503, body = ErrorBody)))]
 async fn write_file(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     query: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
     headers: HeaderMap,
     body: Body,
@@ -663,7 +740,7 @@ fn closing(mut response: Response) -> Response {
     responses((status = 200, body = [FileInfo]), (status = 404, body = ErrorBody)))]
 async fn list_files(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Vec<FileInfo>>, ApiError> {
     let q = path_query(query)?;
@@ -676,7 +753,7 @@ async fn list_files(
               (status = 404, body = ErrorBody)))]
 async fn stat_path(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     query: Result<Query<StatQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<FileInfo>, ApiError> {
     let q = path_query(query)?;
@@ -688,7 +765,7 @@ async fn stat_path(
               (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 async fn make_dir(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     ApiJson(req): ApiJson<MakeDirRequest>,
 ) -> Result<Json<MakeDirResponse>, ApiError> {
     let req = crate::backend::MakeDir {
@@ -706,7 +783,7 @@ async fn make_dir(
               (status = 409, body = ErrorBody)))]
 async fn move_path(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     ApiJson(req): ApiJson<MoveRequest>,
 ) -> Result<StatusCode, ApiError> {
     let req = crate::backend::MovePath {
@@ -727,7 +804,7 @@ async fn move_path(
               (status = 409, body = ErrorBody)))]
 async fn watch_files(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     query: Result<Query<WatchQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let q = path_query(query)?;
@@ -763,7 +840,7 @@ async fn watch_files(
     responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 async fn remove_path(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     query: Result<Query<RemoveQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<StatusCode, ApiError> {
     let q = path_query(query)?;
@@ -781,9 +858,11 @@ async fn remove_path(
     responses((status = 201, body = ImageInfo), (status = 400, body = ErrorBody)))]
 async fn import_image(
     State(state): State<AppState>,
+    caller: Caller,
     headers: HeaderMap,
     ApiJson(req): ApiJson<ImportImageRequest>,
 ) -> Result<Response, ApiError> {
+    caller.require_admin("importing an image")?;
     let progress = headers
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
@@ -850,30 +929,40 @@ async fn store_info(State(state): State<AppState>) -> Result<Json<StoreInfo>, Ap
 
 /// Collects image garbage now (the server also does it every minute).
 #[utoipa::path(post, path = "/v1/store/prune", responses((status = 200, body = PruneResult)))]
-async fn prune_store(State(state): State<AppState>) -> Result<Json<PruneResult>, ApiError> {
+async fn prune_store(
+    State(state): State<AppState>,
+    caller: Caller,
+) -> Result<Json<PruneResult>, ApiError> {
+    caller.require_admin("pruning the image store")?;
     Ok(Json(state.edge.prune_images().await?))
 }
 
 #[utoipa::path(get, path = "/v1/images", responses((status = 200, body = [ImageInfo])))]
-async fn list_images(State(state): State<AppState>) -> Result<Json<Vec<ImageInfo>>, ApiError> {
-    Ok(Json(state.edge.images()?))
+async fn list_images(
+    State(state): State<AppState>,
+    caller: Caller,
+) -> Result<Json<Vec<ImageInfo>>, ApiError> {
+    Ok(Json(state.edge.images(&caller)?))
 }
 
 #[utoipa::path(get, path = "/v1/images/{name}",
     responses((status = 200, body = ImageInfo), (status = 404, body = ErrorBody)))]
 async fn get_image(
     State(state): State<AppState>,
+    caller: Caller,
     Path(name): Path<String>,
 ) -> Result<Json<ImageInfo>, ApiError> {
-    Ok(Json(state.edge.image(&name)?))
+    Ok(Json(state.edge.image(&name, &caller)?))
 }
 
 #[utoipa::path(delete, path = "/v1/images/{name}",
     responses((status = 204), (status = 404, body = ErrorBody)))]
 async fn delete_image(
     State(state): State<AppState>,
+    caller: Caller,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
+    caller.require_admin("deleting an image")?;
     state.edge.delete_image(&name).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -917,7 +1006,11 @@ async fn delete_image(
         prune_store,
         call::call,
         call::call_stream,
-        events::events
+        events::events,
+        projects::create_project,
+        projects::list_projects,
+        projects::delete_project,
+        projects::add_token
     ),
     components(schemas(crate::events::Event))
 )]
@@ -966,6 +1059,7 @@ mod tests {
             "/v1/sandboxes/{id}/network",
             "/v1/sandboxes/{id}/log",
             "/v1/images/{name}",
+            "/v1/projects/{name}/tokens",
             "/healthz",
         ] {
             assert!(doc.contains(route), "{route} missing");

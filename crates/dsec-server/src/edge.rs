@@ -15,7 +15,7 @@ use dsec_api::{
     BackendKind, Command, CreateSandboxRequest, ExecRequest, FileInfo, ImageInfo, Limits, Network,
     PruneResult, SandboxInfo, SandboxState, StoreInfo,
 };
-use dsec_image::ImageStore;
+use dsec_image::{ImageError, ImageStore};
 use dsec_trajectory::{
     digest, FileDigest, ForkOf, SandboxLog, SandboxRecord, StepRequest, TrajectoryLog,
 };
@@ -31,6 +31,7 @@ use crate::backend::{
 };
 use crate::error::ApiError;
 use crate::events::{kind, Events, Subject};
+use crate::projects::{self, Caller, QuotaHold};
 use crate::trajectory::{self, Decision, Position, Replayed};
 
 mod fleet;
@@ -100,6 +101,10 @@ struct Entry {
     file_transfers: Arc<Semaphore>,
     /// Its share of the edge's budget, given back once it is stopped (or has failed).
     grant: Mutex<Option<Grant>>,
+    /// The project it belongs to (`None`: the admin's).
+    project: Option<Arc<str>>,
+    /// Its share of its project's quotas, given back with `grant`.
+    quota: Mutex<Option<QuotaHold>>,
     /// Why it failed, once it has (set once, by the first to notice).
     failure: tokio::sync::OnceCell<String>,
     /// What made it, asked what its sandboxes can do.
@@ -129,9 +134,16 @@ impl Entry {
             Some(Subject {
                 id: &self.info.id,
                 labels: &self.info.labels,
+                project: self.project.as_deref(),
             }),
             data,
         );
+    }
+
+    /// Gives back what it holds of the edge's budget and its project's quotas.
+    fn release(&self) {
+        self.grant.lock().expect("lock").take();
+        self.quota.lock().expect("lock").take();
     }
 
     fn touch(&self) {
@@ -191,7 +203,7 @@ impl Entry {
                     serde_json::json!({"cause": failure.cause, "detail": failure.detail}),
                 );
                 self.sandbox.stop().await;
-                self.grant.lock().expect("lock").take();
+                self.release();
                 failure.detail
             })
             .await;
@@ -246,6 +258,8 @@ pub struct Edge {
     creating: AtomicUsize,
     /// Sandboxes made for an idempotency key (see [`Edge::create_once`]).
     idempotent: fleet::IdempotencyKeys,
+    /// What each project's sandboxes hold, against its quotas.
+    project_usage: projects::Usage,
 }
 
 /// Marks a fork's image as being forked from, until dropped.
@@ -394,6 +408,20 @@ fn network_policy(
     Ok(policy)
 }
 
+/// Whether `caller` sees `image`: a fork's image holds its parent's filesystem, so only the
+/// admin sees it (the fork's children are made from it inside the edge); every other image
+/// is the admin's, shared by all projects.
+fn shown(caller: &Caller, image: &ImageInfo) -> bool {
+    *caller == Caller::Admin || image.fork_of.is_none()
+}
+
+/// The error for a sandbox id this edge does not have (or the caller may not see).
+fn no_such_sandbox(id: &str) -> ApiError {
+    ApiError::not_found(format!(
+        "sandbox {id:?} not found: it was stopped, expired, or never existed"
+    ))
+}
+
 /// The error for a request to a sandbox whose init died.
 fn failed(id: &str, why: &str) -> ApiError {
     ApiError::sandbox_failed(format!(
@@ -435,6 +463,7 @@ impl Edge {
             forking: Mutex::default(),
             creating: AtomicUsize::new(0),
             idempotent: fleet::IdempotencyKeys::default(),
+            project_usage: projects::Usage::default(),
         }
     }
 
@@ -457,11 +486,41 @@ impl Edge {
             .expect("lock")
             .get(id)
             .cloned()
-            .ok_or_else(|| {
-                ApiError::not_found(format!(
-                    "sandbox {id:?} not found: it was stopped, expired, or never existed"
-                ))
-            })
+            .ok_or_else(|| no_such_sandbox(id))
+    }
+
+    /// Refuses a project's token any sandbox but a live one of its own, with the error of
+    /// an unknown id, so that a project cannot tell another's sandboxes from none. The
+    /// admin passes: each route answers an unknown id its own way.
+    pub fn check_visible(&self, caller: &Caller, id: &str) -> Result<(), ApiError> {
+        if *caller == Caller::Admin {
+            return Ok(());
+        }
+        let entry = self.lookup(id)?;
+        if caller.sees(entry.project.as_deref()) {
+            Ok(())
+        } else {
+            Err(no_such_sandbox(id))
+        }
+    }
+
+    /// How many sandboxes project `name` has here: being created, live, or failed and not
+    /// yet stopped (which hold no quota but are still its).
+    pub fn project_sandboxes(&self, name: &str) -> u64 {
+        let in_table = self
+            .sandboxes
+            .read()
+            .expect("lock")
+            .values()
+            .filter(|e| e.project.as_deref() == Some(name))
+            .count();
+        let in_table = u64::try_from(in_table).unwrap_or(u64::MAX);
+        in_table.max(self.project_usage.of(name).sandboxes)
+    }
+
+    /// What project `name`'s sandboxes hold now.
+    pub fn project_usage(&self, name: &str) -> dsec_api::ProjectUsage {
+        self.project_usage.of(name)
     }
 
     /// An entry that can take requests now; a paused sandbox is resumed transparently.
@@ -513,10 +572,19 @@ impl Edge {
         Ok((cpus, unsigned(mem), unsigned(pids), unsigned(disk)))
     }
 
-    /// Creates a sandbox.
-    pub async fn create(&self, req: CreateSandboxRequest) -> Result<SandboxInfo, ApiError> {
+    /// Creates a sandbox for `caller`'s project.
+    pub async fn create(
+        &self,
+        req: CreateSandboxRequest,
+        caller: &Caller,
+    ) -> Result<SandboxInfo, ApiError> {
         let _in_flight = fleet::InFlight::enter(&self.creating);
-        self.create_from(req, None).await
+        if let Ok(image) = self.images.get(&req.image) {
+            if !shown(caller, &image_info(&self.images, image)) {
+                return Err(ImageError::NotFound { name: req.image }.into());
+            }
+        }
+        self.create_from(req, None, caller).await
     }
 
     /// Creates a sandbox; a fork's trajectory starts with its parent's first steps.
@@ -524,6 +592,7 @@ impl Edge {
         &self,
         req: CreateSandboxRequest,
         fork_of: Option<ForkOf>,
+        caller: &Caller,
     ) -> Result<SandboxInfo, ApiError> {
         let request = req.clone();
         let (kind, backend) = self.backends.get(&req.backend)?;
@@ -542,6 +611,12 @@ impl Edge {
             }
         }
         let sandbox_env = env_pairs(&req.env, "environment")?;
+        let quota = match caller {
+            Caller::Admin => None,
+            Caller::Project { name, quotas } => {
+                Some(self.project_usage.reserve(name, quotas, cpus, memory_mb)?)
+            }
+        };
         let id = format!(
             "{}-{:012x}",
             self.config.name,
@@ -603,6 +678,7 @@ impl Edge {
             trajectory_id: req.trajectory_id,
             next_step: None,
             accelerator: sandbox.accelerator().map(str::to_owned),
+            project: caller.project().map(|p| p.to_string()),
             usage: Default::default(),
         };
         let registered = self.log.register(SandboxRecord {
@@ -619,7 +695,19 @@ impl Edge {
         if info.trajectory_id.is_some() {
             if let Err(e) = registered.wait().await {
                 sandbox.stop().await;
-                return Err(e.into());
+                return Err(match e {
+                    // Its message names the sandbox that has the trajectory: maybe another
+                    // project's.
+                    dsec_trajectory::LogError::TrajectoryTaken { trajectory_id, .. }
+                        if *caller != Caller::Admin =>
+                    {
+                        ApiError::conflict(format!(
+                            "trajectory_id {trajectory_id:?} already names another sandbox's \
+                             trajectory: pick a new one"
+                        ))
+                    }
+                    e => e.into(),
+                });
             }
         }
         let entry = Arc::new(Entry {
@@ -637,6 +725,8 @@ impl Edge {
             request,
             file_transfers: Arc::new(Semaphore::new(FILE_TRANSFERS_PER_SANDBOX)),
             grant: Mutex::new(grant),
+            project: caller.project().cloned(),
+            quota: Mutex::new(quota),
             failure: tokio::sync::OnceCell::new(),
             backend,
             sandbox,
@@ -673,14 +763,14 @@ impl Edge {
             .collect()
     }
 
-    /// Sandboxes having all of `labels`, oldest first.
-    pub fn list(&self, labels: &[(String, String)]) -> Vec<SandboxInfo> {
+    /// `caller`'s sandboxes having all of `labels`, oldest first.
+    pub fn list(&self, labels: &[(String, String)], caller: &Caller) -> Vec<SandboxInfo> {
         let entries: Vec<Arc<Entry>> = self
             .sandboxes
             .read()
             .expect("lock")
             .values()
-            .filter(|e| has_labels(e, labels))
+            .filter(|e| caller.sees(e.project.as_deref()) && has_labels(e, labels))
             .cloned()
             .collect();
         let mut infos: Vec<SandboxInfo> = entries.iter().map(|e| e.snapshot()).collect();
@@ -743,7 +833,12 @@ impl Edge {
     /// `n` new sandboxes from a sandbox's current filesystem, with its settings: the
     /// parent is snapshotted once (image `<id>-fork-<random>`, listed with the others so
     /// it can be deleted once the forks are done) and each child starts from it.
-    pub async fn fork(&self, id: &str, n: i64) -> Result<Vec<SandboxInfo>, ApiError> {
+    pub async fn fork(
+        &self,
+        id: &str,
+        n: i64,
+        caller: &Caller,
+    ) -> Result<Vec<SandboxInfo>, ApiError> {
         let n = usize::try_from(check_range("n", n, 1, MAX_FORKS, "")?).unwrap_or_default();
         let parent = self.entry(id)?;
         // Holding the parent's trajectory position keeps its next step out until the fork
@@ -776,7 +871,7 @@ impl Edge {
                     .map(|f| format!("{}.fork-{suffix:08x}-{i}", f.trajectory_id)),
                 ..parent.request.clone()
             };
-            self.create_from(child, fork_of.clone())
+            self.create_from(child, fork_of.clone(), caller)
         }))
         .await;
         drop(position);
@@ -866,7 +961,7 @@ impl Edge {
         );
         // From now on its log may be pruned; nothing need wait for that.
         drop(self.log.stopped(id));
-        entry.grant.lock().expect("lock").take();
+        entry.release();
         Ok(())
     }
 
@@ -1274,17 +1369,26 @@ impl Edge {
     }
 
     /// All images.
-    pub fn images(&self) -> Result<Vec<ImageInfo>, ApiError> {
+    pub fn images(&self, caller: &Caller) -> Result<Vec<ImageInfo>, ApiError> {
         let images = self.images.list()?;
         Ok(images
             .into_iter()
             .map(|i| image_info(&self.images, i))
+            .filter(|i| shown(caller, i))
             .collect())
     }
 
     /// One image.
-    pub fn image(&self, name: &str) -> Result<ImageInfo, ApiError> {
-        Ok(image_info(&self.images, self.images.get(name)?))
+    pub fn image(&self, name: &str, caller: &Caller) -> Result<ImageInfo, ApiError> {
+        let info = image_info(&self.images, self.images.get(name)?);
+        if shown(caller, &info) {
+            Ok(info)
+        } else {
+            Err(ImageError::NotFound {
+                name: name.to_owned(),
+            }
+            .into())
+        }
     }
 
     /// Deletes an image; layers that live sandboxes use stay until those stop.

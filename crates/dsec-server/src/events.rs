@@ -78,6 +78,9 @@ pub struct Event {
     /// The sandbox it happened to, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sandbox: Option<String>,
+    /// That sandbox's project (none: the admin's), so that a project sees only its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
     /// That sandbox's labels, so that a label filter works after the sandbox is gone.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
@@ -122,6 +125,8 @@ pub struct Filter {
     pub since: Option<f64>,
     /// Only events with a larger id (to resume a stream).
     pub after: Option<u64>,
+    /// Only this project's events (set from a project's token, never from the query).
+    pub project: Option<String>,
 }
 
 impl Filter {
@@ -137,6 +142,10 @@ impl Filter {
             && (self.kinds.is_empty() || self.kinds.iter().any(|k| kind_matches(k, &event.kind)))
             && self.since.is_none_or(|t| event.time >= t)
             && self.after.is_none_or(|id| event.id > id)
+            && self
+                .project
+                .as_ref()
+                .is_none_or(|p| event.project.as_ref() == Some(p))
     }
 }
 
@@ -156,6 +165,8 @@ pub struct Subject<'a> {
     pub id: &'a str,
     /// Its labels.
     pub labels: &'a BTreeMap<String, String>,
+    /// Its project, if not the admin's.
+    pub project: Option<&'a str>,
 }
 
 struct Ring {
@@ -256,6 +267,7 @@ impl Events {
             time: unix_now(),
             kind: kind.to_owned(),
             sandbox: subject.map(|s| s.id.to_owned()),
+            project: subject.and_then(|s| s.project.map(str::to_owned)),
             labels: subject.map(|s| s.labels.clone()).unwrap_or_default(),
             data,
         });
@@ -439,6 +451,7 @@ mod tests {
             kind: kind.into(),
             sandbox: sandbox.map(str::to_owned),
             labels: BTreeMap::from([("team".to_owned(), "a".to_owned())]),
+            project: None,
             data: serde_json::Value::Null,
         }
     }
@@ -460,6 +473,7 @@ mod tests {
         let f = Filter {
             sandbox: Some("sb-1".into()),
             labels: vec![("team".into(), "a".into())],
+            project: None,
             kinds: vec!["command".into()],
             since: Some(99.0),
             after: Some(4),
@@ -497,6 +511,7 @@ mod tests {
             let subject = Subject {
                 id: if i % 2 == 0 { "even" } else { "odd" },
                 labels: &labels,
+                project: None,
             };
             events.emit(
                 kind::COMMAND_END,

@@ -15,6 +15,7 @@ pub mod e2b;
 pub mod edge;
 pub mod error;
 pub mod events;
+pub mod projects;
 pub mod sandboxfusion;
 mod trajectory;
 pub mod watcher;
@@ -472,10 +473,17 @@ pub async fn run_with(
     tokio::spawn(Arc::clone(&edge).usage_sampler());
     tokio::spawn(watcher::Watcher::new(config.watcher.rules()).run(Arc::clone(&edge)));
     tokio::spawn(Arc::clone(&edge).image_collector());
+    let projects = Arc::new(
+        projects::Projects::open(&config.state_dir).map_err(|source| ServeError::StateDir {
+            path: config.state_dir.join("projects.json"),
+            source,
+        })?,
+    );
     let state = api::AppState {
         edge: Arc::clone(&edge),
         metrics,
         token: config.token.as_deref().map(Arc::from),
+        projects: Arc::clone(&projects),
         sandboxfusion: Arc::clone(&sandboxfusion),
     };
     let app = api::router(state, config.max_upload_bytes);
@@ -501,6 +509,7 @@ pub async fn run_with(
         Arc::clone(&edge),
         config.e2b.clone(),
         config.token.as_deref().map(Arc::from),
+        projects,
         config.max_upload_bytes,
     ));
     let e2b_servers = e2b::start(e2b, stopped).await?;

@@ -366,7 +366,10 @@ impl Watcher {
                 let rule = self.rules[trip.rule].clone();
                 let edge = Arc::clone(&edge);
                 let labels = event.labels.clone();
-                tokio::spawn(async move { act(&edge, &rule, trip, &labels).await });
+                let project = event.project.clone();
+                tokio::spawn(
+                    async move { act(&edge, &rule, trip, &labels, project.as_deref()).await },
+                );
             }
         }
     }
@@ -378,6 +381,7 @@ async fn act(
     rule: &Rule,
     trip: Trip,
     labels: &std::collections::BTreeMap<String, String>,
+    project: Option<&str>,
 ) {
     let id = trip.sandbox.as_str();
     let outcome = match rule.action {
@@ -398,7 +402,11 @@ async fn act(
         .increment(1);
     edge.events().emit(
         kind::WATCHER_ACTION,
-        Some(Subject { id, labels }),
+        Some(Subject {
+            id,
+            labels,
+            project,
+        }),
         serde_json::json!({
             "rule": rule.name,
             "action": rule.action.name(),
@@ -426,6 +434,7 @@ mod tests {
             kind: kind.into(),
             sandbox: Some("sb".into()),
             labels: Default::default(),
+            project: None,
             data,
         }
     }

@@ -67,6 +67,13 @@ enum Cmd {
         #[command(flatten)]
         remote: Remote,
     },
+    /// Manage projects: their tokens and quotas (with the server's admin token).
+    Project {
+        #[command(subcommand)]
+        command: ProjectCmd,
+        #[command(flatten)]
+        remote: Remote,
+    },
     /// Manage images.
     Image {
         #[command(subcommand)]
@@ -366,6 +373,36 @@ struct ApiserverArgs {
 }
 
 #[derive(Subcommand)]
+enum ProjectCmd {
+    /// Create a project and print its token (shown once; the server keeps only a hash).
+    Create {
+        /// Project name: a-z, 0-9, '-' and '_'.
+        name: String,
+        /// Most sandboxes it may run at once.
+        #[arg(long)]
+        max_sandboxes: Option<u64>,
+        /// Most CPUs its sandboxes may ask for together.
+        #[arg(long)]
+        max_cpus: Option<f64>,
+        /// Most memory its sandboxes may ask for together, in MB.
+        #[arg(long)]
+        max_memory_mb: Option<u64>,
+    },
+    /// List projects with their quotas and what they use now.
+    List,
+    /// Delete a project and its tokens (refused while it has sandboxes).
+    Delete {
+        /// Project name.
+        name: String,
+    },
+    /// Add a token to a project and print it.
+    Token {
+        /// Project name.
+        name: String,
+    },
+}
+
+#[derive(Subcommand)]
 enum ImageCmd {
     /// Import a rootfs directory or tarball, a docker-save archive, an OCI layout, or a
     /// registry reference.
@@ -484,6 +521,7 @@ fn run(cmd: Cmd) -> Result<()> {
             print_edges(&edges);
             Ok(())
         }
+        Cmd::Project { command, remote } => project(&Client::new(remote)?, command),
         Cmd::Image { command, remote } => {
             let client = Client::new(remote)?;
             match command {
@@ -1059,6 +1097,67 @@ fn human_size(bytes: u64) -> String {
     } else {
         format!("{v:.1} {}", UNITS[unit])
     }
+}
+
+fn project(client: &Client, command: ProjectCmd) -> Result<()> {
+    match command {
+        ProjectCmd::Create {
+            name,
+            max_sandboxes,
+            max_cpus,
+            max_memory_mb,
+        } => {
+            let req = dsec_api::CreateProjectRequest {
+                name,
+                max_sandboxes,
+                max_cpus,
+                max_memory_mb,
+            };
+            let made: dsec_api::ProjectToken =
+                client.json(client.post("/v1/projects").json(&req))?;
+            println!("{}", made.token);
+        }
+        ProjectCmd::Token { name } => {
+            let made: dsec_api::ProjectToken =
+                client.json(client.post(&format!("/v1/projects/{name}/tokens")))?;
+            println!("{}", made.token);
+        }
+        ProjectCmd::List => {
+            let projects: Vec<dsec_api::ProjectInfo> = client.json(client.get("/v1/projects"))?;
+            let limit = |v: Option<String>| v.unwrap_or_else(|| "-".to_owned());
+            println!(
+                "{:<24} {:>12} {:>14} {:>18} {:>6}",
+                "NAME", "SANDBOXES", "CPUS", "MEMORY_MB", "TOKENS"
+            );
+            for p in projects {
+                let q = p.quotas;
+                println!(
+                    "{:<24} {:>12} {:>14} {:>18} {:>6}",
+                    p.name,
+                    format!(
+                        "{}/{}",
+                        p.usage.sandboxes,
+                        limit(q.max_sandboxes.map(|v| v.to_string()))
+                    ),
+                    format!(
+                        "{}/{}",
+                        p.usage.cpus,
+                        limit(q.max_cpus.map(|v| v.to_string()))
+                    ),
+                    format!(
+                        "{}/{}",
+                        p.usage.memory_mb,
+                        limit(q.max_memory_mb.map(|v| v.to_string()))
+                    ),
+                    p.tokens
+                );
+            }
+        }
+        ProjectCmd::Delete { name } => {
+            client.empty(client.delete(&format!("/v1/projects/{name}")))?;
+        }
+    }
+    Ok(())
 }
 
 /// A thin blocking HTTP client for the CLI.

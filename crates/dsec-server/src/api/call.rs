@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::Json;
@@ -24,9 +24,10 @@ use dsec_api::{
 use serde::Deserialize;
 use utoipa::ToSchema;
 
-use super::{ApiJson, AppState};
+use super::{ApiJson, AppState, Visible};
 use crate::edge::Edge;
 use crate::error::ApiError;
+use crate::projects::Caller;
 
 /// `POST /v1/calls` and `/v1/calls/stream`: a command for a fresh worker of an image's
 /// `fncall` pool, with the worker's limits.
@@ -121,8 +122,12 @@ impl Drop for StopOnDrop {
 }
 
 /// Creates the call's handle; it is stopped when the returned guard drops.
-async fn handle(state: &AppState, create: CreateSandboxRequest) -> Result<StopOnDrop, ApiError> {
-    let info = state.edge.create(create).await?;
+async fn handle(
+    state: &AppState,
+    caller: &Caller,
+    create: CreateSandboxRequest,
+) -> Result<StopOnDrop, ApiError> {
+    let info = state.edge.create(create, caller).await?;
     Ok(StopOnDrop {
         edge: Arc::clone(&state.edge),
         id: info.id,
@@ -135,12 +140,13 @@ async fn handle(state: &AppState, create: CreateSandboxRequest) -> Result<StopOn
               (status = 503, body = ErrorBody)))]
 pub(super) async fn call(
     State(state): State<AppState>,
+    caller: Caller,
     ApiJson(req): ApiJson<CallRequest>,
 ) -> Result<Json<CommandResult>, ApiError> {
     let (create, exec) = req.split();
-    let handle = handle(&state, create).await?;
+    let handle = handle(&state, &caller, create).await?;
     let id = handle.id.clone();
-    super::exec(State(state), Path(id), ApiJson(exec)).await
+    super::exec(State(state), Visible(id), ApiJson(exec)).await
 }
 
 #[utoipa::path(post, path = "/v1/calls/stream", request_body = CallRequest,
@@ -149,13 +155,14 @@ pub(super) async fn call(
               (status = 503, body = ErrorBody)))]
 pub(super) async fn call_stream(
     State(state): State<AppState>,
+    caller: Caller,
     headers: HeaderMap,
     ApiJson(req): ApiJson<CallRequest>,
 ) -> Result<Response, ApiError> {
     let (create, exec) = req.split();
-    let handle = handle(&state, create).await?;
+    let handle = handle(&state, &caller, create).await?;
     let id = handle.id.clone();
     // The command has started when this returns: its stream owns the worker, and the
     // handle goes with `handle` here.
-    super::exec_stream(State(state), Path(id), headers, ApiJson(exec)).await
+    super::exec_stream(State(state), Visible(id), headers, ApiJson(exec)).await
 }

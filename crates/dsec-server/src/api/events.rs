@@ -19,6 +19,7 @@ use tokio::sync::broadcast;
 use super::{form_pairs, AppState};
 use crate::error::ApiError;
 use crate::events::{kind, Event, Filter};
+use crate::projects::Caller;
 
 /// How often an idle follower gets a blank line.
 const HEARTBEAT: Duration = Duration::from_secs(15);
@@ -111,6 +112,7 @@ fn lost(missed: u64) -> Event {
         kind: kind::EVENTS_LOST.to_owned(),
         sandbox: None,
         labels: Default::default(),
+        project: None,
         data: serde_json::json!({"missed": missed}),
     }
 }
@@ -129,10 +131,12 @@ fn lost(missed: u64) -> Event {
               (status = 400, body = dsec_api::ErrorBody)))]
 pub(super) async fn events(
     State(state): State<AppState>,
+    caller: Caller,
     headers: HeaderMap,
     RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
-    let q = parse_query(query.as_deref().unwrap_or_default())?;
+    let mut q = parse_query(query.as_deref().unwrap_or_default())?;
+    q.filter.project = caller.project().map(|p| p.to_string());
     let sse = headers
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())

@@ -166,7 +166,9 @@ impl From<ApiError> for ConnectError {
             ErrorKind::Conflict | ErrorKind::TrajectoryDiverged | ErrorKind::SandboxFailed => {
                 Code::FailedPrecondition
             }
-            ErrorKind::PayloadTooLarge | ErrorKind::Capacity => Code::ResourceExhausted,
+            ErrorKind::PayloadTooLarge | ErrorKind::Capacity | ErrorKind::QuotaExceeded => {
+                Code::ResourceExhausted
+            }
             ErrorKind::Unavailable => Code::Unavailable,
             ErrorKind::Internal => Code::Internal,
         };

@@ -4,7 +4,8 @@
 //! `/sandboxes`), metrics, health.
 //!
 //! Every route but `/health` takes the API key in `X-API-KEY` (or `Authorization: Bearer`):
-//! dsec's token when the server has one, else any non-empty key. Errors have E2B's shape,
+//! dsec's token (the admin's) or a project's when the server has one, else any non-empty
+//! key; a project's key sees only its project's sandboxes. Errors have E2B's shape,
 //! `{"code": <HTTP status>, "message": ...}`; what dsec does not offer (template builds,
 //! volumes, snapshots, forks, secrets, MCP, IAM) answers 501 in that shape at once.
 
@@ -23,6 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{create_request, E2b, E2bSandbox, NewSandbox, OnTimeout, Template, ENVD_VERSION};
 use crate::error::ApiError;
+use crate::projects::Caller;
 
 /// An error in E2B's shape.
 #[derive(Debug)]
@@ -149,7 +151,7 @@ const TEMPLATES: &str = "building templates (import a rootfs or image with `dsec
 async fn authenticate(
     State(e2b): State<Arc<E2b>>,
     headers: HeaderMap,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
     let key = headers
@@ -162,19 +164,44 @@ async fn authenticate(
                 .and_then(|v| v.strip_prefix("Bearer "))
         })
         .unwrap_or_default();
-    let refused = match &e2b.token {
-        Some(token) => !crate::api::constant_time_eq(key.as_bytes(), token.as_bytes()),
-        None => key.is_empty(),
+    let caller = match &e2b.token {
+        Some(token) if crate::api::constant_time_eq(key.as_bytes(), token.as_bytes()) => {
+            Some(Caller::Admin)
+        }
+        Some(_) => e2b.projects.authenticate(key),
+        None => (!key.is_empty()).then_some(Caller::Admin),
     };
-    if refused {
+    let Some(caller) = caller else {
         let why = if e2b.token.is_some() {
-            "missing or wrong API key: set E2B_API_KEY to the dsec server's token"
+            "missing or wrong API key: set E2B_API_KEY to the dsec server's token or a \
+             project's"
         } else {
             "missing API key: set E2B_API_KEY (this dsec server takes any non-empty key)"
         };
         return E2bError::new(StatusCode::UNAUTHORIZED, why).into_response();
-    }
+    };
+    request.extensions_mut().insert(caller);
     next.run(request).await
+}
+
+/// The `{id}` of a sandbox route, checked to be one the API key may see (see
+/// [`crate::edge::Edge::check_visible`]).
+struct Visible(String);
+
+impl axum::extract::FromRequestParts<Arc<E2b>> for Visible {
+    type Rejection = E2bError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        e2b: &Arc<E2b>,
+    ) -> Result<Visible> {
+        let Path(id) = Path::<String>::from_request_parts(parts, e2b)
+            .await
+            .map_err(|e| E2bError::invalid(e.body_text()))?;
+        let caller = Caller::from_request_parts(parts, e2b).await?;
+        e2b.edge().check_visible(&caller, &id)?;
+        Ok(Visible(id))
+    }
 }
 
 /// `NewSandbox` and `NewSandboxV2`.
@@ -406,6 +433,7 @@ impl DetailBody {
 
 async fn create(
     State(e2b): State<Arc<E2b>>,
+    caller: Caller,
     E2bJson(body): E2bJson<NewSandboxBody>,
 ) -> Result<(StatusCode, Json<SandboxBody>)> {
     if body.mcp.as_ref().is_some_and(|m| !m.is_null()) {
@@ -421,27 +449,30 @@ async fn create(
     let network = network_policy(body.allow_internet_access, body.network)?;
     let request = create_request(template, body.env_vars, body.metadata, network);
     let sandbox = e2b
-        .create(NewSandbox {
-            template_id: body.template_id,
-            timeout_s: body.timeout,
-            on_timeout: if body.auto_pause {
-                OnTimeout::Pause
-            } else {
-                OnTimeout::Kill
+        .create(
+            NewSandbox {
+                template_id: body.template_id,
+                timeout_s: body.timeout,
+                on_timeout: if body.auto_pause {
+                    OnTimeout::Pause
+                } else {
+                    OnTimeout::Kill
+                },
+                auto_resume: body.auto_resume.is_some_and(|a| a.enabled),
+                request,
+                allow_internet_access: body.allow_internet_access,
             },
-            auto_resume: body.auto_resume.is_some_and(|a| a.enabled),
-            request,
-            allow_internet_access: body.allow_internet_access,
-        })
+            &caller,
+        )
         .await?;
     Ok((StatusCode::CREATED, Json(SandboxBody::of(sandbox))))
 }
 
-async fn info(State(e2b): State<Arc<E2b>>, Path(id): Path<String>) -> Result<Json<DetailBody>> {
+async fn info(State(e2b): State<Arc<E2b>>, Visible(id): Visible) -> Result<Json<DetailBody>> {
     Ok(Json(DetailBody::of(e2b.get(&id)?, true)))
 }
 
-async fn kill(State(e2b): State<Arc<E2b>>, Path(id): Path<String>) -> Result<StatusCode> {
+async fn kill(State(e2b): State<Arc<E2b>>, Visible(id): Visible) -> Result<StatusCode> {
     e2b.kill(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -453,7 +484,7 @@ struct TimeoutBody {
 
 async fn set_timeout(
     State(e2b): State<Arc<E2b>>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     E2bJson(body): E2bJson<TimeoutBody>,
 ) -> Result<StatusCode> {
     e2b.set_timeout(&id, body.timeout, false)?;
@@ -469,7 +500,7 @@ struct RefreshBody {
 /// Keeps a sandbox alive `duration` seconds more (at most an hour; default E2B's 15).
 async fn refresh(
     State(e2b): State<Arc<E2b>>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     E2bJson(body): E2bJson<RefreshBody>,
 ) -> Result<StatusCode> {
     let duration = body.duration.unwrap_or(15);
@@ -498,7 +529,7 @@ fn default_connect_timeout() -> i64 {
 /// Connects to a sandbox, resuming it if paused: 201 when it was resumed, else 200.
 async fn connect(
     State(e2b): State<Arc<E2b>>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     E2bJson(body): E2bJson<ConnectBody>,
 ) -> Result<(StatusCode, Json<SandboxBody>)> {
     let (resumed, sandbox) = e2b.connect(&id, body.timeout).await?;
@@ -513,7 +544,7 @@ async fn connect(
 /// The old resume: 409 unless the sandbox is paused.
 async fn resume(
     State(e2b): State<Arc<E2b>>,
-    Path(id): Path<String>,
+    Visible(id): Visible,
     E2bJson(body): E2bJson<ConnectBody>,
 ) -> Result<(StatusCode, Json<SandboxBody>)> {
     if !e2b.get(&id)?.paused() {
@@ -526,7 +557,7 @@ async fn resume(
     Ok((StatusCode::CREATED, Json(SandboxBody::of(sandbox))))
 }
 
-async fn pause(State(e2b): State<Arc<E2b>>, Path(id): Path<String>) -> Result<StatusCode> {
+async fn pause(State(e2b): State<Arc<E2b>>, Visible(id): Visible) -> Result<StatusCode> {
     e2b.pause(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -673,9 +704,9 @@ impl ListQuery {
 
 /// A page of sandboxes: `X-Next-Token` when there are more, `X-Total-Running` when running
 /// ones were asked for.
-fn list(e2b: &E2b, q: &ListQuery) -> Response {
+fn list(e2b: &E2b, q: &ListQuery, caller: &Caller) -> Response {
     let mut all: Vec<E2bSandbox> = e2b
-        .list(&q.metadata)
+        .list(&q.metadata, caller)
         .into_iter()
         .filter(|s| q.matches(s))
         .collect();
@@ -712,16 +743,24 @@ fn list(e2b: &E2b, q: &ListQuery) -> Response {
     response
 }
 
-async fn list_v2(State(e2b): State<Arc<E2b>>, RawQuery(query): RawQuery) -> Result<Response> {
+async fn list_v2(
+    State(e2b): State<Arc<E2b>>,
+    caller: Caller,
+    RawQuery(query): RawQuery,
+) -> Result<Response> {
     let q = ListQuery::parse(query.as_deref().unwrap_or_default())?;
-    Ok(list(&e2b, &q))
+    Ok(list(&e2b, &q, &caller))
 }
 
 /// The old list: running sandboxes only, no pages.
-async fn list_v1(State(e2b): State<Arc<E2b>>, RawQuery(query): RawQuery) -> Result<Response> {
+async fn list_v1(
+    State(e2b): State<Arc<E2b>>,
+    caller: Caller,
+    RawQuery(query): RawQuery,
+) -> Result<Response> {
     let mut q = ListQuery::parse(query.as_deref().unwrap_or_default())?;
     (q.running, q.paused, q.limit, q.after) = (true, false, usize::MAX, None);
-    Ok(list(&e2b, &q))
+    Ok(list(&e2b, &q, &caller))
 }
 
 /// `SandboxMetric`: one sample, now.
@@ -763,13 +802,14 @@ impl Metric {
     }
 }
 
-async fn metrics(State(e2b): State<Arc<E2b>>, Path(id): Path<String>) -> Result<Json<Vec<Metric>>> {
+async fn metrics(State(e2b): State<Arc<E2b>>, Visible(id): Visible) -> Result<Json<Vec<Metric>>> {
     Ok(Json(vec![Metric::of(&e2b.get(&id)?)]))
 }
 
 /// `GET /sandboxes/metrics?sandbox_ids=a,b`: the latest sample of each.
 async fn metrics_of_many(
     State(e2b): State<Arc<E2b>>,
+    caller: Caller,
     RawQuery(query): RawQuery,
 ) -> Result<Json<serde_json::Value>> {
     let mut sandboxes = serde_json::Map::new();
@@ -778,6 +818,9 @@ async fn metrics_of_many(
             continue;
         }
         for id in value.split(',').filter(|id| !id.is_empty()) {
+            if e2b.edge().check_visible(&caller, id).is_err() {
+                continue;
+            }
             if let Ok(s) = e2b.get(id) {
                 let metric = serde_json::to_value(Metric::of(&s)).expect("metrics serialize");
                 sandboxes.insert(id.to_owned(), metric);

@@ -29,6 +29,7 @@ use rand::Rng;
 
 use crate::edge::Edge;
 use crate::error::ApiError;
+use crate::projects::{Caller, Projects};
 
 /// The envd version dsec reports to the SDK, which enables its features by version
 /// (`e2b/envd/versions.py`). 0.6.4 turns on every gate the SDK knows, so the SDK sends
@@ -177,6 +178,8 @@ pub struct E2b {
     config: E2bConfig,
     /// dsec's bearer token: the API key clients must present, when the server has one.
     token: Option<Arc<str>>,
+    /// Project tokens are API keys too, each seeing its project's sandboxes only.
+    projects: Arc<Projects>,
     /// Largest request body (uploads).
     max_upload_bytes: usize,
     records: Mutex<HashMap<String, Record>>,
@@ -232,12 +235,14 @@ impl E2b {
         edge: Arc<Edge>,
         config: E2bConfig,
         token: Option<Arc<str>>,
+        projects: Arc<Projects>,
         max_upload_bytes: usize,
     ) -> E2b {
         E2b {
             edge,
             config,
             token,
+            projects,
             max_upload_bytes,
             records: Mutex::default(),
             debug_sandbox: tokio::sync::Mutex::new(None),
@@ -256,9 +261,9 @@ impl E2b {
     }
 
     /// Creates a sandbox with its E2B record.
-    pub async fn create(&self, new: NewSandbox) -> Result<E2bSandbox, ApiError> {
+    pub async fn create(&self, new: NewSandbox, caller: &Caller) -> Result<E2bSandbox, ApiError> {
         let timeout = check_timeout(new.timeout_s)?;
-        let info = self.edge.create(new.request).await?;
+        let info = self.edge.create(new.request, caller).await?;
         let record = Record {
             template_id: new.template_id,
             access_token: new_token(),
@@ -312,8 +317,8 @@ impl E2b {
     }
 
     /// Every sandbox having all of `labels`, oldest first.
-    pub fn list(&self, labels: &[(String, String)]) -> Vec<E2bSandbox> {
-        let infos = self.edge.list(labels);
+    pub fn list(&self, labels: &[(String, String)], caller: &Caller) -> Vec<E2bSandbox> {
+        let infos = self.edge.list(labels, caller);
         let records = self.records.lock().expect("lock");
         let views: Vec<(SandboxInfo, Option<Record>)> = infos
             .into_iter()
@@ -433,7 +438,7 @@ impl E2b {
         let mut labels = BTreeMap::new();
         labels.insert("e2b.debug".to_owned(), "true".to_owned());
         let request = create_request(template, BTreeMap::new(), labels, Network::default());
-        let info = self.edge.create(request).await?;
+        let info = self.edge.create(request, &Caller::Admin).await?;
         tracing::info!(sandbox = %info.id, "E2B debug sandbox created");
         *current = Some(info.id.clone());
         Ok(info.id)

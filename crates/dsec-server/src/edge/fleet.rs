@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use super::Edge;
 use crate::error::ApiError;
+use crate::projects::Caller;
 
 /// The load an edge publishes about twice a second; apiservers place by it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -89,6 +90,16 @@ pub(super) struct IdempotencyKeys {
 /// Keys are dropped once their sandbox is gone, looked at when the table grows past this.
 const KEYS_BEFORE_PRUNE: usize = 1024;
 
+/// Where `key` lives in the table: each project has its own keys, so that one project's
+/// retry can never return, or reveal, another's sandbox.
+fn scoped_key(caller: &Caller, key: &str) -> String {
+    match caller.project() {
+        None => key.to_owned(),
+        // A NUL cannot occur in a checked key: the two spaces never meet.
+        Some(project) => format!("{project}\0{key}"),
+    }
+}
+
 fn check_key(key: &str) -> Result<(), ApiError> {
     if key.is_empty() || key.len() > 128 || !key.bytes().all(|b| b.is_ascii_graphic()) {
         return Err(ApiError::invalid(format!(
@@ -141,6 +152,7 @@ impl Edge {
         &self,
         key: Option<&str>,
         req: CreateManyRequest,
+        caller: &Caller,
     ) -> Result<Vec<BatchItem>, ApiError> {
         check_batch(req.count)?;
         if let Some(key) = key {
@@ -151,10 +163,10 @@ impl Edge {
             .map(|index| async move {
                 let made = match key {
                     Some(key) => self
-                        .create_once(&batch_item_key(key, index), sandbox.clone())
+                        .create_once(&batch_item_key(key, index), sandbox.clone(), caller)
                         .await
                         .map(|(info, _)| info),
-                    None => Box::pin(self.create(sandbox.clone())).await,
+                    None => Box::pin(self.create(sandbox.clone(), caller)).await,
                 };
                 batch_item(made)
             })
@@ -191,8 +203,10 @@ impl Edge {
         &self,
         key: &str,
         req: CreateSandboxRequest,
+        caller: &Caller,
     ) -> Result<(SandboxInfo, bool), ApiError> {
         check_key(key)?;
+        let scoped = scoped_key(caller, key);
         let cell = {
             let mut keys = self.idempotent.keys.lock().expect("lock");
             let prune_at = &self.idempotent.prune_at;
@@ -201,14 +215,14 @@ impl Edge {
                 keys.retain(|_, cell| cell.get().is_none_or(|id| live.contains_key(id)));
                 prune_at.store(keys.len() * 2, Ordering::Relaxed);
             }
-            Arc::clone(keys.entry(key.to_owned()).or_default())
+            Arc::clone(keys.entry(scoped).or_default())
         };
         let mut made = None;
         let id = cell
             .get_or_try_init(|| async {
                 // Boxed: a create's future is large (a VM's boot among its states), and
                 // nested inline in the cell's it overflowed a worker's stack in debug builds.
-                let info = Box::pin(self.create(req)).await?;
+                let info = Box::pin(self.create(req, caller)).await?;
                 let id = info.id.clone();
                 made = Some(info);
                 Ok::<_, ApiError>(id)
@@ -222,14 +236,14 @@ impl Edge {
     }
 
     /// The sandbox made for idempotency key `key`.
-    pub fn by_idempotency_key(&self, key: &str) -> Result<SandboxInfo, ApiError> {
+    pub fn by_idempotency_key(&self, key: &str, caller: &Caller) -> Result<SandboxInfo, ApiError> {
         check_key(key)?;
         let id = self
             .idempotent
             .keys
             .lock()
             .expect("lock")
-            .get(key)
+            .get(&scoped_key(caller, key))
             .and_then(|cell| cell.get().cloned())
             .ok_or_else(|| {
                 ApiError::not_found(format!("no sandbox was made for idempotency key {key:?}"))
