@@ -6,8 +6,8 @@
 """
 
 from ._protocol import __version__
-from .aio import AsyncClient, AsyncSandbox, PendingSandbox
-from .client import Client, Sandbox
+from .aio import AsyncClient, AsyncProcess, AsyncSandbox, PendingSandbox
+from .client import Client, Process, Sandbox
 from .errors import (
     BatchError,
     CapacityExceeded,
@@ -29,6 +29,8 @@ from .types import (
     FileInfo,
     Image,
     Limits,
+    ProcessEvent,
+    ProcessInfo,
     SandboxInfo,
     StreamEvent,
     Usage,
@@ -36,6 +38,7 @@ from .types import (
 
 __all__ = [
     "AsyncClient",
+    "AsyncProcess",
     "AsyncSandbox",
     "BatchError",
     "CapacityExceeded",
@@ -52,6 +55,9 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "PendingSandbox",
+    "Process",
+    "ProcessEvent",
+    "ProcessInfo",
     "RequestTimeout",
     "Sandbox",
     "SandboxFailed",

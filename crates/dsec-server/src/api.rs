@@ -27,6 +27,7 @@ use utoipa::OpenApi;
 
 mod call;
 mod events;
+mod processes;
 
 use crate::backend::{Output, OutputStream, Upload};
 use crate::edge::{Edge, Execution};
@@ -89,6 +90,39 @@ pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
         .route("/sandboxes/{id}/fork", post(fork_sandbox))
         .route("/sandboxes/{id}/resume", post(resume_sandbox))
         .route("/sandboxes/{id}/network", put(set_network).get(get_network))
+        .route(
+            "/sandboxes/{id}/processes",
+            post(processes::spawn).get(processes::list),
+        )
+        .route("/sandboxes/{id}/processes/{process}", get(processes::get))
+        .route(
+            "/sandboxes/{id}/processes/{process}/events",
+            get(processes::events),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{process}/stdin",
+            post(processes::stdin),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{process}/close-stdin",
+            post(processes::close_stdin),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{process}/signal",
+            post(processes::signal),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{process}/kill",
+            post(processes::kill),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{process}/resize",
+            post(processes::resize),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{process}/wait",
+            post(processes::wait),
+        )
         .route("/idempotency/{key}", get(sandbox_by_idempotency_key))
         .route("/images", post(import_image).get(list_images))
         .route("/images/{*name}", get(get_image).delete(delete_image))
@@ -752,7 +786,17 @@ async fn delete_image(
         prune_store,
         call::call,
         call::call_stream,
-        events::events
+        events::events,
+        processes::spawn,
+        processes::list,
+        processes::get,
+        processes::events,
+        processes::stdin,
+        processes::close_stdin,
+        processes::signal,
+        processes::kill,
+        processes::resize,
+        processes::wait
     ),
     components(schemas(crate::events::Event))
 )]
@@ -800,6 +844,7 @@ mod tests {
             "/v1/sandboxes/batch",
             "/v1/sandboxes/{id}/network",
             "/v1/sandboxes/{id}/log",
+            "/v1/sandboxes/{id}/processes/{process}/events",
             "/v1/images/{name}",
             "/healthz",
         ] {
