@@ -5,7 +5,7 @@ backend that holds a sandbox."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import dsec
 import pytest
@@ -17,8 +17,6 @@ MakeSandbox = Callable[..., dsec.Sandbox]
 @pytest.fixture
 def psb(backend: str, make_sandbox: MakeSandbox) -> dsec.Sandbox:
     """A sandbox whose backend spawns processes."""
-    if backend == "docker":
-        pytest.skip("the docker backend does not spawn long-lived processes yet")
     if backend == "fncall":
         pytest.skip("fncall holds no sandbox to spawn processes in")
     return make_sandbox()
@@ -34,11 +32,11 @@ def output_of(p: dsec.Process) -> tuple[str, dsec.ProcessEvent]:
     raise AssertionError("the events ended without an exit")
 
 
-def read_until(events: object, needle: str, timeout: float = 30.0) -> str:
-    """Output from the iterator `events` up to and including `needle`."""
+def read_until(events: Iterator[dsec.ProcessEvent], needle: str, timeout: float = 30.0) -> str:
+    """Output from `events` up to and including `needle`."""
     text = ""
     deadline = time.monotonic() + timeout
-    for ev in events:  # type: ignore[attr-defined]
+    for ev in events:
         assert ev.kind != "exit", f"exited before printing {needle!r}: {text!r}"
         text += ev.data
         if needle in text:
@@ -89,11 +87,12 @@ def test_stdin_false_closes_input_at_once(psb: dsec.Sandbox) -> None:
     assert output_of(p)[0] == "done\n"
 
 
-def test_signals_by_name_and_number_and_kill(psb: dsec.Sandbox) -> None:
+def test_signals_by_name_and_number_and_kill(psb: dsec.Sandbox, backend: str) -> None:
     term = psb.spawn(["sleep", "1000"])
     term.signal("TERM")
     assert term.wait(timeout=20) == 128 + 15
-    assert term.info().signal == 15
+    # Docker reports an exec's exit code only.
+    assert term.info().signal == (None if backend == "docker" else 15)
     intr = psb.spawn(["sleep", "1000"])
     intr.signal(2)
     assert intr.wait(timeout=20) == 128 + 2
@@ -101,7 +100,12 @@ def test_signals_by_name_and_number_and_kill(psb: dsec.Sandbox) -> None:
     tree = psb.spawn("sleep 1000 & sleep 1000; wait")
     tree.kill()
     assert tree.wait(timeout=20) == 128 + 9
-    assert psb.run("ps -o comm | grep -c '^sleep' || true").stdout.strip() == "0"
+    deadline = time.monotonic() + 10
+    # Docker: the exec's orphaned children outlive kill() (known gap, see docs/SDK.md).
+    count = "ps -o comm | grep -c '^sleep' || true"
+    while backend != "docker" and psb.run(count).stdout.strip() != "0":
+        assert time.monotonic() < deadline, "kill() left the tree's child running"
+        time.sleep(0.2)
     with pytest.raises(dsec.Conflict, match="exited"):
         tree.signal("TERM")
 
@@ -134,13 +138,14 @@ def test_processes_lists_pid_tag_and_command(psb: dsec.Sandbox) -> None:
     b.kill()
 
 
-def test_pty_is_a_terminal_and_resizes(psb: dsec.Sandbox) -> None:
+def test_pty_is_a_terminal_and_resizes(psb: dsec.Sandbox, backend: str) -> None:
     p = psb.spawn(
         "tty; stty size; read x; stty size; echo bye",
         pty={"cols": 100, "rows": 30},
     )
     events = p.events()
-    first = read_until(events, "30 100")
+    # Docker sizes an exec's terminal only once it runs: its first look may be 0 0.
+    first = read_until(events, "/dev/pts/" if backend == "docker" else "30 100")
     assert "/dev/pts/" in first, first
     p.resize(120, 40)
     p.send_stdin("\n")
@@ -175,8 +180,6 @@ def test_output_over_the_replay_bound_reports_what_was_dropped(psb: dsec.Sandbox
 def test_stopping_the_sandbox_kills_its_processes(
     server: Server, backend: str, make_sandbox: MakeSandbox
 ) -> None:
-    if backend == "docker":
-        pytest.skip("the docker backend does not spawn long-lived processes yet")
     sb = make_sandbox()
     p = sb.spawn(["sleep", "1000"], tag="sleeper")
     sb.spawn("while :; do sleep 1; done")
@@ -186,7 +189,7 @@ def test_stopping_the_sandbox_kills_its_processes(
         p.info()
 
 
-def test_bad_input_gets_clear_errors(psb: dsec.Sandbox) -> None:
+def test_bad_input_gets_clear_errors(psb: dsec.Sandbox, backend: str) -> None:
     with pytest.raises(dsec.NotFound, match="no process"):
         psb.attach(999999)
     with pytest.raises(dsec.NotFound, match="no process"):
@@ -213,6 +216,11 @@ def test_bad_input_gets_clear_errors(psb: dsec.Sandbox) -> None:
         p.send_stdin("x")
     p.kill()
     assert p.wait(timeout=20) == 137
+    if backend == "docker":
+        # runc refuses it before it has a pid: the spawn is refused, saying why.
+        with pytest.raises(dsec.InvalidArgument, match="cannot execute"):
+            psb.spawn(["/no/such/program"])
+        return
     # A command that cannot run is a process that exited as a shell reports it.
     missing = psb.spawn(["/no/such/program"])
     assert missing.wait(timeout=20) == 127

@@ -42,6 +42,7 @@ mod archive;
 mod host;
 mod output;
 mod paths;
+mod process;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -68,7 +69,8 @@ use self::host::{
 use self::output::DockerOutput;
 use self::paths::join;
 use super::{
-    Backend, CommandSpec, Created, FileRead, OutputStream, Sandbox, SandboxRequest, Upload,
+    Backend, CommandSpec, Created, FileRead, OutputStream, ProcessSpec, Sandbox, SandboxRequest,
+    Spawned, Upload,
 };
 use crate::error::ApiError;
 
@@ -235,6 +237,10 @@ impl Sandbox for DockerSandbox {
             started,
             &cmd,
         )))
+    }
+
+    async fn spawn(&self, spec: ProcessSpec) -> Result<Spawned, ApiError> {
+        process::spawn(&self.0, spec).await
     }
 
     async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Box<dyn FileRead>, ApiError> {
