@@ -57,6 +57,8 @@ def assert_hidden(c: dsec.Client, own: dsec.Sandbox, target: str) -> None:
         partial(other.move, "/secret", "/stolen"),
         partial(other.remove, "/secret"),
         partial(other.watch, "/"),
+        partial(other.spawn, "sleep 1"),
+        other.processes,
         other.pause,
         other.network_refused,
         other.log,

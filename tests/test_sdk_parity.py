@@ -10,7 +10,11 @@ from typing import Any
 import dsec
 import pytest
 
-PAIRS = [(dsec.Client, dsec.AsyncClient), (dsec.Sandbox, dsec.AsyncSandbox)]
+PAIRS = [
+    (dsec.Client, dsec.AsyncClient),
+    (dsec.Sandbox, dsec.AsyncSandbox),
+    (dsec.Process, dsec.AsyncProcess),
+]
 #: Methods that are not coroutines on the async side, and what they are instead.
 NOT_COROUTINES = {
     # Returns a PendingSandbox: awaitable, and an async context manager.
@@ -60,7 +64,7 @@ def test_async_methods_are_coroutines(sync: type, aio: type) -> None:
 
 
 def test_both_are_context_managers() -> None:
-    for sync, aio in PAIRS:
+    for sync, aio in PAIRS[:2]:  # clients and sandboxes; a process is not closed
         assert hasattr(sync, "__enter__") and hasattr(sync, "__exit__")
         assert hasattr(aio, "__aenter__") and hasattr(aio, "__aexit__")
     assert hasattr(dsec.PendingSandbox, "__aenter__") and hasattr(dsec.PendingSandbox, "__await__")

@@ -6,8 +6,8 @@
 """
 
 from ._protocol import __version__
-from .aio import AsyncClient, AsyncSandbox, PendingSandbox
-from .client import Client, Sandbox
+from .aio import AsyncClient, AsyncProcess, AsyncSandbox, PendingSandbox
+from .client import Client, Process, Sandbox
 from .errors import (
     BatchError,
     CapacityExceeded,
@@ -30,6 +30,8 @@ from .types import (
     FileInfo,
     Image,
     Limits,
+    ProcessEvent,
+    ProcessInfo,
     SandboxInfo,
     StreamEvent,
     Usage,
@@ -38,6 +40,7 @@ from .types import (
 
 __all__ = [
     "AsyncClient",
+    "AsyncProcess",
     "AsyncSandbox",
     "BatchError",
     "CapacityExceeded",
@@ -54,6 +57,9 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "PendingSandbox",
+    "Process",
+    "ProcessEvent",
+    "ProcessInfo",
     "QuotaExceeded",
     "RequestTimeout",
     "Sandbox",

@@ -25,6 +25,7 @@ from .errors import (
     InvalidArgument,
     NotFound,
     RequestTimeout,
+    SandboxFailed,
     error_from_kind,
     error_from_response,
 )
@@ -33,6 +34,8 @@ from .types import (
     Event,
     FileInfo,
     Image,
+    ProcessEvent,
+    ProcessInfo,
     SandboxInfo,
     StreamEvent,
     WatchEvent,
@@ -642,6 +645,126 @@ def stream_call(id: str, body: dict[str, Any]) -> Call[None]:
         read_timeout=_run_read_timeout(body.get("timeout_s")),
         accept="application/x-ndjson",
     )
+
+
+#: The longest wait the server takes in one request; longer waits are several requests.
+MAX_WAIT_S = 3600.0
+
+
+def _proc(id: str, process: int | str, rest: str = "") -> str:
+    return _sb(id, f"/processes/{urllib.parse.quote(str(process), safe='')}{rest}")
+
+
+def parse_process(resp: _http.Response) -> ProcessInfo:
+    return ProcessInfo.from_json(_obj(resp))
+
+
+def parse_processes(resp: _http.Response) -> list[ProcessInfo]:
+    return [ProcessInfo.from_json(d) for d in _list(resp)]
+
+
+def parse_process_event(line: bytes) -> ProcessEvent | None:
+    """Parse one NDJSON line of a process's events (``None`` for heartbeats)."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        doc = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise DsecError(f"bad event in a process's events: {line[:200]!r}") from e
+    if not isinstance(doc, dict):
+        raise DsecError(f"bad event in a process's events: {line[:200]!r}")
+    return ProcessEvent.from_json(doc)
+
+
+def spawn_call(
+    id: str,
+    cmd: Command,
+    *,
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    stdin: bool,
+    pty: Mapping[str, int] | None,
+    tag: str | None,
+    user: str | None,
+) -> Call[ProcessInfo]:
+    body: dict[str, Any] = {"cmd": cmd if isinstance(cmd, str) else list(cmd), "stdin": stdin}
+    if env:
+        body["env"] = dict(env)
+    if pty is not None:
+        body["pty"] = {"cols": int(pty.get("cols", 80)), "rows": int(pty.get("rows", 24))}
+    body.update(_drop_none({"cwd": cwd, "tag": tag, "user": user}))
+    return Call("POST", _sb(id, "/processes"), parse_process, json=body)
+
+
+def processes_call(id: str) -> Call[list[ProcessInfo]]:
+    return Call("GET", _sb(id, "/processes"), parse_processes)
+
+
+def process_call(id: str, process: int | str) -> Call[ProcessInfo]:
+    return Call("GET", _proc(id, process), parse_process)
+
+
+def process_events_call(id: str, process: int | str) -> Call[None]:
+    """A process's events; read line by line with :func:`parse_process_event`."""
+    return Call(
+        "GET",
+        _proc(id, process, "/events"),
+        parse_none,
+        read_timeout=FOLLOW_READ_TIMEOUT_S,
+        accept="application/x-ndjson",
+    )
+
+
+def send_stdin_call(id: str, pid: int, data: Data) -> Call[None]:
+    return Call("POST", _proc(id, pid, "/stdin"), parse_none, content=to_bytes(data))
+
+
+def close_stdin_call(id: str, pid: int) -> Call[None]:
+    return Call("POST", _proc(id, pid, "/close-stdin"), parse_none)
+
+
+def signal_call(id: str, pid: int, sig: int | str) -> Call[None]:
+    body = {"signal": sig if isinstance(sig, str) else int(sig)}
+    return Call("POST", _proc(id, pid, "/signal"), parse_none, json=body)
+
+
+def kill_process_call(id: str, pid: int) -> Call[None]:
+    return Call("POST", _proc(id, pid, "/kill"), parse_none)
+
+
+def resize_call(id: str, pid: int, cols: int, rows: int) -> Call[None]:
+    body = {"cols": int(cols), "rows": int(rows)}
+    return Call("POST", _proc(id, pid, "/resize"), parse_none, json=body)
+
+
+def wait_call(id: str, pid: int, timeout: float) -> Call[ProcessInfo]:
+    t = min(max(float(timeout), 0.0), MAX_WAIT_S)
+    return Call(
+        "POST",
+        _proc(id, pid, "/wait"),
+        parse_process,
+        params=[("timeout", repr(t))],
+        read_timeout=t + RUN_TIMEOUT_MARGIN_S,
+    )
+
+
+def wait_slice(deadline: float | None, now: float) -> float:
+    """How long the next wait request waits: to ``deadline``, at most :data:`MAX_WAIT_S`."""
+    return MAX_WAIT_S if deadline is None else min(max(deadline - now, 0.0), MAX_WAIT_S)
+
+
+def exit_code_of(info: ProcessInfo, deadline: float | None, now: float) -> int | None:
+    """A waited-for process's exit code; ``None`` to wait again. Raises
+    :class:`RequestTimeout` past ``deadline``, :class:`SandboxFailed` when the process's end
+    is unknown (its sandbox went first)."""
+    if info.running:
+        if deadline is not None and now >= deadline:
+            raise RequestTimeout(f"process {info.pid} still runs after the wait's timeout")
+        return None
+    if info.exit_code is None:
+        raise SandboxFailed(f"process {info.pid}: {info.error or 'its end is unknown'}")
+    return info.exit_code
 
 
 def write_file_call(id: str, path: str, data: Data, mode: int | None) -> Call[None]:

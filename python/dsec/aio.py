@@ -7,6 +7,7 @@ share one connection pool (see ``max_connections``).
 from __future__ import annotations
 
 import builtins
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
@@ -20,6 +21,8 @@ from .types import (
     Event,
     FileInfo,
     Image,
+    ProcessEvent,
+    ProcessInfo,
     SandboxInfo,
     StreamEvent,
     WatchEvent,
@@ -28,7 +31,7 @@ from .types import (
 T = TypeVar("T")
 E = TypeVar("E")
 
-__all__ = ["AsyncClient", "AsyncSandbox"]
+__all__ = ["AsyncClient", "AsyncProcess", "AsyncSandbox"]
 
 
 def _default_max_connections() -> int:
@@ -407,6 +410,27 @@ class AsyncSandbox(p.SandboxBase):
                 self._steps.give_back(s)
             raise
 
+    async def spawn(
+        self,
+        cmd: Command,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bool = True,
+        pty: Mapping[str, int] | None = None,
+        tag: str | None = None,
+        user: str | None = None,
+    ) -> AsyncProcess:
+        call = p.spawn_call(
+            self.id, cmd, env=env, cwd=cwd, stdin=stdin, pty=pty, tag=tag, user=user
+        )
+        return AsyncProcess(self, await self.client._do(call))
+
+    async def attach(self, pid_or_tag: int | str) -> AsyncProcess:
+        return AsyncProcess(self, await self.client._do(p.process_call(self.id, pid_or_tag)))
+
+    async def processes(self) -> builtins.list[ProcessInfo]:
+        return await self.client._do(p.processes_call(self.id))
+
     async def write_file(self, path: str, data: Data, mode: int | None = None) -> None:
         await self.client._do(p.write_file_call(self.id, path, data, mode))
 
@@ -474,3 +498,47 @@ class AsyncSandbox(p.SandboxBase):
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
+
+
+class AsyncProcess:
+    """The asyncio twin of :class:`dsec.Process`."""
+
+    def __init__(self, sandbox: AsyncSandbox, info: ProcessInfo) -> None:
+        self.sandbox = sandbox
+        self.pid: int = info.pid
+        self.tag: str | None = info.tag
+
+    async def info(self) -> ProcessInfo:
+        return await self.sandbox.client._do(p.process_call(self.sandbox.id, self.pid))
+
+    async def events(self) -> AsyncIterator[ProcessEvent]:
+        call = p.process_events_call(self.sandbox.id, self.pid)
+        async for ev in self.sandbox.client._lines(call, p.parse_process_event):
+            yield ev
+
+    async def send_stdin(self, data: Data) -> None:
+        await self.sandbox.client._do(p.send_stdin_call(self.sandbox.id, self.pid, data))
+
+    async def close_stdin(self) -> None:
+        await self.sandbox.client._do(p.close_stdin_call(self.sandbox.id, self.pid))
+
+    async def signal(self, sig: int | str) -> None:
+        await self.sandbox.client._do(p.signal_call(self.sandbox.id, self.pid, sig))
+
+    async def kill(self) -> None:
+        await self.sandbox.client._do(p.kill_process_call(self.sandbox.id, self.pid))
+
+    async def resize(self, cols: int, rows: int) -> None:
+        await self.sandbox.client._do(p.resize_call(self.sandbox.id, self.pid, cols, rows))
+
+    async def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = p.wait_slice(deadline, time.monotonic())
+            info = await self.sandbox.client._do(p.wait_call(self.sandbox.id, self.pid, wait))
+            code = p.exit_code_of(info, deadline, time.monotonic())
+            if code is not None:
+                return code
+
+    def __repr__(self) -> str:
+        return f"AsyncProcess(pid={self.pid!r}, tag={self.tag!r}, sandbox={self.sandbox.id!r})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
@@ -16,6 +17,8 @@ from .types import (
     Event,
     FileInfo,
     Image,
+    ProcessEvent,
+    ProcessInfo,
     SandboxInfo,
     StreamEvent,
     WatchEvent,
@@ -24,7 +27,7 @@ from .types import (
 T = TypeVar("T")
 E = TypeVar("E")
 
-__all__ = ["Client", "Sandbox"]
+__all__ = ["Client", "Process", "Sandbox"]
 
 
 class Client:
@@ -366,6 +369,33 @@ class Sandbox(p.SandboxBase):
                 self._steps.give_back(s)
             raise
 
+    def spawn(
+        self,
+        cmd: Command,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bool = True,
+        pty: Mapping[str, int] | None = None,
+        tag: str | None = None,
+        user: str | None = None,
+    ) -> Process:
+        """Start ``cmd`` as a process that outlives this call: read it with
+        :meth:`Process.events`, reach it again with :meth:`attach`. ``pty={"cols", "rows"}``
+        runs it on a terminal (one output stream, kind ``pty``); ``tag`` names it (unique
+        among running processes); ``stdin=False`` closes its input at once."""
+        call = p.spawn_call(
+            self.id, cmd, env=env, cwd=cwd, stdin=stdin, pty=pty, tag=tag, user=user
+        )
+        return Process(self, self.client._do(call))
+
+    def attach(self, pid_or_tag: int | str) -> Process:
+        """The spawned process ``pid_or_tag`` names (pid, or tag), from any client."""
+        return Process(self, self.client._do(p.process_call(self.id, pid_or_tag)))
+
+    def processes(self) -> builtins.list[ProcessInfo]:
+        """Spawned processes: those running, and the last ones that ended."""
+        return self.client._do(p.processes_call(self.id))
+
     def write_file(self, path: str, data: Data, mode: int | None = None) -> None:
         """Write ``data`` (str is UTF-8 encoded) to ``path``, creating parent directories."""
         self.client._do(p.write_file_call(self.id, path, data, mode))
@@ -449,3 +479,51 @@ class Sandbox(p.SandboxBase):
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+class Process:
+    """A process spawned by :meth:`Sandbox.spawn` (or found by :meth:`Sandbox.attach`)."""
+
+    def __init__(self, sandbox: Sandbox, info: ProcessInfo) -> None:
+        self.sandbox = sandbox
+        self.pid: int = info.pid
+        self.tag: str | None = info.tag
+
+    def info(self) -> ProcessInfo:
+        return self.sandbox.client._do(p.process_call(self.sandbox.id, self.pid))
+
+    def events(self) -> Iterator[ProcessEvent]:
+        """Its output from the oldest still buffered, then live; the last has kind ``exit``."""
+        call = p.process_events_call(self.sandbox.id, self.pid)
+        yield from self.sandbox.client._lines(call, p.parse_process_event)
+
+    def send_stdin(self, data: Data) -> None:
+        self.sandbox.client._do(p.send_stdin_call(self.sandbox.id, self.pid, data))
+
+    def close_stdin(self) -> None:
+        self.sandbox.client._do(p.close_stdin_call(self.sandbox.id, self.pid))
+
+    def signal(self, sig: int | str) -> None:
+        """Send ``sig``: a number, or a name (``"TERM"``, ``"SIGINT"``)."""
+        self.sandbox.client._do(p.signal_call(self.sandbox.id, self.pid, sig))
+
+    def kill(self) -> None:
+        """Kill it and everything it started."""
+        self.sandbox.client._do(p.kill_process_call(self.sandbox.id, self.pid))
+
+    def resize(self, cols: int, rows: int) -> None:
+        """Resize its terminal (spawned with ``pty``)."""
+        self.sandbox.client._do(p.resize_call(self.sandbox.id, self.pid, cols, rows))
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit code, once it ends; :class:`dsec.RequestTimeout` after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = p.wait_slice(deadline, time.monotonic())
+            info = self.sandbox.client._do(p.wait_call(self.sandbox.id, self.pid, wait))
+            code = p.exit_code_of(info, deadline, time.monotonic())
+            if code is not None:
+                return code
+
+    def __repr__(self) -> str:
+        return f"Process(pid={self.pid!r}, tag={self.tag!r}, sandbox={self.sandbox.id!r})"

@@ -18,6 +18,8 @@ __all__ = [
     "FileInfo",
     "Image",
     "Limits",
+    "ProcessEvent",
+    "ProcessInfo",
     "SandboxInfo",
     "StreamEvent",
     "Usage",
@@ -334,4 +336,74 @@ class Image:
             layers=[str(x) for x in layers] if isinstance(layers, list) else [],
             created_at=_opt_float(d.get("created_at")),
             raw=d,
+        )
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """A spawned process: ``pid`` inside the sandbox, its ``tag`` and ``cmd`` (argv);
+    ``running`` until it ends, then ``exit_code`` (``128 + N`` when signal ``N`` killed it,
+    ``signal`` set) or, when the sandbox went first, ``error``."""
+
+    pid: int
+    tag: str | None
+    cmd: list[str]
+    pty: bool
+    started_at: float
+    running: bool
+    exit_code: int | None = None
+    signal: int | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ProcessInfo:
+        exit = d.get("exit") or {}
+        return _make(
+            cls,
+            {
+                "pid": int(d["pid"]),
+                "tag": d.get("tag"),
+                "cmd": list(d.get("cmd") or []),
+                "pty": bool(d.get("pty", False)),
+                "started_at": float(d.get("started_at", 0.0)),
+                "running": bool(d.get("running", False)),
+                "exit_code": _opt_int(exit.get("exit_code")),
+                "signal": _opt_int(exit.get("signal")),
+                "error": exit.get("error"),
+            },
+        )
+
+
+@dataclass(frozen=True)
+class ProcessEvent:
+    """One event of a spawned process: ``kind`` is ``"stdout"``, ``"stderr"``, ``"pty"``
+    (a terminal's output) or ``"exit"`` (last; ``exit_code``, ``signal``, ``error`` set).
+
+    ``dropped`` counts the bytes of output just before this event that were no longer
+    buffered for this reader (the server keeps the last 1 MiB per process).
+    """
+
+    kind: str
+    data: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
+    oom_killed: bool = False
+    duration_ms: float | None = None
+    error: str | None = None
+    dropped: int = 0
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ProcessEvent:
+        return _make(
+            cls,
+            {
+                "kind": d.get("kind", ""),
+                "data": d.get("data") or "",
+                "exit_code": _opt_int(d.get("exit_code")),
+                "signal": _opt_int(d.get("signal")),
+                "oom_killed": bool(d.get("oom_killed", False)),
+                "duration_ms": _opt_float(d.get("duration_ms")),
+                "error": d.get("error"),
+                "dropped": int(d.get("dropped", 0)),
+            },
         )

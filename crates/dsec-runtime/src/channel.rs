@@ -25,6 +25,8 @@ type Writer = Arc<tokio::sync::Mutex<OwnedWriteHalf>>;
 /// One event of a running command.
 #[derive(Debug)]
 pub enum ExecEvent {
+    /// An interactive command started, with this pid in the sandbox; first of its events.
+    Started(i32),
     /// A chunk of standard output.
     Stdout(Vec<u8>),
     /// A chunk of standard error.
@@ -314,7 +316,8 @@ async fn read_frame<R: AsyncReadExt + Unpin>(
 fn ends_route(frame: &Frame) -> bool {
     !matches!(
         frame.kind,
-        FrameKind::Stdout
+        FrameKind::Started
+            | FrameKind::Stdout
             | FrameKind::Stderr
             | FrameKind::StepExit
             | FrameKind::Fetched
@@ -372,6 +375,10 @@ impl ExecHandle {
         let event = match self.frames.recv().await {
             None => Err(RuntimeError::Gone),
             Some(frame) => match frame.kind {
+                FrameKind::Started => frame
+                    .json()
+                    .map(|s: proto::Started| ExecEvent::Started(s.pid))
+                    .map_err(channel_err),
                 FrameKind::Stdout => Ok(ExecEvent::Stdout(frame.payload)),
                 FrameKind::Stderr => Ok(ExecEvent::Stderr(frame.payload)),
                 FrameKind::StepExit => frame.json().map(ExecEvent::StepExit).map_err(channel_err),
@@ -391,6 +398,68 @@ impl ExecHandle {
         };
         self.done = matches!(event, Ok(ExecEvent::Exit(_)) | Err(_));
         Some(event)
+    }
+}
+
+impl ExecHandle {
+    /// What steers the command while its events are read elsewhere.
+    pub fn control(&self) -> ExecControl {
+        ExecControl {
+            id: self.id,
+            writer: Arc::clone(&self.writer),
+        }
+    }
+}
+
+/// Steers a running interactive command: its input, signals, its terminal's size.
+/// Frames for a command that already ended are ignored by the peer.
+#[derive(Clone)]
+pub struct ExecControl {
+    id: u32,
+    writer: Writer,
+}
+
+impl ExecControl {
+    async fn send(&self, kind: FrameKind, payload: &[u8]) -> Result<(), RuntimeError> {
+        if payload.len() > proto::MAX_PAYLOAD {
+            return Err(channel_err(proto::ProtoError::TooLarge(payload.len())));
+        }
+        let mut writer = self.writer.lock().await;
+        writer
+            .write_all(&proto::header(kind, self.id, payload.len()))
+            .await
+            .map_err(|_| RuntimeError::Gone)?;
+        writer
+            .write_all(payload)
+            .await
+            .map_err(|_| RuntimeError::Gone)
+    }
+
+    /// Appends `data` to the command's standard input.
+    pub async fn send_stdin(&self, data: &[u8]) -> Result<(), RuntimeError> {
+        self.send(FrameKind::Stdin, data).await
+    }
+
+    /// Closes its standard input once what was sent is written.
+    pub async fn close_stdin(&self) -> Result<(), RuntimeError> {
+        self.send(FrameKind::CloseStdin, &[]).await
+    }
+
+    /// Sends signal number `signal` to its main process.
+    pub async fn signal(&self, signal: i32) -> Result<(), RuntimeError> {
+        let payload = serde_json::to_vec(&proto::Signal { signal }).expect("serializes");
+        self.send(FrameKind::Signal, &payload).await
+    }
+
+    /// Resizes its terminal.
+    pub async fn resize(&self, size: proto::WinSize) -> Result<(), RuntimeError> {
+        let payload = serde_json::to_vec(&size).expect("serializes");
+        self.send(FrameKind::Resize, &payload).await
+    }
+
+    /// Kills its process tree.
+    pub async fn kill(&self) -> Result<(), RuntimeError> {
+        self.send(FrameKind::Kill, &[]).await
     }
 }
 

@@ -290,6 +290,8 @@ pub(crate) struct ChildFds<'a> {
     pub(crate) join_cgroup: Option<BorrowedFd<'a>>,
     /// A stepped call's runner: every step's pipes and the report pipe.
     pub(crate) steps: Option<StepFds<'a>>,
+    /// stdin is a terminal's slave side, to become the command's controlling terminal.
+    pub(crate) controlling_tty: bool,
 }
 
 /// Everything the child needs, converted before `fork` so that the child only makes
@@ -424,6 +426,12 @@ impl Launch {
         if fds.steps.is_none() {
             if let Err(e) = dup2_stdio([fds.stdin, fds.stdout, fds.stderr]) {
                 fail(fds, ChildStage::Stdio, e.raw_os_error());
+            }
+            // A session leader (setsid above) without a terminal takes the one on fd 0.
+            if fds.controlling_tty {
+                if let Err(e) = rustix::process::ioctl_tiocsctty(rustix::stdio::stdin()) {
+                    fail(fds, ChildStage::Stdio, e.raw_os_error());
+                }
             }
         }
         if let Err(e) = rustix::process::chdir(self.cwd.as_c_str()) {

@@ -83,6 +83,18 @@ pub enum FrameKind {
     /// [`ExecSpec::fetch`]), sent before the `Exit` frame; payload: `u32` LE JSON length,
     /// JSON [`FetchedFile`], contents.
     Fetched = 17,
+    /// init → edge: an interactive command (see [`ExecSpec::interactive`]) started;
+    /// payload: JSON [`Started`]. Sent before any of its output.
+    Started = 20,
+    /// edge → init: bytes for an interactive command's standard input (or its terminal).
+    Stdin = 21,
+    /// edge → init: close an interactive command's standard input once what was sent is
+    /// written; for a terminal, its end-of-file character is typed instead.
+    CloseStdin = 22,
+    /// edge → init: send a signal to a command's main process; payload: JSON [`Signal`].
+    Signal = 23,
+    /// edge → init: resize a command's terminal; payload: JSON [`WinSize`].
+    Resize = 24,
     /// edge → sandbox: the status of a path, its last component not followed; payload:
     /// JSON [`PathRequest`]. Answer: JSON [`crate::files::Entry`].
     Stat = 30,
@@ -128,6 +140,11 @@ impl FrameKind {
             15 => FrameKind::CloseFile,
             16 => FrameKind::StepExit,
             17 => FrameKind::Fetched,
+            20 => FrameKind::Started,
+            21 => FrameKind::Stdin,
+            22 => FrameKind::CloseStdin,
+            23 => FrameKind::Signal,
+            24 => FrameKind::Resize,
             30 => FrameKind::Stat,
             31 => FrameKind::MakeDir,
             32 => FrameKind::MovePath,
@@ -279,6 +296,14 @@ pub struct ExecSpec {
     /// (`FetchedFile::truncated`) and the files after it are not read.
     #[serde(default)]
     pub fetch_max_bytes: u64,
+    /// A spawned process: its standard input stays open for [`FrameKind::Stdin`] frames
+    /// until [`FrameKind::CloseStdin`], and init reports its pid ([`FrameKind::Started`]).
+    #[serde(default)]
+    pub interactive: bool,
+    /// Run on a new terminal of this size: the command's stdin, stdout and stderr are the
+    /// terminal, its output travels as [`FrameKind::Stdout`]. Interactive commands only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<WinSize>,
 }
 
 impl ExecSpec {
@@ -286,6 +311,29 @@ impl ExecSpec {
     pub fn is_stepped(&self) -> bool {
         !self.then.is_empty() || !self.fetch.is_empty()
     }
+}
+
+/// A terminal's size, in character cells.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WinSize {
+    /// Columns.
+    pub cols: u16,
+    /// Rows.
+    pub rows: u16,
+}
+
+/// The payload of [`FrameKind::Started`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Started {
+    /// The command's pid as the sandbox's own processes see it.
+    pub pid: i32,
+}
+
+/// The payload of [`FrameKind::Signal`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Signal {
+    /// The signal's number.
+    pub signal: i32,
 }
 
 /// A later command of a stepped call (see [`ExecSpec::then`]).
@@ -407,6 +455,8 @@ init_stages! {
     Spec => "spec",
     /// A pipe could not be made.
     Pipe => "pipe",
+    /// A terminal could not be opened for the command.
+    Terminal => "open a terminal",
     /// The command could not be forked.
     Fork => "fork",
     /// The command could not be cloned.

@@ -27,6 +27,7 @@ use utoipa::OpenApi;
 
 mod call;
 mod events;
+mod processes;
 mod projects;
 
 use crate::backend::{Output, OutputStream, Upload};
@@ -100,6 +101,39 @@ pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
         .route("/sandboxes/{id}/fork", post(fork_sandbox))
         .route("/sandboxes/{id}/resume", post(resume_sandbox))
         .route("/sandboxes/{id}/network", put(set_network).get(get_network))
+        .route(
+            "/sandboxes/{id}/processes",
+            post(processes::spawn).get(processes::list),
+        )
+        .route("/sandboxes/{id}/processes/{process}", get(processes::get))
+        .route(
+            "/sandboxes/{id}/processes/{process}/events",
+            get(processes::events),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{process}/stdin",
+            post(processes::stdin),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{process}/close-stdin",
+            post(processes::close_stdin),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{process}/signal",
+            post(processes::signal),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{process}/kill",
+            post(processes::kill),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{process}/resize",
+            post(processes::resize),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{process}/wait",
+            post(processes::wait),
+        )
         .route("/idempotency/{key}", get(sandbox_by_idempotency_key))
         .route("/images", post(import_image).get(list_images))
         .route("/images/{*name}", get(get_image).delete(delete_image))
@@ -188,6 +222,25 @@ impl axum::extract::FromRequestParts<AppState> for Visible {
         let caller = Caller::from_request_parts(parts, state).await?;
         state.edge.check_visible(&caller, &id)?;
         Ok(Visible(id))
+    }
+}
+
+/// The `{id}` and `{process}` of a process route, the sandbox checked as [`Visible`]'s.
+pub struct VisibleProcess(pub String, pub String);
+
+impl axum::extract::FromRequestParts<AppState> for VisibleProcess {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &AppState,
+    ) -> Result<VisibleProcess, ApiError> {
+        let Path((id, process)) = Path::<(String, String)>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| ApiError::invalid(e.body_text()))?;
+        let caller = Caller::from_request_parts(parts, state).await?;
+        state.edge.check_visible(&caller, &id)?;
+        Ok(VisibleProcess(id, process))
     }
 }
 
@@ -1010,7 +1063,17 @@ async fn delete_image(
         projects::create_project,
         projects::list_projects,
         projects::delete_project,
-        projects::add_token
+        projects::add_token,
+        processes::spawn,
+        processes::list,
+        processes::get,
+        processes::events,
+        processes::stdin,
+        processes::close_stdin,
+        processes::signal,
+        processes::kill,
+        processes::resize,
+        processes::wait
     ),
     components(schemas(crate::events::Event))
 )]
@@ -1058,6 +1121,7 @@ mod tests {
             "/v1/sandboxes/batch",
             "/v1/sandboxes/{id}/network",
             "/v1/sandboxes/{id}/log",
+            "/v1/sandboxes/{id}/processes/{process}/events",
             "/v1/images/{name}",
             "/v1/projects/{name}/tokens",
             "/healthz",

@@ -35,6 +35,7 @@ use crate::projects::{self, Caller, QuotaHold};
 use crate::trajectory::{self, Decision, Position, Replayed};
 
 mod fleet;
+pub mod processes;
 mod usage;
 pub use fleet::{batch_item, batch_item_key, check_batch, EdgeLoad};
 
@@ -117,6 +118,8 @@ struct Entry {
     oom_reported: std::sync::atomic::AtomicU64,
     /// Labels the Watcher added (`watcher.<rule>`), shown with those it was created with.
     flags: Mutex<BTreeMap<String, String>>,
+    /// Its spawned processes; they go with it.
+    processes: processes::Processes,
 }
 
 impl Entry {
@@ -366,6 +369,24 @@ fn env_pairs(env: &BTreeMap<String, String>, what: &str) -> Result<Vec<String>, 
             }
         })
         .collect()
+}
+
+/// The argv a request's `cmd` stands for: a string runs under `/bin/sh -c`.
+fn argv_of(cmd: Command) -> Result<Vec<String>, ApiError> {
+    let argv = match cmd {
+        Command::Shell(s) if s.is_empty() => {
+            return Err(ApiError::invalid("cmd must not be empty"))
+        }
+        Command::Shell(s) => vec!["/bin/sh".to_owned(), "-c".to_owned(), s],
+        Command::Argv(v) if v.is_empty() => {
+            return Err(ApiError::invalid("cmd must not be an empty list"))
+        }
+        Command::Argv(v) => v,
+    };
+    if argv.iter().any(|a| a.contains('\0')) {
+        return Err(ApiError::invalid("cmd must not contain NUL bytes"));
+    }
+    Ok(argv)
 }
 
 /// Later entries override earlier ones with the same name.
@@ -733,6 +754,7 @@ impl Edge {
             events: Arc::clone(&self.events),
             oom_reported: Default::default(),
             flags: Mutex::default(),
+            processes: processes::Processes::default(),
         });
         entry.emit(
             kind::SANDBOX_CREATED,
@@ -980,19 +1002,7 @@ impl Edge {
     /// Starts a command after writing its files.
     pub async fn exec(&self, id: &str, req: ExecRequest) -> Result<Execution, ApiError> {
         let entry = self.live_entry(id).await?;
-        let argv = match req.cmd {
-            Command::Shell(s) if s.is_empty() => {
-                return Err(ApiError::invalid("cmd must not be empty"))
-            }
-            Command::Shell(s) => vec!["/bin/sh".to_owned(), "-c".to_owned(), s],
-            Command::Argv(v) if v.is_empty() => {
-                return Err(ApiError::invalid("cmd must not be an empty list"))
-            }
-            Command::Argv(v) => v,
-        };
-        if argv.iter().any(|a| a.contains('\0')) {
-            return Err(ApiError::invalid("cmd must not contain NUL bytes"));
-        }
+        let argv = argv_of(req.cmd)?;
         let timeout_s = req.timeout_s.unwrap_or(self.config.timeout_s);
         if !timeout_s.is_finite() || timeout_s <= 0.0 || timeout_s > MAX_TTL_S {
             return Err(ApiError::invalid(format!(

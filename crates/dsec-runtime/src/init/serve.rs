@@ -23,7 +23,9 @@ use super::{agent, setup_error, Confine, Prepared};
 use crate::files::service::FileService;
 use crate::files::FileError;
 use crate::launch::{self, ChildFds, ChildStage, Launch, StepFds, REPORT_MAX};
-use crate::proto::{self, ExecExit, ExecSpec, Frame, FrameKind, InitError, InitStage};
+use crate::proto::{
+    self, ExecExit, ExecSpec, Frame, FrameKind, InitError, InitStage, Started, WinSize,
+};
 use crate::steps::StepPlan;
 
 /// Output init keeps queued for the edge before it stops reading command pipes.
@@ -88,6 +90,10 @@ struct Exec {
     stdin: Option<OwnedFd>,
     stdin_data: Vec<u8>,
     stdin_sent: usize,
+    /// No more input comes: the writer closes once `stdin_data` is written.
+    stdin_eof: bool,
+    /// The master side of the command's terminal, when it runs on one.
+    terminal: Option<OwnedFd>,
     started: Instant,
     deadline: Option<Instant>,
     max_output: u64,
@@ -196,7 +202,9 @@ impl Init {
                     }
                 }
                 if let Some(fd) = &ex.stdin {
-                    add(fd.as_fd(), PollFlags::OUT, Slot::Stdin(*id));
+                    if ex.stdin_sent < ex.stdin_data.len() {
+                        add(fd.as_fd(), PollFlags::OUT, Slot::Stdin(*id));
+                    }
                 }
                 if let Some(fd) = ex.relay.as_ref().and_then(|r| r.reports.as_ref()) {
                     if reading {
@@ -290,6 +298,44 @@ impl Init {
                 }
             }
             FrameKind::Unwatch => self.files.unwatch(frame.exec_id),
+            FrameKind::Stdin => {
+                if let Some(ex) = self.execs.get_mut(&frame.exec_id) {
+                    if ex.stdin.is_some() && !ex.stdin_eof {
+                        ex.stdin_data.extend_from_slice(&frame.payload);
+                    }
+                }
+            }
+            FrameKind::CloseStdin => {
+                if let Some(ex) = self.execs.get_mut(&frame.exec_id) {
+                    // Closing a terminal's master would hang it up: type its EOF instead.
+                    if ex.terminal.is_some() && !ex.stdin_eof {
+                        ex.stdin_data.push(EOF_CHAR);
+                    }
+                    ex.stdin_eof = true;
+                    if ex.stdin_sent == ex.stdin_data.len() {
+                        ex.stdin = None;
+                    }
+                }
+            }
+            FrameKind::Signal => {
+                if let (Some(ex), Ok(sig)) = (
+                    self.execs.get(&frame.exec_id),
+                    frame.json::<proto::Signal>(),
+                ) {
+                    if let Ok(sig) = nix::sys::signal::Signal::try_from(sig.signal) {
+                        let _ = nix::sys::signal::kill(Pid::from_raw(ex.pid), sig);
+                    }
+                }
+            }
+            FrameKind::Resize => {
+                let terminal = self
+                    .execs
+                    .get(&frame.exec_id)
+                    .and_then(|ex| ex.terminal.as_ref());
+                if let (Some(fd), Ok(size)) = (terminal, frame.json::<WinSize>()) {
+                    let _ = rustix::termios::tcsetwinsize(fd, winsize(size));
+                }
+            }
             FrameKind::ReadFile
             | FrameKind::WriteFile
             | FrameKind::ListDir
@@ -336,7 +382,10 @@ impl Init {
                 };
                 proto::encode_json(&mut self.outbuf, FrameKind::Error, id, &err);
             }
-            Err(Spawn::Exec(errno)) => {
+            Err(Spawn::Exec { errno, pid }) => {
+                if spec.interactive {
+                    proto::encode_json(&mut self.outbuf, FrameKind::Started, id, &Started { pid });
+                }
                 let err = std::io::Error::from_raw_os_error(errno);
                 let msg = format!(
                     "dsec: cannot execute {:?}: {err}\n",
@@ -365,6 +414,13 @@ impl Init {
         files: Vec<Vec<u8>>,
     ) -> Result<(), Spawn> {
         let stepped = spec.is_stepped();
+        if (spec.interactive && stepped) || (spec.pty.is_some() && !spec.interactive) {
+            return Err(Spawn::Setup(
+                InitStage::Spec,
+                None,
+                "terminals are for interactive plain commands only".into(),
+            ));
+        }
         if stepped && !self.prepared.confine.own_pid_namespace() {
             return Err(Spawn::Setup(
                 InitStage::Spec,
@@ -390,9 +446,19 @@ impl Init {
         let errno = |stage: InitStage| {
             move |e: std::io::Error| Spawn::Setup(stage, e.raw_os_error(), e.to_string())
         };
-        // One (stdout, stderr) pair per step: a plain command is a single step.
-        let mut outputs = Vec::with_capacity(1 + spec.then.len());
-        for _ in 0..if stepped { 1 + spec.then.len() } else { 1 } {
+        let terminal = match spec.pty {
+            Some(size) => Some(open_terminal(size).map_err(errno(InitStage::Terminal))?),
+            None => None,
+        };
+        // One (stdout, stderr) pair per step: a plain command is a single step; one on a
+        // terminal has none.
+        let steps = match (stepped, &terminal) {
+            (_, Some(_)) => 0,
+            (true, None) => 1 + spec.then.len(),
+            (false, None) => 1,
+        };
+        let mut outputs = Vec::with_capacity(steps);
+        for _ in 0..steps {
             outputs.push((
                 pipe().map_err(errno(InitStage::Pipe))?,
                 pipe().map_err(errno(InitStage::Pipe))?,
@@ -403,7 +469,7 @@ impl Init {
             false => None,
         };
         let (report_r, report_w) = pipe().map_err(errno(InitStage::Pipe))?;
-        let stdin_pipe = if stdin.is_empty() {
+        let stdin_pipe = if (stdin.is_empty() && !spec.interactive) || terminal.is_some() {
             None
         } else {
             Some(pipe().map_err(errno(InitStage::Pipe))?)
@@ -411,11 +477,17 @@ impl Init {
         let stdin_child = stdin_pipe
             .as_ref()
             .map_or(self.prepared.devnull.as_fd(), |(r, _)| r.as_fd());
+        let [stdin_child, stdout_child, stderr_child] = match (&terminal, outputs.first()) {
+            (Some((_, slave)), _) => [slave.as_fd(); 3],
+            (None, Some(((_, out), (_, err)))) => [stdin_child, out.as_fd(), err.as_fd()],
+            (None, None) => unreachable!("a command off a terminal has a step"),
+        };
         let started = Instant::now();
         let fds = ChildFds {
             stdin: stdin_child,
-            stdout: outputs[0].0 .1.as_fd(),
-            stderr: outputs[0].1 .1.as_fd(),
+            stdout: stdout_child,
+            stderr: stderr_child,
+            controlling_tty: terminal.is_some(),
             report: report_w.as_fd(),
             join_cgroup: self.prepared.commands_cgroup.as_ref().map(AsFd::as_fd),
             steps: reports.as_ref().map(|(_, w)| StepFds {
@@ -451,7 +523,26 @@ impl Init {
         let mut outputs = outputs
             .into_iter()
             .map(|((out_r, _), (err_r, _))| (out_r, err_r));
-        let (out_r, err_r) = outputs.next().expect("one step at least");
+        // The terminal's master, three times: output read from, input written to (closed
+        // by CloseStdin), and resized; the slave is the command's alone from here.
+        let (out_r, err_r, terminal, stdin_w) = match terminal {
+            Some((master, slave)) => {
+                drop(slave);
+                let dup = |fd: &OwnedFd| fd.try_clone().map_err(errno(InitStage::Terminal));
+                let (out, input) = (dup(&master)?, dup(&master)?);
+                set_nonblocking(&input);
+                (out, None, Some(master), Some(input))
+            }
+            None => {
+                let (out_r, err_r) = outputs.next().expect("one step at least");
+                let stdin_w = stdin_pipe.map(|(r, w)| {
+                    drop(r);
+                    set_nonblocking(&w);
+                    w
+                });
+                (out_r, Some(err_r), None, stdin_w)
+            }
+        };
         let relay = reports.map(|(r, _)| {
             set_nonblocking(&r);
             StepRelay {
@@ -459,11 +550,6 @@ impl Init {
                 reports: Some(r),
                 pending: Vec::new(),
             }
-        });
-        let stdin_w = stdin_pipe.map(|(r, w)| {
-            drop(r);
-            set_nonblocking(&w);
-            w
         });
         // The report pipe closes on a successful execve (close-on-exec); otherwise the
         // child wrote why it failed: stage and errno, then, for its files, the FileError.
@@ -485,7 +571,7 @@ impl Init {
                 return Err(Spawn::Files(file));
             }
             return Err(match ChildStage::from_u32(stage) {
-                ChildStage::Exec => Spawn::Exec(err),
+                ChildStage::Exec => Spawn::Exec { errno: err, pid },
                 other => Spawn::Setup(
                     other.stage(),
                     Some(err),
@@ -501,17 +587,24 @@ impl Init {
             });
         }
         set_nonblocking(&out_r);
-        set_nonblocking(&err_r);
+        if let Some(err_r) = &err_r {
+            set_nonblocking(err_r);
+        }
+        if spec.interactive {
+            proto::encode_json(&mut self.outbuf, FrameKind::Started, id, &Started { pid });
+        }
         self.by_pid.insert(pid, id);
         self.execs.insert(
             id,
             Exec {
                 pid,
                 stdout: Some(out_r),
-                stderr: Some(err_r),
+                stderr: err_r,
                 stdin: stdin_w,
                 stdin_data: stdin,
                 stdin_sent: 0,
+                stdin_eof: !spec.interactive,
+                terminal,
                 started,
                 deadline: deadline(spec, started),
                 max_output: spec.max_output_bytes,
@@ -632,8 +725,11 @@ impl Init {
             Err(e) => e != Errno::AGAIN,
         };
         if failed || ex.stdin_sent == ex.stdin_data.len() {
-            ex.stdin = None;
             ex.stdin_data = Vec::new();
+            ex.stdin_sent = 0;
+            if failed || ex.stdin_eof {
+                ex.stdin = None;
+            }
         }
     }
 
@@ -752,6 +848,35 @@ fn forward(outbuf: &mut Vec<u8>, id: u32, ex: &mut Exec, stream: usize, data: &[
     }
 }
 
+/// What a terminal reads as end-of-file at the start of a line (`VEOF`, Ctrl-D).
+const EOF_CHAR: u8 = 0x04;
+
+/// A new terminal of `size`: its master and slave sides, both close-on-exec.
+fn open_terminal(size: WinSize) -> std::io::Result<(OwnedFd, OwnedFd)> {
+    use rustix::pty::OpenptFlags;
+    let master =
+        rustix::pty::openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY | OpenptFlags::CLOEXEC)?;
+    rustix::pty::grantpt(&master)?;
+    rustix::pty::unlockpt(&master)?;
+    let name = rustix::pty::ptsname(&master, Vec::new())?;
+    let slave = rustix::fs::open(
+        name.as_c_str(),
+        OFlags::RDWR | OFlags::NOCTTY | OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )?;
+    rustix::termios::tcsetwinsize(&master, winsize(size))?;
+    Ok((master, slave))
+}
+
+fn winsize(size: WinSize) -> rustix::termios::Winsize {
+    rustix::termios::Winsize {
+        ws_col: size.cols,
+        ws_row: size.rows,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    }
+}
+
 /// When init kills a command: its timeout after it started; for a stepped call, the sum
 /// of its steps' timeouts and [`STEPS_GRACE`] (each step's own timeout is the runner's).
 fn deadline(spec: &ExecSpec, started: Instant) -> Option<Instant> {
@@ -782,7 +907,12 @@ enum Spawn {
     /// Before execve: bad spec, chdir...; reported as an error.
     Setup(InitStage, Option<i32>, String),
     /// execve failed: reported like a shell does, exit 127 or 126.
-    Exec(i32),
+    Exec {
+        /// Why.
+        errno: i32,
+        /// The process that failed to exec (reported as a spawned process's pid).
+        pid: i32,
+    },
     /// A fncall call's file could not be written.
     Files(FileError),
 }

@@ -21,7 +21,7 @@ use super::files::{list_served, read_served, watch_served, write_served, FileWat
 use super::{file_info, MakeDir, MovePath, RemovePath};
 use super::{
     Backend, CommandSpec, Created, ExitStatus, Failure, FileRead, FileWrite, ImageDefaults, Output,
-    OutputStream, Sandbox, SandboxRequest, Upload,
+    OutputStream, ProcessSpec, Sandbox, SandboxRequest, Spawned, Upload,
 };
 use crate::error::ApiError;
 
@@ -180,7 +180,9 @@ impl OutputStream for ContainerOutput {
             Ok(ExecEvent::Stdout(data)) => Ok(Output::Stdout(data)),
             Ok(ExecEvent::Stderr(data)) => Ok(Output::Stderr(data)),
             Ok(ExecEvent::Exit(exit)) => Ok(Output::Exit(exit_status(&exit, &self.container))),
-            Ok(ExecEvent::StepExit(_) | ExecEvent::Fetched { .. }) => Err(super::not_plain()),
+            Ok(ExecEvent::StepExit(_) | ExecEvent::Fetched { .. } | ExecEvent::Started(_)) => {
+                Err(super::not_plain())
+            }
             Err(e) => Err(e.into()),
         })
     }
@@ -293,6 +295,10 @@ impl Sandbox for ContainerSandbox {
 
     async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Box<dyn FileRead>, ApiError> {
         read_served(self.container.channel(), path, max_bytes).await
+    }
+
+    async fn spawn(&self, spec: ProcessSpec) -> Result<Spawned, ApiError> {
+        super::spawn_served(self.container.channel(), spec).await
     }
 
     async fn write_file(&self, path: &str, mode: u32, data: Upload) -> Result<(), ApiError> {

@@ -507,6 +507,7 @@ impl FnCallBackend {
                 .collect(),
             fetch: call.fetch,
             fetch_max_bytes: call.fetch_max_bytes,
+            ..ExecSpec::default()
         };
         let data: Vec<&[u8]> = contents.iter().map(Vec::as_slice).collect();
         let mut events = lease
@@ -544,6 +545,7 @@ impl FnCallBackend {
                     }
                     None => return Err(lease.failed(e.into())),
                 },
+                Some(Ok(ExecEvent::Started(_))) => return Err(super::not_plain()),
                 None => return Err(ApiError::internal("a stepped call's events ended early")),
             }
         }

@@ -18,7 +18,9 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use dsec_api::{BackendKind, FileInfo, FileKind, ImageInfo, Usage};
 use dsec_image::{Image, ImageStore};
+use dsec_runtime::channel::{Channel, ExecControl, ExecEvent, ExecHandle};
 use dsec_runtime::files::{Entry, EntryKind};
+use dsec_runtime::proto::ExecSpec;
 pub use dsec_runtime::proto::{MakeDir, MovePath, RemovePath};
 
 pub use self::files::{FileRead, FileWatch, Upload};
@@ -138,6 +140,160 @@ pub trait OutputStream: Send {
     async fn next(&mut self) -> Option<Result<Output, ApiError>>;
 }
 
+/// A process to spawn: one that outlives the request that started it (see
+/// [`crate::edge::processes`]).
+#[derive(Clone, Debug)]
+pub struct ProcessSpec {
+    /// Program and arguments.
+    pub argv: Vec<String>,
+    /// `K=V` pairs: the image's, the sandbox's, then the process's.
+    pub env: Vec<String>,
+    /// Absolute working directory.
+    pub cwd: String,
+    /// Run on a new terminal of this size (stdin, stdout and stderr all the terminal).
+    pub pty: Option<WinSize>,
+}
+
+pub use dsec_runtime::proto::WinSize;
+
+/// A spawned process, as its backend started it.
+pub struct Spawned {
+    /// Its pid inside the sandbox.
+    pub pid: i32,
+    /// Its output and its end.
+    pub output: Box<dyn ProcessStream>,
+    /// What steers it.
+    pub control: Box<dyn ProcessControl>,
+}
+
+/// One event of a spawned process.
+#[derive(Debug)]
+pub enum ProcessOutput {
+    /// A chunk of standard output (or of its terminal).
+    Stdout(Vec<u8>),
+    /// A chunk of standard error.
+    Stderr(Vec<u8>),
+    /// The end; always last.
+    Exit(ProcessExit),
+}
+
+/// How a spawned process ended.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, utoipa::ToSchema)]
+pub struct ProcessExit {
+    /// Exit status, or `128 + signal`; `null` when it was never seen to end (`error`).
+    pub exit_code: Option<i32>,
+    /// The signal that killed it, if one did.
+    pub signal: Option<i32>,
+    /// The kernel's OOM killer struck (VM guests report it).
+    pub oom_killed: bool,
+    /// Wall time from start to exit.
+    pub duration_ms: f64,
+    /// Why its end is unknown: the sandbox stopped or failed under it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The events of a spawned process. Unlike [`OutputStream`], dropping it does not kill
+/// the process: the edge's process table reads it to the end.
+#[async_trait]
+pub trait ProcessStream: Send {
+    /// The next event; `None` after [`ProcessOutput::Exit`].
+    async fn next(&mut self) -> Option<Result<ProcessOutput, ApiError>>;
+}
+
+/// Steers a spawned process. Calls for one that ended are ignored.
+#[async_trait]
+pub trait ProcessControl: Send + Sync {
+    /// Appends `data` to its standard input (its terminal's input).
+    async fn send_stdin(&self, data: &[u8]) -> Result<(), ApiError>;
+    /// Ends its standard input once what was sent is written (on a terminal: types
+    /// end-of-file).
+    async fn close_stdin(&self) -> Result<(), ApiError>;
+    /// Sends signal number `signal` to its main process.
+    async fn signal(&self, signal: i32) -> Result<(), ApiError>;
+    /// Resizes its terminal.
+    async fn resize(&self, size: WinSize) -> Result<(), ApiError>;
+    /// Kills it and everything it started.
+    async fn kill(&self) -> Result<(), ApiError>;
+}
+
+/// A process spawned through a sandbox's init (a container) or a VM guest's agent: the
+/// same protocol, so one implementation.
+struct ServedProcess {
+    handle: ExecHandle,
+}
+
+#[async_trait]
+impl ProcessStream for ServedProcess {
+    async fn next(&mut self) -> Option<Result<ProcessOutput, ApiError>> {
+        Some(match self.handle.next().await? {
+            Ok(ExecEvent::Stdout(data)) => Ok(ProcessOutput::Stdout(data)),
+            Ok(ExecEvent::Stderr(data)) => Ok(ProcessOutput::Stderr(data)),
+            Ok(ExecEvent::Exit(exit)) => Ok(ProcessOutput::Exit(ProcessExit {
+                exit_code: exit.exit_code,
+                signal: exit.signal,
+                oom_killed: exit.oom_killed,
+                duration_ms: exit.duration_us as f64 / 1000.0,
+                error: None,
+            })),
+            Ok(_) => Err(not_plain()),
+            Err(e) => Err(e.into()),
+        })
+    }
+}
+
+#[async_trait]
+impl ProcessControl for ExecControl {
+    async fn send_stdin(&self, data: &[u8]) -> Result<(), ApiError> {
+        Ok(ExecControl::send_stdin(self, data).await?)
+    }
+    async fn close_stdin(&self) -> Result<(), ApiError> {
+        Ok(ExecControl::close_stdin(self).await?)
+    }
+    async fn signal(&self, signal: i32) -> Result<(), ApiError> {
+        Ok(ExecControl::signal(self, signal).await?)
+    }
+    async fn resize(&self, size: WinSize) -> Result<(), ApiError> {
+        Ok(ExecControl::resize(self, size).await?)
+    }
+    async fn kill(&self) -> Result<(), ApiError> {
+        Ok(ExecControl::kill(self).await?)
+    }
+}
+
+/// Spawns a process through `channel` (a container's init, a VM guest's agent) and
+/// waits for its pid.
+pub(crate) async fn spawn_served(
+    channel: &Channel,
+    spec: ProcessSpec,
+) -> Result<Spawned, ApiError> {
+    let exec = ExecSpec {
+        argv: spec.argv,
+        env: spec.env,
+        cwd: spec.cwd,
+        timeout_ms: None,
+        max_output_bytes: u64::MAX,
+        interactive: true,
+        pty: spec.pty,
+        ..ExecSpec::default()
+    };
+    let mut handle = channel.exec(&exec, &[], &[]).await?;
+    let pid = match handle.next().await {
+        Some(Ok(ExecEvent::Started(pid))) => pid,
+        Some(Err(e)) => return Err(e.into()),
+        _ => {
+            return Err(ApiError::internal(
+                "the sandbox did not report the spawned process's pid",
+            ))
+        }
+    };
+    Ok(Spawned {
+        pid,
+        control: Box::new(handle.control()),
+        output: Box::new(ServedProcess { handle }),
+    })
+}
+
 /// A running sandbox of any backend.
 #[async_trait]
 pub trait Sandbox: Send + Sync {
@@ -160,6 +316,13 @@ pub trait Sandbox: Send + Sync {
     async fn remove_path(&self, req: &RemovePath) -> Result<(), ApiError>;
     /// Watches a directory (with `recursive`, what is below too); returns once armed.
     async fn watch(&self, path: &str, recursive: bool) -> Result<Box<dyn FileWatch>, ApiError>;
+    /// Starts a process that outlives the request.
+    async fn spawn(&self, spec: ProcessSpec) -> Result<Spawned, ApiError> {
+        let _ = spec;
+        Err(ApiError::unavailable(
+            "this backend cannot spawn long-lived processes",
+        ))
+    }
     /// Freezes every process of the sandbox.
     async fn pause(&self) -> Result<(), ApiError> {
         Err(ApiError::unavailable("this backend cannot pause sandboxes"))

@@ -37,8 +37,8 @@ use tokio::sync::OnceCell;
 use super::files::{list_served, read_served, watch_served, write_served, FileWatch};
 use super::{file_info, MakeDir, MovePath, RemovePath};
 use super::{
-    Backend, CommandSpec, Created, Failure, FileRead, ImageDefaults, Output, OutputStream, Sandbox,
-    SandboxRequest, Upload,
+    Backend, CommandSpec, Created, Failure, FileRead, ImageDefaults, Output, OutputStream,
+    ProcessSpec, Sandbox, SandboxRequest, Spawned, Upload,
 };
 use crate::error::ApiError;
 
@@ -600,7 +600,9 @@ impl OutputStream for VmOutput {
                 &exit,
                 exit.oom_killed,
             ))),
-            Ok(ExecEvent::StepExit(_) | ExecEvent::Fetched { .. }) => Err(super::not_plain()),
+            Ok(ExecEvent::StepExit(_) | ExecEvent::Fetched { .. } | ExecEvent::Started(_)) => {
+                Err(super::not_plain())
+            }
             Err(e) => Err(e.into()),
         })
     }
@@ -626,6 +628,10 @@ impl Sandbox for VmSandbox {
 
     async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Box<dyn FileRead>, ApiError> {
         read_served(self.vm.channel(), path, max_bytes).await
+    }
+
+    async fn spawn(&self, spec: ProcessSpec) -> Result<Spawned, ApiError> {
+        super::spawn_served(self.vm.channel(), spec).await
     }
 
     async fn write_file(&self, path: &str, mode: u32, data: Upload) -> Result<(), ApiError> {

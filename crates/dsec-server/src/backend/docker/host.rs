@@ -325,6 +325,11 @@ impl LocalView {
         Some(view)
     }
 
+    /// Inode of the container's pid namespace.
+    pub(super) fn pidns(&self) -> u64 {
+        self.pidns
+    }
+
     fn oom_kills(&self) -> u64 {
         self.cgroup.as_ref().map_or(0, CgroupReader::oom_kills)
     }

@@ -44,6 +44,7 @@ mod notify;
 mod ops;
 mod output;
 mod paths;
+mod process;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -71,7 +72,7 @@ use self::output::DockerOutput;
 use self::paths::join;
 use super::{
     Backend, CommandSpec, Created, FileRead, FileWatch, MakeDir, MovePath, OutputStream,
-    RemovePath, Sandbox, SandboxRequest, Upload,
+    ProcessSpec, RemovePath, Sandbox, SandboxRequest, Spawned, Upload,
 };
 use crate::error::ApiError;
 
@@ -243,6 +244,10 @@ impl Sandbox for DockerSandbox {
             started,
             &cmd,
         )))
+    }
+
+    async fn spawn(&self, spec: ProcessSpec) -> Result<Spawned, ApiError> {
+        process::spawn(&self.0, spec).await
     }
 
     async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Box<dyn FileRead>, ApiError> {

@@ -283,6 +283,8 @@ impl OutputStream for DockerOutput {
                 item = output.next() => match item {
                     Some(Ok(LogOutput::StdOut { message })) => self.take_output(0, &message),
                     Some(Ok(LogOutput::StdErr { message })) => self.take_output(1, &message),
+                    // A TTY's one stream (spawned processes on a terminal).
+                    Some(Ok(LogOutput::Console { message })) => self.take_output(0, &message),
                     Some(Ok(_)) => {}
                     Some(Err(e)) => {
                         tracing::debug!(error = %e, "docker exec output ended with an error");
