@@ -280,6 +280,18 @@ def parse_any(resp: _http.Response) -> Any:
     return _json(resp) if resp.body else None
 
 
+def _json_object(line: bytes, what: str) -> dict[str, Any]:
+    """One NDJSON line of a stream, which must be a JSON object (``what`` names the line
+    in the error)."""
+    try:
+        doc = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise DsecError(f"{what}: {line[:200]!r}") from e
+    if not isinstance(doc, dict):
+        raise DsecError(f"{what}: {line[:200]!r}")
+    return doc
+
+
 def parse_event(line: bytes) -> StreamEvent | None:
     """Parse one NDJSON line of a streamed command (``None`` for blank lines)."""
     line = line.strip()
@@ -287,12 +299,7 @@ def parse_event(line: bytes) -> StreamEvent | None:
         line = line[5:].strip()
     if not line:
         return None
-    try:
-        doc = orjson.loads(line)
-    except orjson.JSONDecodeError as e:
-        raise DsecError(f"bad event in command stream: {line[:200]!r}") from e
-    if not isinstance(doc, dict):
-        raise DsecError(f"bad event in command stream: {line[:200]!r}")
+    doc = _json_object(line, "bad event in command stream")
     err = doc.get("error")
     if doc.get("kind") == "error" or isinstance(err, dict):
         raise error_from_response(500, orjson.dumps({"error": err if err else doc}))
@@ -306,12 +313,7 @@ def parse_server_event(line: bytes) -> Event | None:
         line = line[5:].strip()
     if not line or line.startswith(b":") or line.startswith(b"id:"):
         return None
-    try:
-        doc = orjson.loads(line)
-    except orjson.JSONDecodeError as e:
-        raise DsecError(f"bad line in the event stream: {line[:200]!r}") from e
-    if not isinstance(doc, dict):
-        raise DsecError(f"bad line in the event stream: {line[:200]!r}")
+    doc = _json_object(line, "bad line in the event stream")
     return Event.from_json(doc)
 
 
@@ -366,12 +368,7 @@ def parse_watch_event(line: bytes) -> WatchEvent | None:
     line = line.strip()
     if not line:
         return None
-    try:
-        doc = orjson.loads(line)
-    except orjson.JSONDecodeError as e:
-        raise DsecError(f"bad line in the watch stream: {line[:200]!r}") from e
-    if not isinstance(doc, dict):
-        raise DsecError(f"bad line in the watch stream: {line[:200]!r}")
+    doc = _json_object(line, "bad line in the watch stream")
     return WatchEvent.from_json(doc)
 
 
@@ -668,12 +665,7 @@ def parse_process_event(line: bytes) -> ProcessEvent | None:
     line = line.strip()
     if not line:
         return None
-    try:
-        doc = orjson.loads(line)
-    except orjson.JSONDecodeError as e:
-        raise DsecError(f"bad event in a process's events: {line[:200]!r}") from e
-    if not isinstance(doc, dict):
-        raise DsecError(f"bad event in a process's events: {line[:200]!r}")
+    doc = _json_object(line, "bad event in a process's events")
     return ProcessEvent.from_json(doc)
 
 

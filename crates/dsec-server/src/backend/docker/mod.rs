@@ -358,18 +358,7 @@ impl Sandbox for DockerSandbox {
 
     async fn list_files(&self, path: &str, depth: u32) -> Result<Vec<FileInfo>, ApiError> {
         let inner = &self.0;
-        let resolved = inner.resolve(path).await?;
-        resolved.check(path, FileOp::List)?;
-        if !resolved.missing.is_empty() {
-            return Err(not_found(path));
-        }
-        if !resolved.last.dir {
-            return Err(FileError::WrongType {
-                path: path.to_owned(),
-                reason: "is not a directory".into(),
-            }
-            .into());
-        }
+        let resolved = inner.resolve_dir(path, FileOp::List).await?;
         // The archive of a directory is its whole subtree; only the headers are read.
         let dir = join(&resolved.existing, None);
         let archive_path = if dir == "/" { "/.".to_owned() } else { dir };

@@ -24,7 +24,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use super::archive::blocking;
 use super::host::daemon_error;
 use super::paths::join;
-use super::{not_found, Inner};
+use super::Inner;
 use crate::backend::FileWatch;
 use crate::error::ApiError;
 
@@ -44,18 +44,7 @@ impl Inner {
         if self.local.is_none() {
             return Err(unsupported(path, "the daemon is not on this host"));
         }
-        let resolved = self.resolve(path).await?;
-        resolved.check(path, FileOp::Watch)?;
-        if !resolved.missing.is_empty() {
-            return Err(not_found(path));
-        }
-        if !resolved.last.dir {
-            return Err(FileError::WrongType {
-                path: path.to_owned(),
-                reason: "is not a directory".into(),
-            }
-            .into());
-        }
+        let resolved = self.resolve_dir(path, FileOp::Watch).await?;
         let permit = Arc::clone(&self.watches).try_acquire_owned().map_err(|_| {
             FileError::TooManyWatches {
                 path: path.to_owned(),

@@ -12,7 +12,7 @@ use dsec_api::FileKind;
 use dsec_runtime::files::{relative, FileError, FileOp, Refusal};
 
 use super::host::{daemon_error, status};
-use super::Inner;
+use super::{not_found, Inner};
 use crate::error::ApiError;
 
 /// Symbolic links followed while resolving one path (the kernel's limit).
@@ -50,6 +50,24 @@ impl Inner {
 
     async fn stat(&self, path: &str) -> Result<Option<Stat>, ApiError> {
         Ok(self.path_stat(path).await?.map(|s| Stat::of(&s)))
+    }
+
+    /// Resolves `path` (see [`resolve`](Self::resolve)), which must be an existing
+    /// directory `op` may use.
+    pub(super) async fn resolve_dir(&self, path: &str, op: FileOp) -> Result<Resolved, ApiError> {
+        let resolved = self.resolve(path).await?;
+        resolved.check(path, op)?;
+        if !resolved.missing.is_empty() {
+            return Err(not_found(path));
+        }
+        if !resolved.last.dir {
+            return Err(FileError::WrongType {
+                path: path.to_owned(),
+                reason: "is not a directory".into(),
+            }
+            .into());
+        }
+        Ok(resolved)
     }
 
     /// Resolves `path` inside the container the way the native backend's
