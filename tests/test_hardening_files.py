@@ -302,6 +302,22 @@ def test_the_servers_environment_reaches_no_sandbox(
             assert canary.encode() not in data
 
 
+def _open_fds(pid: int) -> list[tuple[str, str]]:
+    """(fd, target) of a process; descriptors closed while we list are left out,
+    and a process that has exited holds none."""
+    fds = []
+    try:
+        links = list(Path(f"/proc/{pid}/fd").iterdir())
+    except FileNotFoundError:
+        return []
+    for link in links:
+        try:
+            fds.append((link.name, os.readlink(link)))
+        except FileNotFoundError:
+            continue
+    return fds
+
+
 def test_an_inherited_descriptor_reaches_no_command(
     backend: str,
     make_server: MakeServer,
@@ -324,11 +340,7 @@ def test_an_inherited_descriptor_reaches_no_command(
             s.start()
     finally:
         os.close(fd)
-    held = [
-        link.name
-        for link in Path(f"/proc/{s.pid}/fd").iterdir()
-        if os.readlink(link) == str(secret_dir)
-    ]
+    held = [fd for fd, target in _open_fds(s.pid) if target == str(secret_dir)]
     assert held, "the server did not inherit the descriptor: the test proves nothing"
     with s.client() as c:
         c.import_image(str(busybox_rootfs), name="busybox")
@@ -343,8 +355,8 @@ def test_an_inherited_descriptor_reaches_no_command(
         assert listed.stdout.split() == ["0", "1", "2"], listed.stdout
         assert "secret" not in reached.stdout, reached.stdout
         for z in _zygote_pids(s.pid):
-            for link in Path(f"/proc/{z}/fd").iterdir():
-                assert os.readlink(link) != str(secret_dir), "the zygote holds it"
+            for _, target in _open_fds(z):
+                assert target != str(secret_dir), "the zygote holds it"
     s.stop()
 
 
