@@ -22,7 +22,7 @@ One run measures, on the same busybox root filesystem:
   idle    host memory per idle dsec sandbox: MemAvailable before and after creating 500
   vm      the microvm and vm backends (QEMU guests) beside the container backend, in the
           same run: create (boot-template restore) -> first exec, sequential; the same on
-          a second server with `--vm-boot cold`; the template's build (cold boot + savevm);
+          a second server with `--vm-boot cold`; the template's build (cold boot + save);
           exec round trips of `true`; host memory per idle VM (MemAvailable drop, and the
           QEMUs' RSS); the accelerator (kvm or tcg)
   sdk     the Python SDK beside the lean Rust client (bench/loadgen) in the same run: its

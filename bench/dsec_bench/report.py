@@ -396,7 +396,7 @@ def vm_table(res: dict[str, Any]) -> list[str]:
     row("create → first exec, cold boot, p50 ms ᵇ", ("cold", "p50_ms"), c=cfe50)
     row("create → first exec, cold boot, p99 ms ᵇ", ("cold", "p99_ms"), c=cfe99)
     single(
-        "boot template (cold boot + savevm), ms ᶜ",
+        "boot template (cold boot + save), ms ᶜ",
         m=g("microvm_template_ms"),
         w=g("vm_template_ms"),
     )
@@ -410,9 +410,14 @@ def vm_table(res: dict[str, Any]) -> list[str]:
         m=g("first_vm_create_ms"),
     )
     single(
-        "boot snapshot (template qcow2, copied per restore), MiB ᶜ",
+        "boot template's scratch qcow2 (copied per restore), MiB ᶜ",
         m=g("microvm_template_qcow2_mib"),
         w=g("vm_template_qcow2_mib"),
+    )
+    single(
+        "boot template's memory file on disk (mapped copy-on-write by restores), MiB ᶜ",
+        m=g("microvm_template_memory_mib"),
+        w=g("vm_template_memory_mib"),
     )
     row("exec round trip `true`, p50 ms ᵈ", ("exec", "p50_ms"), TARGET_VM_EXEC_MS)
     row("exec round trip `true`, p99 ms ᵈ", ("exec", "p99_ms"))
@@ -438,8 +443,9 @@ def vm_table(res: dict[str, Any]) -> list[str]:
         f'ᵃ `create(backend=...)` → the first `run("true")` returns, sync SDK, sequential '
         f"(stop after each, untimed; n={g('n')} per VM backend after its first create, "
         f"{g('container_first_exec', 'n')} containers). A VM restores its backend's boot "
-        "template: a copy of the template's scratch qcow2 (the boot snapshot row), "
-        "`qemu -loadvm`, a fresh identity for the guest.  "
+        "template: a copy of the template's scratch qcow2, QEMU mapping the template's "
+        "memory file copy-on-write and loading its device state (`-incoming`), a fresh "
+        "identity for the guest.  "
     )
     out.append(
         f"ᵇ the same against a second server started with `--vm-boot cold` (n={g('cold_n')} "
@@ -447,12 +453,13 @@ def vm_table(res: dict[str, Any]) -> list[str]:
         "column repeats the container create → first exec.  "
     )
     out.append(
-        "ᶜ template: a backend's first create of a shape (boots the template guest, savevm, "
+        "ᶜ template: a backend's first create of a shape (boots the template guest, saves it, "
         "then restores it as every later create does) minus the restore p50. The first VM "
         "create on a fresh server, made before those with another shape (256 MiB), also "
         "builds the image's disk and waits for the accelerator probe (KVM if a guest boots "
         "under it, else TCG) that the server starts at launch, if that is still running. "
-        "Boot snapshot: the template's scratch qcow2 with the saved VM state in it.  "
+        "Scratch qcow2 and memory file: what the template keeps on disk (before "
+        "shared-memory templates, the qcow2 held the saved RAM too).  "
     )
     out.append(
         'ᵈ `run("true")` (`/bin/sh -c true`) in one running sandbox, sync Client, after 10 '

@@ -116,15 +116,20 @@ def _idle_memory(d: Dsec, backend: str, count: int) -> dict[str, Any]:
             stop_sandbox(d, sb)
 
 
-def _template_snapshots(d: Dsec) -> dict[str, int]:
-    """Sizes of the boot templates' scratch qcow2 files (with the saved VM state) of a server
-    started here: each restore copies one."""
+def _template_snapshots(d: Dsec) -> dict[str, tuple[int, int | None]]:
+    """Per boot template of a server started here: the size of its scratch qcow2 (each
+    restore copies it; dsec before the shared-memory templates kept the saved RAM in it) and
+    the disk its memory file takes (restores map it copy-on-write; None without one)."""
     if d.state is None:
         return {}
     found = {}
     for f in (d.state / "vm" / "templates").glob("*/scratch.qcow2"):
         with contextlib.suppress(OSError):
-            found[str(f)] = f.stat().st_size
+            memory = f.with_name("memory")
+            found[str(f)] = (
+                f.stat().st_size,
+                memory.stat().st_blocks * 512 if memory.exists() else None,
+            )
     return found
 
 
@@ -149,11 +154,13 @@ def bench_vm(d: Dsec, args: argparse.Namespace, res_so_far: dict[str, Any]) -> d
         log(f"{b}: first create (builds the boot template)")
         known = _template_snapshots(d)
         res[f"{b}_first_create_ms"] = _create_first_exec(d, b)
-        new = [size for f, size in _template_snapshots(d).items() if f not in known]
-        res[f"{b}_template_qcow2_mib"] = new[0] / 2**20 if len(new) == 1 else None
+        new = [sizes for f, sizes in _template_snapshots(d).items() if f not in known]
+        qcow2, memory = new[0] if len(new) == 1 else (None, None)
+        res[f"{b}_template_qcow2_mib"] = qcow2 / 2**20 if qcow2 is not None else None
+        res[f"{b}_template_memory_mib"] = memory / 2**20 if memory is not None else None
         restore = _first_exec_series(d, b, args.vm_n, f"{b} restore")
         res[f"{b}_restore"] = restore
-        # The first create = template (cold boot + savevm) + one restore -> first exec.
+        # The first create = template (cold boot + save) + one restore -> first exec.
         res[f"{b}_template_ms"] = (
             res[f"{b}_first_create_ms"] - restore["p50_ms"] if restore["n"] else None
         )

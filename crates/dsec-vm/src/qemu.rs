@@ -7,9 +7,16 @@
 //! it only through a pidfd opened while it was still an unreaped child.
 //!
 //! A VM starts either cold (kernel boot, the agent builds the root and reports ready)
-//! or from a boot template: a guest booted once, idle in its agent's poll loop, saved
-//! with `savevm` into its scratch qcow2. Restoring is a copy of that small qcow2 plus
-//! `-loadvm`; the guest then takes a fresh [`Identity`](dsec_runtime::proto::Identity).
+//! or from a boot template: a guest booted once, idle in its agent's poll loop, and
+//! saved as three files — its RAM, its device state and its scratch disk. The template's
+//! QEMU keeps its RAM in a file it maps shared, so the guest's memory is the file; its
+//! devices and CPUs are saved by a migration that skips that RAM (`x-ignore-shared`).
+//! A restored guest maps the same file *private*: the pages it only reads are the host's
+//! page cache, one copy for every guest of the template, and a page it writes becomes
+//! its own (copy-on-write, as Firecracker restores snapshots and Kata clones templates).
+//! Restoring is a copy of the small scratch qcow2, that mapping, and an incoming
+//! migration of the device state; the guest then takes a fresh
+//! [`Identity`](dsec_runtime::proto::Identity).
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -37,8 +44,8 @@ const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a restored guest may take to answer its first request.
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The tag of the boot snapshot inside a template's scratch qcow2.
-pub const BOOT_SNAPSHOT: &str = "dsec-booted";
+/// How long saving or loading a boot template's device state may take.
+const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The kind of virtual machine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -179,6 +186,7 @@ fn qemu_args(
     assets: &GuestAssets,
     boot: &BootArgs,
     disks: Option<&Disks>,
+    memory: Option<(&Path, bool)>,
     fds: (i32, i32),
     console: &Path,
 ) -> Vec<String> {
@@ -207,9 +215,22 @@ fn qemu_args(
             append.push_str(&format!(" tsc_early_khz={khz}"));
         }
     }
+    let mut machine = hw.machine.machine_arg().to_owned();
+    if let Some((path, shared)) = memory {
+        machine.push_str(",memory-backend=ram");
+        args.extend([
+            "-object".into(),
+            format!(
+                "memory-backend-file,id=ram,size={}M,mem-path={},share={}",
+                hw.memory_mb,
+                option_value(path),
+                if shared { "on" } else { "off" }
+            ),
+        ]);
+    }
     args.extend([
         "-machine".into(),
-        hw.machine.machine_arg().into(),
+        machine,
         "-accel".into(),
         hw.accel.name().into(),
         "-cpu".into(),
@@ -276,11 +297,13 @@ fn qemu_args(
 pub enum Start<'a> {
     /// Boot the kernel; once the agent reports ready the guest takes its identity.
     Cold(GuestIdentity<'a>),
-    /// Boot the kernel and stop when the agent reports ready, before it takes an
-    /// identity: the state a boot template is saved in.
-    Template,
-    /// Resume the boot snapshot in the scratch disk; the guest takes its identity.
-    Restore(GuestIdentity<'a>),
+    /// Boot the kernel with its RAM in the template's memory file and stop when the agent
+    /// reports ready, before it takes an identity: the state a boot template is saved in
+    /// ([`Vm::save_template`]).
+    Template(TemplateFiles<'a>),
+    /// Resume a boot template (over a copy of its scratch disk); the guest takes its
+    /// identity.
+    Restore(GuestIdentity<'a>, TemplateFiles<'a>),
     /// Boot only far enough for the agent to answer (accelerator probe; no disks).
     Probe,
 }
@@ -294,13 +317,76 @@ pub struct GuestIdentity<'a> {
     pub pids_max: u64,
 }
 
+/// A boot template's saved guest (see the module docs).
+#[derive(Clone, Copy, Debug)]
+pub struct TemplateFiles<'a> {
+    /// The guest's RAM, all of it: mapped shared by the template's QEMU, private by
+    /// every restored guest's. Never written after the template is saved.
+    pub memory: &'a Path,
+    /// The CPUs' and devices' state: a migration stream without the RAM.
+    pub state: &'a Path,
+}
+
 impl<'a> Start<'a> {
     fn identity(&self) -> Option<GuestIdentity<'a>> {
         match self {
-            Start::Cold(identity) | Start::Restore(identity) => Some(*identity),
-            Start::Template | Start::Probe => None,
+            Start::Cold(identity) | Start::Restore(identity, _) => Some(*identity),
+            Start::Template(_) | Start::Probe => None,
         }
     }
+
+    /// The memory file and whether this QEMU maps it shared.
+    fn memory(&self) -> Option<(&'a Path, bool)> {
+        match self {
+            Start::Template(files) => Some((files.memory, true)),
+            Start::Restore(_, files) => Some((files.memory, false)),
+            Start::Cold(_) | Start::Probe => None,
+        }
+    }
+}
+
+/// The migration capability that leaves RAM in shared memory files out of the stream.
+fn ignore_shared() -> serde_json::Value {
+    serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]})
+}
+
+/// Waits until the migration (either way) has completed and `done` holds; a failed one
+/// is an error with QEMU's reason.
+async fn migration_done(qmp: &Qmp, what: &str, done: impl Fn() -> bool) -> Result<(), VmError> {
+    let waiting = async {
+        loop {
+            let info = qmp.execute("query-migrate", serde_json::json!({})).await?;
+            match info.get("status").and_then(serde_json::Value::as_str) {
+                Some("completed") if done() => return Ok(()),
+                Some("failed" | "cancelled") => {
+                    let why = info
+                        .get("error-desc")
+                        .and_then(serde_json::Value::as_str)
+                        .unwrap_or("QEMU gave no reason");
+                    return Err(VmError::Qemu(format!("{what} failed: {why}")));
+                }
+                _ => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        }
+    };
+    tokio::time::timeout(MIGRATION_TIMEOUT, waiting)
+        .await
+        .unwrap_or_else(|_| {
+            Err(VmError::Qemu(format!(
+                "{what} took over {} s",
+                MIGRATION_TIMEOUT.as_secs()
+            )))
+        })
+}
+
+/// `path` quoted for `/bin/sh`, which runs QEMU's `exec:` migration commands.
+fn shell_quoted(path: &Path) -> String {
+    format!("'{}'", path.to_string_lossy().replace('\'', r"'\''"))
+}
+
+/// `path` as a value of a QEMU `key=value,...` option (commas doubled).
+fn option_value(path: &Path) -> String {
+    path.to_string_lossy().replace(',', ",,")
 }
 
 /// Gives the guest its name, fresh randomness and the time; the agent confines itself
@@ -346,11 +432,12 @@ impl Vm {
             assets,
             &boot,
             disks,
+            start.memory(),
             (agent_qemu.as_raw_fd(), qmp_qemu.as_raw_fd()),
             &console,
         );
-        if matches!(start, Start::Restore(_)) {
-            args.extend(["-loadvm".into(), BOOT_SNAPSHOT.into()]);
+        if matches!(start, Start::Restore(..)) {
+            args.extend(["-incoming".into(), "defer".into()]);
         }
         let log_path = dir.join("qemu.log");
         let log = std::fs::File::create(&log_path).map_err(VmError::io("create", &log_path))?;
@@ -424,9 +511,26 @@ impl Vm {
                 return Err(failed(e.to_string()));
             }
         };
+        if let Start::Restore(_, files) = start {
+            // The guest runs once its state is in.
+            let incoming = async {
+                qmp.execute("migrate-set-capabilities", ignore_shared())
+                    .await?;
+                let uri = format!("exec:cat < {}", shell_quoted(files.state));
+                qmp.execute("migrate-incoming", serde_json::json!({ "uri": uri }))
+                    .await?;
+                migration_done(&qmp, "loading the boot template's device state", || true).await?;
+                // The template was saved stopped, and a guest comes in as it went out.
+                qmp.execute("cont", serde_json::json!({})).await
+            };
+            if let Err(e) = incoming.await.map(drop) {
+                kill();
+                return Err(failed(e.to_string()));
+            }
+        }
         let channel = async {
             let channel = match start {
-                Start::Restore(_) => Channel::attach(agent_host),
+                Start::Restore(..) => Channel::attach(agent_host),
                 _ => Channel::open(agent_host, timeout.unwrap_or(BOOT_TIMEOUT))
                     .await
                     .map(|(channel, _)| channel)
@@ -496,11 +600,32 @@ impl Vm {
             .map(drop)
     }
 
-    /// Saves the whole machine (memory, devices, disks) as the internal snapshot `tag` of
-    /// the scratch qcow2; the image disk, read-only, is left out.
-    pub async fn save(&self, tag: &str) -> Result<(), VmError> {
+    /// Saves a guest started with [`Start::Template`]: stops it and writes its CPUs' and
+    /// devices' state to `state` (its RAM is already its memory file; its scratch disk
+    /// is flushed as the migration ends). `state` appears only once it is whole. The
+    /// guest stays stopped: kill it after.
+    pub async fn save_template(&self, state: &Path) -> Result<(), VmError> {
+        let partial = state.with_extension("partial");
+        let _ = std::fs::remove_file(&partial);
         self.pause().await?;
-        self.qmp.human(&format!("savevm {tag}")).await
+        self.qmp
+            .execute("migrate-set-capabilities", ignore_shared())
+            .await?;
+        // `cat` ends when QEMU closes the stream, after the migration reports completed:
+        // the rename marks the end of the file.
+        let uri = format!(
+            "exec:cat > {} && mv {} {}",
+            shell_quoted(&partial),
+            shell_quoted(&partial),
+            shell_quoted(state)
+        );
+        self.qmp
+            .execute("migrate", serde_json::json!({ "uri": uri }))
+            .await?;
+        migration_done(&self.qmp, "saving the guest's device state", || {
+            state.exists()
+        })
+        .await
     }
 
     /// Kills QEMU and waits until it is gone. Idempotent.

@@ -1,5 +1,5 @@
-//! The QEMU Machine Protocol, as much of it as dsec uses: `stop`, `cont`, `savevm` (through
-//! `human-monitor-command`) and `quit`.
+//! The QEMU Machine Protocol, as much of it as dsec uses: `stop`, `cont`, and the
+//! migration commands that save and restore boot templates.
 //!
 //! QEMU gets one end of a socketpair as its monitor (`-chardev socket,fd=N`), so there is
 //! no socket file to leak or to be reached by anyone else. Commands are serialised by a
@@ -56,21 +56,6 @@ impl Qmp {
                     .unwrap_or("unknown error");
                 return Err(VmError::Qemu(format!("{command}: {desc}")));
             }
-        }
-    }
-
-    /// Runs a human monitor command (QMP has no `savevm` of its own in QEMU 7.2); its
-    /// output, which is empty on success, is returned as an error otherwise.
-    pub async fn human(&self, command_line: &str) -> Result<(), VmError> {
-        let out = self
-            .execute(
-                "human-monitor-command",
-                json!({"command-line": command_line}),
-            )
-            .await?;
-        match out.as_str().map(str::trim) {
-            None | Some("") => Ok(()),
-            Some(text) => Err(VmError::Qemu(format!("{command_line}: {text}"))),
         }
     }
 }

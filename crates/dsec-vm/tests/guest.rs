@@ -9,7 +9,7 @@ use dsec_runtime::channel::ExecEvent;
 use dsec_runtime::proto::ExecSpec;
 use dsec_vm::assets::{GuestAssets, KernelSource};
 use dsec_vm::disk::{self, BaseFs};
-use dsec_vm::qemu::{Accel, Disks, GuestIdentity, Hardware, Machine, Start, Vm, BOOT_SNAPSHOT};
+use dsec_vm::qemu::{Accel, Disks, GuestIdentity, Hardware, Machine, Start, TemplateFiles, Vm};
 
 fn agent() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -145,18 +145,23 @@ async fn cold_then_restore(machine: Machine) {
     vm.kill().await;
 
     // The boot template: saved while its agent waits for an identity.
+    let files = TemplateFiles {
+        memory: &template.join("memory"),
+        state: &template.join("state"),
+    };
     let vm = Vm::start(
         &hw,
         &f.assets,
         Some(&disks),
-        Start::Template,
+        Start::Template(files),
         &template,
         None,
     )
     .await
     .unwrap();
-    vm.save(BOOT_SNAPSHOT).await.unwrap();
+    vm.save_template(files.state).await.unwrap();
     vm.kill().await;
+    let saved_memory = file_hash(files.memory);
 
     for name in ["sb-a", "sb-b"] {
         let dir = f.dir.join(name);
@@ -171,10 +176,13 @@ async fn cold_then_restore(machine: Machine) {
             &hw,
             &f.assets,
             Some(&disks),
-            Start::Restore(GuestIdentity {
-                hostname: name,
-                pids_max: 64,
-            }),
+            Start::Restore(
+                GuestIdentity {
+                    hostname: name,
+                    pids_max: 64,
+                },
+                files,
+            ),
             &dir,
             None,
         )
@@ -200,6 +208,16 @@ async fn cold_then_restore(machine: Machine) {
         vm.kill().await;
         assert!(!vm.is_alive());
     }
+    // The guests mapped the template's memory privately: what they wrote is their own.
+    assert_eq!(file_hash(files.memory), saved_memory);
+}
+
+/// A hash of a file's bytes.
+fn file_hash(path: &Path) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    std::fs::read(path).unwrap().hash(&mut hasher);
+    hasher.finish()
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -3,8 +3,10 @@
 //! Both backends share one [`VmHost`]: the guest kernel and initramfs, the accelerator
 //! (probed once: KVM when a guest actually boots under it, TCG otherwise), one read-only
 //! disk per image and one boot template per image and hardware shape. A new sandbox is a
-//! copy of its template's small scratch qcow2 and a QEMU restoring it (`-loadvm`); with
-//! `--vm-boot cold` each sandbox boots its kernel instead. The guest's agent speaks the
+//! copy of its template's small scratch qcow2 and a QEMU restoring the template's device
+//! state over a private, copy-on-write mapping of the template's memory file, so that
+//! the guests of one template share the pages none of them wrote (see
+//! [`dsec_vm::qemu`]); with `--vm-boot cold` each sandbox boots its kernel instead. The guest's agent speaks the
 //! container backend's protocol, so exec, timeouts, output bounds and files behave alike.
 //!
 //! Everything a VM makes lives in `<state>/vm/sandboxes/<id>/` (scratch disk, console
@@ -28,7 +30,7 @@ use dsec_runtime::proto::ExecSpec;
 use dsec_vm::assets::{GuestAssets, KernelSource};
 use dsec_vm::disk::{self, BaseFs};
 use dsec_vm::qemu::{
-    self, console_tail, Accel, Disks, GuestIdentity, Hardware, Machine, Start, Vm, BOOT_SNAPSHOT,
+    self, console_tail, Accel, Disks, GuestIdentity, Hardware, Machine, Start, TemplateFiles, Vm,
 };
 use dsec_vm::VmError;
 use serde::{Deserialize, Serialize};
@@ -83,6 +85,19 @@ pub struct VmConfig {
     pub boot: BootMode,
     /// Accelerator.
     pub accel: AccelChoice,
+}
+
+/// The layout of a boot template's directory; part of its name, so that templates an
+/// older dsec saved differently are never restored (and are removed at start).
+const TEMPLATE_FORMAT: u32 = 2;
+
+/// The files of a boot template directory: its scratch disk, memory and device state.
+fn template_files(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    (
+        dir.join("scratch.qcow2"),
+        dir.join("memory"),
+        dir.join("state"),
+    )
 }
 
 /// What a boot template depends on.
@@ -325,8 +340,8 @@ impl VmHost {
         .await
     }
 
-    /// The scratch qcow2 holding the boot snapshot for `key`, booting and saving the
-    /// template guest the first time.
+    /// The directory of the boot template for `key` (see [`template_files`]), booting
+    /// and saving the template guest the first time.
     async fn template(
         &self,
         key: TemplateKey,
@@ -334,7 +349,7 @@ impl VmHost {
         disks: Disks,
     ) -> Result<PathBuf, ApiError> {
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        (&key, &assets.kernel, &assets.initramfs).hash(&mut hasher);
+        (TEMPLATE_FORMAT, &key, &assets.kernel, &assets.initramfs).hash(&mut hasher);
         let dir = self
             .dir
             .join("templates")
@@ -342,31 +357,52 @@ impl VmHost {
         let hw = key.hardware.clone();
         let image_id = key.image_id.clone();
         once(&self.templates, key, || async move {
-            let snapshot = dir.join("scratch.qcow2");
             if dir.join("ready").exists() {
-                return Ok(snapshot);
+                return Ok(dir);
             }
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir)
                 .and_then(|()| std::fs::write(dir.join("image"), &image_id))
                 .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
+            let (scratch, memory, state) = template_files(&dir);
             let built = async {
-                create_scratch(&disks.scratch, &snapshot).await?;
-                let disks = Disks {
-                    scratch: snapshot.clone(),
-                    ..disks
+                create_scratch(&disks.scratch, &scratch).await?;
+                let disks = Disks { scratch, ..disks };
+                let files = TemplateFiles {
+                    memory: &memory,
+                    state: &state,
                 };
-                let vm = Vm::start(&hw, assets, Some(&disks), Start::Template, &dir, None)
-                    .await
-                    .map_err(vm_error)?;
-                let saved = vm.save(BOOT_SNAPSHOT).await;
+                let vm = Vm::start(
+                    &hw,
+                    assets,
+                    Some(&disks),
+                    Start::Template(files),
+                    &dir,
+                    None,
+                )
+                .await
+                .map_err(vm_error)?;
+                let saved = vm.save_template(&state).await;
                 vm.kill().await;
                 saved.map_err(vm_error)?;
-                std::fs::write(dir.join("ready"), b"")
-                    .map_err(|e| ApiError::internal(e.to_string()))
+                // On disk before `ready` says so: a host crash must not leave a template
+                // whose memory is still only in the page cache.
+                let dir = dir.clone();
+                tokio::task::spawn_blocking(move || {
+                    let (scratch, memory, state) = template_files(&dir);
+                    for file in [scratch, memory, state] {
+                        std::fs::File::open(&file)
+                            .and_then(|f| f.sync_all())
+                            .map_err(|e| format!("syncing {}: {e}", file.display()))?;
+                    }
+                    std::fs::write(dir.join("ready"), b"").map_err(|e| e.to_string())
+                })
+                .await
+                .map_err(blocking_error)?
+                .map_err(ApiError::internal)
             };
             match built.await {
-                Ok(()) => Ok(snapshot),
+                Ok(()) => Ok(dir),
                 Err(e) => {
                     let _ = std::fs::remove_dir_all(&dir);
                     Err(e)
@@ -406,7 +442,10 @@ impl VmHost {
             .flatten()
             .flatten()
         {
-            if !entry.path().join("ready").exists() {
+            // Half-built, or saved by an older dsec in another layout (its memory inside
+            // the scratch qcow2, no `state`).
+            let (_, _, state) = template_files(&entry.path());
+            if !entry.path().join("ready").exists() || !state.exists() {
                 let _ = std::fs::remove_dir_all(entry.path());
             }
         }
@@ -428,15 +467,16 @@ impl VmHost {
     }
 }
 
-/// Bytes of the files under `dir`.
+/// Bytes of disk the files under `dir` take (a template's memory file is sparse).
 fn dir_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
     let mut total = 0;
     let mut pending = vec![dir.to_owned()];
     while let Some(dir) = pending.pop() {
         for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
             match entry.metadata() {
                 Ok(m) if m.is_dir() => pending.push(entry.path()),
-                Ok(m) => total += m.len(),
+                Ok(m) => total += m.blocks() * 512,
                 Err(_) => {}
             }
         }
@@ -510,6 +550,8 @@ impl Backend for VmBackend {
             pids_max: req.pids,
         };
         let started = async {
+            // The template's memory and state files, which the restore borrows.
+            let template_paths: (PathBuf, PathBuf);
             let start = match host.config.boot {
                 BootMode::Snapshot => {
                     let key = TemplateKey {
@@ -517,15 +559,24 @@ impl Backend for VmBackend {
                         hardware: hardware.clone(),
                         disk_mb: req.disk_mb,
                     };
-                    let template = host.template(key, &assets, template_disks.clone()).await?;
+                    let template_dir = host.template(key, &assets, template_disks.clone()).await?;
+                    let (template_scratch, _, _) = template_files(&template_dir);
                     let target = scratch.clone();
-                    tokio::task::spawn_blocking(move || std::fs::copy(template, target))
+                    tokio::task::spawn_blocking(move || std::fs::copy(template_scratch, target))
                         .await
                         .map_err(blocking_error)?
                         .map_err(|e| {
-                            ApiError::internal(format!("copying the boot snapshot: {e}"))
+                            ApiError::internal(format!("copying the template's scratch disk: {e}"))
                         })?;
-                    Start::Restore(identity)
+                    let (_, memory, state) = template_files(&template_dir);
+                    template_paths = (memory, state);
+                    Start::Restore(
+                        identity,
+                        TemplateFiles {
+                            memory: &template_paths.0,
+                            state: &template_paths.1,
+                        },
+                    )
                 }
                 BootMode::Cold => {
                     create_scratch(&scratch_base, &scratch).await?;
@@ -674,7 +725,10 @@ impl Sandbox for VmSandbox {
         let pid = self.vm.pid();
         let cpu_ms = Stat::read(pid).map_or(0.0, |s| s.cpu_ms());
         Usage {
-            memory_bytes: procfs::status_bytes(pid, "VmRSS").unwrap_or(0),
+            // What this guest holds alone: the pages it wrote, QEMU's heap, the
+            // translator's code. The template's pages it only reads, and QEMU's binary,
+            // are shared with other guests (VmRSS would count them in each).
+            memory_bytes: procfs::status_bytes(pid, "RssAnon").unwrap_or(0),
             pids: 0,
             cpu_ms,
             ..Usage::default()
