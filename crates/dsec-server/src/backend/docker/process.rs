@@ -35,8 +35,13 @@ enum Input {
     Close,
 }
 
-/// Spawns `spec` as an exec in `inner`'s container.
-pub(super) async fn spawn(inner: &Arc<Inner>, spec: ProcessSpec) -> Result<Spawned, ApiError> {
+/// Spawns `spec` as an exec in `inner`'s container, as `user` (docker's `User`; the
+/// container's default, root, when `None`).
+pub(super) async fn spawn(
+    inner: &Arc<Inner>,
+    spec: ProcessSpec,
+    user: Option<String>,
+) -> Result<Spawned, ApiError> {
     let Some(local) = &inner.local else {
         return Err(ApiError::unavailable(
             "spawned processes of docker sandboxes need the docker daemon on this host",
@@ -52,6 +57,7 @@ pub(super) async fn spawn(inner: &Arc<Inner>, spec: ProcessSpec) -> Result<Spawn
         env: Some(spec.env.clone()),
         cmd: Some(spec.argv.clone()),
         working_dir: Some(spec.cwd.clone()),
+        user,
         ..Default::default()
     };
     let exec = inner
@@ -81,6 +87,7 @@ pub(super) async fn spawn(inner: &Arc<Inner>, spec: ProcessSpec) -> Result<Spawn
         files: Vec::new(),
         timeout_ms: NO_TIMEOUT_MS,
         max_output_bytes: u64::MAX,
+        run_as: None,
     };
     let mut output = DockerOutput::new(
         Arc::clone(inner),
