@@ -417,8 +417,9 @@ impl<'de> Deserialize<'de> for ExecBody {
                 )))
             }
         };
-        let exec =
-            serde_json::from_value(serde_json::Value::Object(fields)).map_err(D::Error::custom)?;
+        // The path names the field at fault ("cmd: ..."), as axum's own extractor does.
+        let exec = serde_path_to_error::deserialize(serde_json::Value::Object(fields))
+            .map_err(D::Error::custom)?;
         Ok(ExecBody { exec, user })
     }
 }
@@ -745,6 +746,24 @@ pub struct ErrorBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_exec_body_takes_the_user_and_keeps_unknown_fields_errors() {
+        let body: ExecBody = serde_json::from_str(r#"{"cmd": "id", "user": "alice"}"#).unwrap();
+        assert_eq!(body.user.as_deref(), Some("alice"));
+        assert_eq!(body.exec.cmd, Command::Shell("id".into()));
+        let root: ExecBody = serde_json::from_str(r#"{"cmd": "id", "user": null}"#).unwrap();
+        assert_eq!(root.user, None);
+        let typo = serde_json::from_str::<ExecBody>(r#"{"cmd": "id", "usr": "alice"}"#);
+        assert!(typo.unwrap_err().to_string().contains("usr"));
+        let number = serde_json::from_str::<ExecBody>(r#"{"cmd": "id", "user": 1000}"#);
+        assert!(number
+            .unwrap_err()
+            .to_string()
+            .contains("user must be a string"));
+        let bad_cmd = serde_json::from_str::<ExecBody>(r#"{"cmd": 5}"#);
+        assert!(bad_cmd.unwrap_err().to_string().starts_with("cmd"));
+    }
 
     #[test]
     fn network_accepts_bool_and_allow_list() {

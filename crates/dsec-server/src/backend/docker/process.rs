@@ -129,8 +129,13 @@ pub(super) async fn spawn(
             tx
         },
     };
+    // Docker's exec create takes no terminal size: it is set once the exec runs. One that
+    // already ended (`id -u`) cannot be resized, and that is no error: its output and its
+    // exit are still read.
     if let Some(size) = spec.pty {
-        control.resize(size).await?;
+        if let Err(e) = control.resize(size).await {
+            tracing::debug!(error = %e.message, "the spawned process ended before its terminal was sized");
+        }
     }
     Ok(Spawned {
         pid: container_pid(host_pid).unwrap_or(host_pid),
