@@ -5,6 +5,7 @@ capability."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from collections.abc import Callable
 
@@ -157,3 +158,25 @@ def test_users_are_refused_where_the_trajectory_cannot_record_them(
     sb = make_sandbox(trajectory_id=f"users-{id(make_sandbox)}")
     with pytest.raises(dsec.InvalidArgument, match="trajectory"):
         sb.run("true", user="alice")
+
+
+def test_the_async_sdk_runs_as_the_user(backend: str, usb: dsec.Sandbox, server: Server) -> None:
+    if backend != "container":
+        pytest.skip("the async SDK sends the same requests on every backend")
+
+    async def main() -> tuple[list[str], str, str]:
+        async with server.async_client() as c:
+            sb = await c.get(usb.id)
+            r = await sb.run("id -u; pwd", user="alice")
+            streamed = ""
+            async for ev in sb.stream("id -u", user="1000:50"):
+                if ev.kind == "stdout":
+                    streamed += ev.data
+            p = await sb.spawn("id -g", user="alice", stdin=False)
+            spawned = ""
+            async for pev in p.events():
+                if pev.kind == "stdout":
+                    spawned += pev.data
+            return r.stdout.splitlines(), streamed, spawned
+
+    assert asyncio.run(main()) == (["1000", "/home/alice"], "1000\n", "1000\n")
