@@ -210,8 +210,8 @@ def test_bad_input_gets_clear_errors(psb: dsec.Sandbox, backend: str) -> None:
         psb.spawn(["true"], tag="42")
     with pytest.raises(dsec.InvalidArgument, match="cmd"):
         psb.spawn([])
-    with pytest.raises(dsec.InvalidArgument, match="nobody"):
-        psb.spawn(["true"], user="nobody")
+    with pytest.raises(dsec.InvalidArgument, match="no-such-user"):
+        psb.spawn(["true"], user="no-such-user")
     with pytest.raises(dsec.InvalidArgument, match="column"):
         psb.spawn(["true"], pty={"cols": 0, "rows": 24})
     p.close_stdin()

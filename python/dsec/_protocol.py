@@ -551,6 +551,7 @@ def exec_body(
     files: Files | None,
     step: int | None,
     max_output_bytes: int | None,
+    user: str | None = None,
 ) -> dict[str, Any]:
     if isinstance(cmd, (bytes, bytearray)):
         raise TypeError("cmd must be a str or a sequence of str, not bytes")
@@ -570,6 +571,8 @@ def exec_body(
         body["max_output_bytes"] = max_output_bytes
     if step is not None:
         body["step"] = step
+    if user is not None:
+        body["user"] = user
     return body
 
 

@@ -359,6 +359,7 @@ class AsyncSandbox(p.SandboxBase):
         files: Files | None = None,
         step: int | None = None,
         max_output_bytes: int | None = None,
+        user: str | None = None,
     ) -> CommandResult:
         s = self._steps.take(step)
         body = p.exec_body(
@@ -370,6 +371,7 @@ class AsyncSandbox(p.SandboxBase):
             files=files,
             step=s,
             max_output_bytes=max_output_bytes,
+            user=user,
         )
         try:
             return await self.client._do(p.exec_call(self.id, body))
@@ -387,6 +389,7 @@ class AsyncSandbox(p.SandboxBase):
         files: Files | None = None,
         step: int | None = None,
         max_output_bytes: int | None = None,
+        user: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """``async for ev in sb.stream(cmd):`` output as it comes, then the ``exit`` event."""
         s = self._steps.take(step)
@@ -399,6 +402,7 @@ class AsyncSandbox(p.SandboxBase):
             files=files,
             step=s,
             max_output_bytes=max_output_bytes,
+            user=user,
         )
         started = False
         try:

@@ -317,8 +317,11 @@ class Sandbox(p.SandboxBase):
         files: Files | None = None,
         step: int | None = None,
         max_output_bytes: int | None = None,
+        user: str | None = None,
     ) -> CommandResult:
-        """Run ``cmd`` (a str for ``/bin/sh -c``, or an argv list) and wait for it."""
+        """Run ``cmd`` (a str for ``/bin/sh -c``, or an argv list) and wait for it.
+        ``user`` (a name, a uid or ``"uid:gid"`` of the sandbox's own ``/etc/passwd``) runs
+        it as that user, in its home unless ``cwd`` is given; root by default."""
         s = self._steps.take(step)
         body = p.exec_body(
             cmd,
@@ -329,6 +332,7 @@ class Sandbox(p.SandboxBase):
             files=files,
             step=s,
             max_output_bytes=max_output_bytes,
+            user=user,
         )
         try:
             return self.client._do(p.exec_call(self.id, body))
@@ -346,6 +350,7 @@ class Sandbox(p.SandboxBase):
         files: Files | None = None,
         step: int | None = None,
         max_output_bytes: int | None = None,
+        user: str | None = None,
     ) -> Iterator[StreamEvent]:
         """Run ``cmd`` and yield its output as it comes; the last event has kind ``exit``."""
         s = self._steps.take(step)
@@ -358,6 +363,7 @@ class Sandbox(p.SandboxBase):
             files=files,
             step=s,
             max_output_bytes=max_output_bytes,
+            user=user,
         )
         started = False
         try:

@@ -381,6 +381,49 @@ pub struct ExecRequest {
     pub step: Option<i64>,
 }
 
+/// The body of `POST /v1/sandboxes/{id}/exec` and `/exec/stream`: an [`ExecRequest`] and
+/// the user it runs as. Kept apart from [`ExecRequest`], which other front ends (E2B's
+/// envd, fncall calls) build for the edge: they run as root unless they say otherwise
+/// (`From<ExecRequest>`).
+#[derive(Clone, Debug, PartialEq, Serialize, ToSchema)]
+pub struct ExecBody {
+    /// The command.
+    #[serde(flatten)]
+    pub exec: ExecRequest,
+    /// The user of the sandbox to run as: a name, a uid or `uid:gid`, looked up in the
+    /// sandbox's own `/etc/passwd` and `/etc/group`; root when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+}
+
+impl From<ExecRequest> for ExecBody {
+    fn from(exec: ExecRequest) -> ExecBody {
+        ExecBody { exec, user: None }
+    }
+}
+
+/// By hand: `user` is taken out, then the rest is an [`ExecRequest`], whose unknown
+/// fields stay errors (serde's `flatten` would ignore them).
+impl<'de> Deserialize<'de> for ExecBody {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<ExecBody, D::Error> {
+        use serde::de::Error;
+        let mut fields = serde_json::Map::deserialize(d)?;
+        let user = match fields.remove("user") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::String(user)) => Some(user),
+            Some(other) => {
+                return Err(D::Error::custom(format!(
+                    "user must be a string (a name, a uid or uid:gid), got {other}"
+                )))
+            }
+        };
+        // The path names the field at fault ("cmd: ..."), as axum's own extractor does.
+        let exec = serde_path_to_error::deserialize(serde_json::Value::Object(fields))
+            .map_err(D::Error::custom)?;
+        Ok(ExecBody { exec, user })
+    }
+}
+
 /// How a command ended: the fields every command result carries — [`CommandResult`], the
 /// stream's [`StreamEvent::Exit`], a backend's exit event, a trajectory step's result —
 /// declared once and flattened into each, so their JSON is unchanged.
@@ -703,6 +746,24 @@ pub struct ErrorBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_exec_body_takes_the_user_and_keeps_unknown_fields_errors() {
+        let body: ExecBody = serde_json::from_str(r#"{"cmd": "id", "user": "alice"}"#).unwrap();
+        assert_eq!(body.user.as_deref(), Some("alice"));
+        assert_eq!(body.exec.cmd, Command::Shell("id".into()));
+        let root: ExecBody = serde_json::from_str(r#"{"cmd": "id", "user": null}"#).unwrap();
+        assert_eq!(root.user, None);
+        let typo = serde_json::from_str::<ExecBody>(r#"{"cmd": "id", "usr": "alice"}"#);
+        assert!(typo.unwrap_err().to_string().contains("usr"));
+        let number = serde_json::from_str::<ExecBody>(r#"{"cmd": "id", "user": 1000}"#);
+        assert!(number
+            .unwrap_err()
+            .to_string()
+            .contains("user must be a string"));
+        let bad_cmd = serde_json::from_str::<ExecBody>(r#"{"cmd": 5}"#);
+        assert!(bad_cmd.unwrap_err().to_string().starts_with("cmd"));
+    }
 
     #[test]
     fn network_accepts_bool_and_allow_list() {

@@ -29,6 +29,7 @@ use rustix::process::Pid;
 use crate::files::{FileError, SandboxRoot};
 use crate::proto::{ExecSpec, InitStage};
 use crate::seccomp::SeccompProfile;
+use crate::users::Account;
 
 /// Most bytes of a failing command child's report (stage, errno, a file error).
 pub(crate) const REPORT_MAX: usize = 8 << 10;
@@ -149,6 +150,7 @@ pub(crate) enum ChildStage {
     Confine = 6,
     Files = 7,
     Cgroup = 8,
+    SetUser = 9,
 }
 
 impl ChildStage {
@@ -160,6 +162,7 @@ impl ChildStage {
             6 => ChildStage::Confine,
             7 => ChildStage::Files,
             8 => ChildStage::Cgroup,
+            9 => ChildStage::SetUser,
             2 => ChildStage::Stdio,
             3 => ChildStage::Chdir,
             _ => ChildStage::Exec,
@@ -174,6 +177,7 @@ impl ChildStage {
             ChildStage::Confine => InitStage::Confine,
             ChildStage::Files => InitStage::CallFiles,
             ChildStage::Cgroup => InitStage::CommandsCgroup,
+            ChildStage::SetUser => InitStage::SetUser,
             ChildStage::Stdio => InitStage::Stdio,
             ChildStage::Chdir => InitStage::Chdir,
             ChildStage::Exec => InitStage::Exec,
@@ -302,20 +306,102 @@ pub(crate) struct Launch {
     cwd: CString,
     /// Files to write in the command's root first: (path, mode, contents).
     files: Vec<(String, u32, Vec<u8>)>,
+    /// The user to become, when it is not init's root.
+    ids: Option<Ids>,
+}
+
+/// A user's ids, as the command's first process takes them.
+struct Ids {
+    uid: libc::uid_t,
+    gid: libc::gid_t,
+    groups: Vec<libc::gid_t>,
+}
+
+impl Ids {
+    /// Becomes the user: supplementary groups, then the gid, then the uid (which needs the
+    /// capabilities the first two use), all three of real, effective and saved ids. Raw
+    /// system calls: the C library's wrappers would try to change every thread of a
+    /// process, and a vfork child shares init's memory. Leaving uid 0 clears the
+    /// permitted, effective and ambient capabilities (keep-caps is off: it is cleared
+    /// here, and no secure bit keeps them); that is checked before the `execve`.
+    fn take(&self) -> Result<(), i32> {
+        // SAFETY: prctl(2) and the set*id(2) calls take integers; setgroups(2) reads
+        // `groups.len()` ids from a buffer that outlives the call.
+        let ok = unsafe {
+            libc::prctl(libc::PR_SET_KEEPCAPS, 0, 0, 0, 0) == 0
+                && libc::syscall(libc::SYS_setgroups, self.groups.len(), self.groups.as_ptr()) == 0
+                && libc::syscall(libc::SYS_setresgid, self.gid, self.gid, self.gid) == 0
+                && libc::syscall(libc::SYS_setresuid, self.uid, self.uid, self.uid) == 0
+        };
+        if !ok {
+            return Err(last_errno());
+        }
+        if self.uid != 0 && has_capabilities()? {
+            return Err(libc::EPERM);
+        }
+        Ok(())
+    }
+}
+
+/// Whether this process holds any permitted or effective capability (capget(2), version 3).
+fn has_capabilities() -> Result<bool, i32> {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut header = Header {
+        version: 0x2008_0522,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget(2) reads the header and writes two data structs (version 3), both
+    // owned here and laid out as the kernel's.
+    let rc = unsafe { libc::syscall(libc::SYS_capget, &raw mut header, data.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(last_errno());
+    }
+    Ok(data.iter().any(|d| d.effective != 0 || d.permitted != 0))
 }
 
 impl Launch {
-    /// `contents` are those of `spec.files`, in order.
-    pub(crate) fn new(spec: &ExecSpec, contents: Vec<Vec<u8>>) -> Result<Launch, String> {
-        let env = spec
-            .env
-            .iter()
-            .map(|e| cstring(e, "environment"))
-            .collect::<Result<Vec<_>, _>>()?;
+    /// `contents` are those of `spec.files`, in order. With `user` (the account and the
+    /// directory to start in), the command runs as that user, with `HOME`, `USER` and
+    /// `LOGNAME` set where the environment lacks them.
+    pub(crate) fn new(
+        spec: &ExecSpec,
+        contents: Vec<Vec<u8>>,
+        user: Option<(&Account, &str)>,
+    ) -> Result<Launch, String> {
+        let mut filled;
+        let (env, cwd) = match user {
+            Some((account, cwd)) => {
+                filled = spec.env.clone();
+                account.fill_env(&mut filled);
+                (&filled, cwd)
+            }
+            None => (&spec.env, spec.cwd.as_str()),
+        };
+        let ids = user.map(|(account, _)| Ids {
+            uid: account.uid,
+            gid: account.gid,
+            groups: account.groups.clone(),
+        });
         Ok(Launch {
-            program: Program::new(&spec.argv, search_path(&spec.env))?,
-            env,
-            cwd: cstring(&spec.cwd, "working directory")?,
+            program: Program::new(&spec.argv, search_path(env))?,
+            env: env
+                .iter()
+                .map(|e| cstring(e, "environment"))
+                .collect::<Result<Vec<_>, _>>()?,
+            cwd: cstring(cwd, "working directory")?,
+            ids,
             files: spec
                 .files
                 .iter()
@@ -432,6 +518,13 @@ impl Launch {
                 if let Err(e) = rustix::process::ioctl_tiocsctty(rustix::stdio::stdin()) {
                     fail(fds, ChildStage::Stdio, e.raw_os_error());
                 }
+            }
+        }
+        // The user's own identity before its working directory: one it may not enter is
+        // an error, as it is for the user's own shell.
+        if let Some(ids) = &self.ids {
+            if let Err(errno) = ids.take() {
+                fail(fds, ChildStage::SetUser, errno);
             }
         }
         if let Err(e) = rustix::process::chdir(self.cwd.as_c_str()) {

@@ -12,7 +12,8 @@
 //!   [`channel`]; [`files`]: the sandbox's files, served by init over that channel;
 //! - [`fds`]: what every process dsec starts may inherit (its standard descriptors only);
 //!   [`pidfd`]: host processes read and signalled by pid, held by pidfd; [`procfs`]: what
-//!   is read of them in `/proc`; [`tree`]: a command's whole process tree, killed.
+//!   is read of them in `/proc`; [`tree`]: a command's whole process tree, killed;
+//!   [`users`]: the sandbox's users, whom commands may run as.
 //!
 //! A VM guest's agent reuses [`init`]'s command loop, [`proto`], [`files`], [`caps`] and
 //! [`seccomp`] inside the guest (see `dsec-agent`).
@@ -35,4 +36,5 @@ pub mod seccomp;
 pub mod spec;
 mod steps;
 pub mod tree;
+pub mod users;
 pub mod zygote;

@@ -22,7 +22,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any incompatible change; the edge refuses a mismatching init or agent.
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 9;
@@ -304,6 +304,20 @@ pub struct ExecSpec {
     /// terminal, its output travels as [`FrameKind::Stdout`]. Interactive commands only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pty: Option<WinSize>,
+    /// Run as this user of the sandbox rather than as root (see [`crate::users`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_as: Option<RunAs>,
+}
+
+/// Who a command runs as: a user looked up inside the sandbox, in its own `/etc/passwd`
+/// and `/etc/group`, right before the command starts (the sandbox may have added it).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunAs {
+    /// A name, a uid or `uid:gid` (see [`crate::users::UserSpec`]).
+    pub user: String,
+    /// The request named no working directory: the command starts in the user's home,
+    /// or in [`ExecSpec::cwd`] when that is not a directory.
+    pub home_cwd: bool,
 }
 
 impl ExecSpec {
@@ -477,6 +491,10 @@ init_stages! {
     CallFiles => "write the command's files",
     /// The command could not join the commands' cgroup.
     CommandsCgroup => "join the commands' cgroup",
+    /// The user to run as is not one of the sandbox's, or is malformed.
+    User => "look up the user",
+    /// The command could not take its user's identity.
+    SetUser => "switch to the user",
 }
 
 impl std::fmt::Display for InitStage {

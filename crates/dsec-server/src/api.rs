@@ -17,7 +17,7 @@ use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use dsec_api::{
     CommandResult, CreateManyRequest, CreateManyResponse, CreateSandboxRequest, ErrorBody,
-    ErrorDetail, ErrorKind, ExecRequest, FileInfo, ImageInfo, ImportEvent, ImportImageRequest,
+    ErrorDetail, ErrorKind, ExecBody, FileInfo, ImageInfo, ImportEvent, ImportImageRequest,
     MakeDirRequest, MakeDirResponse, MoveRequest, PruneResult, SandboxInfo, StoreInfo, StreamEvent,
 };
 use futures::StreamExt;
@@ -540,13 +540,13 @@ fn incomplete_tail(bytes: &[u8]) -> usize {
     0
 }
 
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", request_body = ExecRequest,
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", request_body = ExecBody,
     responses((status = 200, body = CommandResult), (status = 400, body = ErrorBody),
               (status = 404, body = ErrorBody), (status = 413, body = ErrorBody)))]
 async fn exec(
     State(state): State<AppState>,
     Visible(id): Visible,
-    ApiJson(req): ApiJson<ExecRequest>,
+    ApiJson(req): ApiJson<ExecBody>,
 ) -> Result<Json<CommandResult>, ApiError> {
     let started = Instant::now();
     let Execution {
@@ -571,14 +571,14 @@ async fn exec(
     Ok(Json(result))
 }
 
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec/stream", request_body = ExecRequest,
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec/stream", request_body = ExecBody,
     responses((status = 200, description = "NDJSON (or SSE) of StreamEvent", body = StreamEvent),
               (status = 404, body = ErrorBody)))]
 async fn exec_stream(
     State(state): State<AppState>,
     Visible(id): Visible,
     headers: HeaderMap,
-    ApiJson(req): ApiJson<ExecRequest>,
+    ApiJson(req): ApiJson<ExecBody>,
 ) -> Result<Response, ApiError> {
     let sse = headers
         .get(header::ACCEPT)

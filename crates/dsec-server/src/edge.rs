@@ -12,10 +12,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 use dsec_api::{
-    BackendKind, Command, CreateSandboxRequest, ExecRequest, FileInfo, ImageInfo, Limits, Network,
+    BackendKind, Command, CreateSandboxRequest, ExecBody, FileInfo, ImageInfo, Limits, Network,
     PruneResult, SandboxInfo, SandboxState, StoreInfo,
 };
 use dsec_image::{ImageError, ImageStore};
+use dsec_runtime::proto::RunAs;
+use dsec_runtime::users::UserSpec;
 use dsec_trajectory::{
     digest, FileDigest, ForkOf, SandboxLog, SandboxRecord, StepRequest, TrajectoryLog,
 };
@@ -398,6 +400,37 @@ fn merge_env(layers: &[&[String]]) -> Vec<String> {
         merged.push(entry.clone());
     }
     merged
+}
+
+/// A command's environment: the sandbox's (image, defaults, `env=` at create), then the
+/// command's own. For a command run as a user, `HOME`, `USER` and `LOGNAME` of the
+/// sandbox's are left out: the sandbox fills them in from the user, unless the command's
+/// own environment sets them.
+fn command_env(sandbox: &[String], command: &[String], as_user: bool) -> Vec<String> {
+    if !as_user {
+        return merge_env(&[sandbox, command]);
+    }
+    let identity = |e: &&String| {
+        let key = e.split('=').next().unwrap_or_default();
+        !matches!(key, "HOME" | "USER" | "LOGNAME")
+    };
+    let sandbox: Vec<String> = sandbox.iter().filter(identity).cloned().collect();
+    merge_env(&[&sandbox, command])
+}
+
+/// Who a command runs as: `None` for root, named or by default, which runs as init
+/// itself does at no cost; otherwise the user, checked to be well formed (the sandbox
+/// looks it up). `cwd_given`: the request named a working directory, so the command does
+/// not start in the user's home.
+fn run_as(user: Option<&str>, cwd_given: bool) -> Result<Option<RunAs>, ApiError> {
+    let Some(user) = user.filter(|u| !matches!(*u, "root" | "0" | "0:0")) else {
+        return Ok(None);
+    };
+    UserSpec::parse(user).map_err(|e| ApiError::invalid(e.to_string()))?;
+    Ok(Some(RunAs {
+        user: user.to_owned(),
+        home_cwd: !cwd_given,
+    }))
 }
 
 fn decode_b64(field: &str, data: &str) -> Result<Vec<u8>, ApiError> {
@@ -999,9 +1032,19 @@ impl Edge {
         futures::future::join_all(ids.iter().map(|id| self.stop_because(id, "shutdown"))).await;
     }
 
-    /// Starts a command after writing its files.
-    pub async fn exec(&self, id: &str, req: ExecRequest) -> Result<Execution, ApiError> {
+    /// Starts a command after writing its files; as root unless `req` names a user.
+    pub async fn exec(&self, id: &str, req: impl Into<ExecBody>) -> Result<Execution, ApiError> {
+        let ExecBody { exec: req, user } = req.into();
+        let run_as = run_as(user.as_deref(), req.cwd.is_some())?;
         let entry = self.live_entry(id).await?;
+        // A replayed step is compared with the recorded request, which does not hold the
+        // user yet: a step run as another user would replay as if it were the same.
+        if run_as.is_some() && entry.info.trajectory_id.is_some() {
+            return Err(ApiError::invalid(
+                "user= is not supported on sandboxes with a trajectory_id yet (the \
+                 trajectory log does not record the user a step ran as); run as root there",
+            ));
+        }
         let argv = argv_of(req.cmd)?;
         let timeout_s = req.timeout_s.unwrap_or(self.config.timeout_s);
         if !timeout_s.is_finite() || timeout_s <= 0.0 || timeout_s > MAX_TTL_S {
@@ -1068,6 +1111,7 @@ impl Edge {
                 "cwd": cwd,
                 "step": req.step,
                 "timeout_s": timeout_s,
+                "user": run_as.as_ref().map(|r| &r.user),
             }),
         );
         for f in &files {
@@ -1080,12 +1124,13 @@ impl Edge {
             .sandbox
             .exec(CommandSpec {
                 argv,
-                env: merge_env(&[&entry.env, &cmd_env]),
+                env: command_env(&entry.env, &cmd_env, run_as.is_some()),
                 cwd,
                 stdin,
                 files,
                 timeout_ms: timeout_ms(timeout_s),
                 max_output_bytes: max_output,
+                run_as,
             })
             .await;
         metrics::histogram!("dsec_exec_start_seconds", "backend" => entry.info.backend.clone())

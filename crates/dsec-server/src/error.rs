@@ -162,7 +162,12 @@ impl From<RuntimeError> for ApiError {
             return file.into();
         }
         match &e {
-            RuntimeError::Exec(err) if matches!(err.stage, InitStage::Chdir | InitStage::Spec) => {
+            RuntimeError::Exec(err)
+                if matches!(
+                    err.stage,
+                    InitStage::Chdir | InitStage::Spec | InitStage::User
+                ) =>
+            {
                 ApiError::invalid(err.message.clone())
             }
             RuntimeError::Gone => {

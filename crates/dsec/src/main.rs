@@ -117,6 +117,9 @@ enum Cmd {
         /// Timeout in seconds.
         #[arg(long)]
         timeout: Option<f64>,
+        /// Run as this user of the sandbox (a name, a uid or uid:gid), in its home.
+        #[arg(long)]
+        user: Option<String>,
         /// The command and its arguments (after `--`).
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
@@ -628,11 +631,12 @@ fn run(cmd: Cmd) -> Result<()> {
         Cmd::Exec {
             id,
             timeout,
+            user,
             cmd,
             remote,
         } => {
             let client = Client::new(remote)?;
-            let body = serde_json::json!({"cmd": cmd, "timeout_s": timeout});
+            let body = serde_json::json!({"cmd": cmd, "timeout_s": timeout, "user": user});
             let result: CommandResult =
                 client.json(client.post(&format!("/v1/sandboxes/{id}/exec")).json(&body))?;
             std::io::stdout().write_all(result.stdout.as_bytes())?;

@@ -112,6 +112,11 @@ impl FileService {
         self.watches.pump_frames(self.root.as_ref(), out);
     }
 
+    /// The root files are served from; `None` in a fncall worker.
+    pub fn sandbox_root(&self) -> Option<&SandboxRoot> {
+        self.root.as_ref()
+    }
+
     fn root(&self, path: &str) -> Result<&SandboxRoot, InitError> {
         self.root.as_ref().ok_or_else(|| no_files(path))
     }

@@ -434,8 +434,29 @@ impl Init {
         } else {
             (stdin, Vec::new())
         };
-        let launch =
-            Launch::new(spec, files).map_err(|m| Spawn::Setup(InitStage::Spec, None, m))?;
+        // The user is looked up right before its command starts: the sandbox may have
+        // added it, or changed its home, a moment ago.
+        let user = match &spec.run_as {
+            Some(run_as) => {
+                let root = self.files.sandbox_root().ok_or_else(|| {
+                    Spawn::Setup(
+                        InitStage::User,
+                        None,
+                        "user= is not supported by fncall calls".into(),
+                    )
+                })?;
+                let (account, home_is_dir) = crate::users::lookup(root, &run_as.user)
+                    .map_err(|e| Spawn::Setup(InitStage::User, None, e.to_string()))?;
+                let cwd = match run_as.home_cwd && home_is_dir {
+                    true => account.home.clone(),
+                    false => spec.cwd.clone(),
+                };
+                Some((account, cwd))
+            }
+            None => None,
+        };
+        let launch = Launch::new(spec, files, user.as_ref().map(|(a, cwd)| (a, cwd.as_str())))
+            .map_err(|m| Spawn::Setup(InitStage::Spec, None, m))?;
         let plan = match stepped {
             true => Some(
                 StepPlan::new(spec, step_stdin)
@@ -578,7 +599,7 @@ impl Init {
                     match other {
                         ChildStage::Chdir => format!(
                             "working directory {:?}: {}",
-                            spec.cwd,
+                            user.as_ref().map_or(&spec.cwd, |(_, cwd)| cwd),
                             std::io::Error::from_raw_os_error(err)
                         ),
                         _ => std::io::Error::from_raw_os_error(err).to_string(),

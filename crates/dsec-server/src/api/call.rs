@@ -146,7 +146,7 @@ pub(super) async fn call(
     let (create, exec) = req.split();
     let handle = handle(&state, &caller, create).await?;
     let id = handle.id.clone();
-    super::exec(State(state), Visible(id), ApiJson(exec)).await
+    super::exec(State(state), Visible(id), ApiJson(exec.into())).await
 }
 
 #[utoipa::path(post, path = "/v1/calls/stream", request_body = CallRequest,
@@ -164,5 +164,5 @@ pub(super) async fn call_stream(
     let id = handle.id.clone();
     // The command has started when this returns: its stream owns the worker, and the
     // handle goes with `handle` here.
-    super::exec_stream(State(state), Visible(id), headers, ApiJson(exec)).await
+    super::exec_stream(State(state), Visible(id), headers, ApiJson(exec.into())).await
 }

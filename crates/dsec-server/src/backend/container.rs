@@ -231,6 +231,7 @@ pub(crate) async fn run(
         cwd: cmd.cwd,
         timeout_ms: Some(cmd.timeout_ms),
         max_output_bytes: cmd.max_output_bytes,
+        run_as: cmd.run_as,
         files: carried,
         ..ExecSpec::default()
     };

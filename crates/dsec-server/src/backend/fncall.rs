@@ -739,6 +739,13 @@ fn stateless(what: &str) -> ApiError {
 #[async_trait]
 impl Sandbox for FnCallSandbox {
     async fn exec(&self, cmd: CommandSpec) -> Result<Box<dyn OutputStream>, ApiError> {
+        if let Some(run_as) = &cmd.run_as {
+            return Err(ApiError::invalid(format!(
+                "user {:?}: fncall calls run as root only (each call gets a fresh root of \
+                 the image, with no users added to it)",
+                run_as.user
+            )));
+        }
         let lease = self
             .lease(Duration::from_millis(cmd.timeout_ms), Refusal::Fail)
             .await?;

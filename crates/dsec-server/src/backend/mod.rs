@@ -83,7 +83,11 @@ pub struct CommandSpec {
     pub timeout_ms: u64,
     /// Bound on each output stream.
     pub max_output_bytes: u64,
+    /// The user it runs as; `None`: root.
+    pub run_as: Option<RunAs>,
 }
+
+pub use dsec_runtime::proto::RunAs;
 
 /// A file to write before a command.
 #[derive(Clone, Debug)]
@@ -152,6 +156,8 @@ pub struct ProcessSpec {
     pub cwd: String,
     /// Run on a new terminal of this size (stdin, stdout and stderr all the terminal).
     pub pty: Option<WinSize>,
+    /// The user it runs as; `None`: root.
+    pub run_as: Option<RunAs>,
 }
 
 pub use dsec_runtime::proto::WinSize;
@@ -275,6 +281,7 @@ pub(crate) async fn spawn_served(
         max_output_bytes: u64::MAX,
         interactive: true,
         pty: spec.pty,
+        run_as: spec.run_as,
         ..ExecSpec::default()
     };
     let mut handle = channel.exec(&exec, &[], &[]).await?;

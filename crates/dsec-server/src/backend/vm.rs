@@ -671,6 +671,7 @@ impl Sandbox for VmSandbox {
             cwd: cmd.cwd,
             timeout_ms: Some(cmd.timeout_ms),
             max_output_bytes: cmd.max_output_bytes,
+            run_as: cmd.run_as,
             ..ExecSpec::default()
         };
         let handle = self.vm.channel().exec(&spec, &cmd.stdin, &[]).await?;

@@ -505,7 +505,8 @@ pub struct SpawnRequest {
     pub pty: Option<PtySize>,
     /// A name for the process, unique among the sandbox's running processes.
     pub tag: Option<String>,
-    /// The user to run as; only `root` (the default) yet.
+    /// The user of the sandbox to run as: a name, a uid or `uid:gid`, looked up in the
+    /// sandbox's own `/etc/passwd` and `/etc/group`; root when omitted.
     pub user: Option<String>,
 }
 
@@ -555,15 +556,15 @@ impl super::Edge {
                 )));
             }
         }
-        if let Some(user) = req.user.as_deref().filter(|u| *u != "root") {
-            return Err(ApiError::invalid(format!(
-                "user {user:?}: spawned processes run as root only in this version"
-            )));
-        }
+        let run_as = super::run_as(req.user.as_deref(), req.cwd.is_some())?;
         let pty = req.pty.map(PtySize::checked).transpose()?;
         let cwd = req.cwd.unwrap_or_else(|| entry.workdir.clone());
         super::check_absolute("cwd", &cwd)?;
-        let env = super::merge_env(&[&entry.env, &super::env_pairs(&req.env, "environment")?]);
+        let env = super::command_env(
+            &entry.env,
+            &super::env_pairs(&req.env, "environment")?,
+            run_as.is_some(),
+        );
         let admitted = entry.processes.admit(NewProcess {
             tag: req.tag.clone(),
             cmd: argv.clone(),
@@ -577,6 +578,7 @@ impl super::Edge {
                 "cwd": cwd,
                 "spawned": true,
                 "tag": req.tag,
+                "user": run_as.as_ref().map(|r| &r.user),
             }),
         );
         let spawned = entry
@@ -586,6 +588,7 @@ impl super::Edge {
                 env,
                 cwd,
                 pty,
+                run_as,
             })
             .await;
         let process = admitted.insert(entry.or_failed(spawned).await?);

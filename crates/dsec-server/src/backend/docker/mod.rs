@@ -45,6 +45,7 @@ mod ops;
 mod output;
 mod paths;
 mod process;
+mod user;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -191,6 +192,10 @@ impl Sandbox for DockerSandbox {
             self.write_file(&f.path, f.mode, Upload::whole(f.data))
                 .await?;
         }
+        let user = match cmd.run_as.take() {
+            Some(run_as) => Some(self.user(&run_as, &mut cmd.env, &mut cmd.cwd).await?),
+            None => None,
+        };
         let inner = &self.0;
         let attach_stdin = !cmd.stdin.is_empty();
         let config = CreateExecOptions {
@@ -201,6 +206,7 @@ impl Sandbox for DockerSandbox {
             env: Some(std::mem::take(&mut cmd.env)),
             cmd: Some(cmd.argv.clone()),
             working_dir: Some(cmd.cwd.clone()),
+            user,
             ..Default::default()
         };
         let exec = match inner.docker.create_exec(&inner.id, config.clone()).await {
@@ -246,8 +252,12 @@ impl Sandbox for DockerSandbox {
         )))
     }
 
-    async fn spawn(&self, spec: ProcessSpec) -> Result<Spawned, ApiError> {
-        process::spawn(&self.0, spec).await
+    async fn spawn(&self, mut spec: ProcessSpec) -> Result<Spawned, ApiError> {
+        let user = match spec.run_as.take() {
+            Some(run_as) => Some(self.user(&run_as, &mut spec.env, &mut spec.cwd).await?),
+            None => None,
+        };
+        process::spawn(&self.0, spec, user).await
     }
 
     async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Box<dyn FileRead>, ApiError> {

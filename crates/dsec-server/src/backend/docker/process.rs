@@ -35,8 +35,13 @@ enum Input {
     Close,
 }
 
-/// Spawns `spec` as an exec in `inner`'s container.
-pub(super) async fn spawn(inner: &Arc<Inner>, spec: ProcessSpec) -> Result<Spawned, ApiError> {
+/// Spawns `spec` as an exec in `inner`'s container, as `user` (docker's `User`; the
+/// container's default, root, when `None`).
+pub(super) async fn spawn(
+    inner: &Arc<Inner>,
+    spec: ProcessSpec,
+    user: Option<String>,
+) -> Result<Spawned, ApiError> {
     let Some(local) = &inner.local else {
         return Err(ApiError::unavailable(
             "spawned processes of docker sandboxes need the docker daemon on this host",
@@ -52,6 +57,7 @@ pub(super) async fn spawn(inner: &Arc<Inner>, spec: ProcessSpec) -> Result<Spawn
         env: Some(spec.env.clone()),
         cmd: Some(spec.argv.clone()),
         working_dir: Some(spec.cwd.clone()),
+        user,
         ..Default::default()
     };
     let exec = inner
@@ -81,6 +87,7 @@ pub(super) async fn spawn(inner: &Arc<Inner>, spec: ProcessSpec) -> Result<Spawn
         files: Vec::new(),
         timeout_ms: NO_TIMEOUT_MS,
         max_output_bytes: u64::MAX,
+        run_as: None,
     };
     let mut output = DockerOutput::new(
         Arc::clone(inner),
@@ -122,8 +129,13 @@ pub(super) async fn spawn(inner: &Arc<Inner>, spec: ProcessSpec) -> Result<Spawn
             tx
         },
     };
+    // Docker's exec create takes no terminal size: it is set once the exec runs. One that
+    // already ended (`id -u`) cannot be resized, and that is no error: its output and its
+    // exit are still read.
     if let Some(size) = spec.pty {
-        control.resize(size).await?;
+        if let Err(e) = control.resize(size).await {
+            tracing::debug!(error = %e.message, "the spawned process ended before its terminal was sized");
+        }
     }
     Ok(Spawned {
         pid: container_pid(host_pid).unwrap_or(host_pid),

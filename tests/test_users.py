@@ -1,0 +1,182 @@
+"""Commands as a user of the sandbox (`user=` on run, stream and spawn, `dsec exec --user`),
+on every backend: the user is looked up in the sandbox's own /etc/passwd and /etc/group (the
+test adds it from inside, as root), the command takes its uid, gids and home, and keeps no
+capability."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import Callable
+
+import dsec
+import pytest
+from dsec_testlib import DSEC_BIN, Server
+
+MakeSandbox = Callable[..., dsec.Sandbox]
+
+#: Adds alice (uid 1000, primary group 1000, also in staff, gid 50) with a home, and a
+#: secret only root may read.
+ADD_ALICE = """
+echo 'alice:x:1000:1000:Alice:/home/alice:/bin/sh' >> /etc/passwd
+echo 'alice:x:1000:' >> /etc/group
+echo 'staff:x:50:bob,alice' >> /etc/group
+mkdir -p /home/alice && chown 1000:1000 /home/alice
+echo secret > /root/secret && chmod 600 /root/secret && chmod 755 /root
+"""
+
+WHO = "id -u; id -g; id -G; echo $HOME; echo $USER $LOGNAME; pwd"
+
+
+@pytest.fixture
+def usb(backend: str, make_sandbox: MakeSandbox) -> dsec.Sandbox:
+    """A sandbox of the backend under test with alice in it."""
+    if backend == "fncall":
+        pytest.skip("fncall calls run as root only (test_fncall_refuses_users)")
+    sb = make_sandbox()
+    r = sb.run(ADD_ALICE)
+    assert r.exit_code == 0, r.stderr
+    return sb
+
+
+def lines(r: dsec.CommandResult) -> list[str]:
+    assert r.exit_code == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+def test_a_command_runs_as_a_user_the_sandbox_added(usb: dsec.Sandbox) -> None:
+    assert lines(usb.run(WHO, user="alice")) == [
+        "1000",
+        "1000",
+        "1000 50",
+        "/home/alice",
+        "alice alice",
+        "/home/alice",
+    ]
+    # It keeps no capability: permitted and effective are empty.
+    caps = usb.run("grep -E '^Cap(Prm|Eff)' /proc/self/status", user="alice")
+    assert lines(caps) == ["CapPrm:\t0000000000000000", "CapEff:\t0000000000000000"]
+    # So root's files are closed to it.
+    secret = usb.run("cat /root/secret", user="alice")
+    assert secret.exit_code != 0 and "Permission denied" in secret.stderr, secret
+    write = usb.run("touch /root/mine", user="alice")
+    assert write.exit_code != 0 and "Permission denied" in write.stderr, write
+    assert usb.run("test -e /root/mine").exit_code == 1
+    # What it makes is its own.
+    assert lines(usb.run("touch f; stat -c '%u:%g' f", user="alice")) == ["1000:1000"]
+    # A streamed command is the same mechanism.
+    out = "".join(ev.data for ev in usb.stream(WHO, user="alice") if ev.kind == "stdout")
+    assert out.splitlines()[:3] == ["1000", "1000", "1000 50"]
+
+
+def test_cwd_and_env_given_win_over_the_users(usb: dsec.Sandbox) -> None:
+    r = usb.run("pwd; echo $HOME $USER", user="alice", cwd="/tmp", env={"HOME": "/tmp/h"})
+    assert lines(r) == ["/tmp", "/tmp/h alice"]
+    # A user whose home does not exist starts in the sandbox's working directory.
+    usb.run("rm -rf /home/alice")
+    assert lines(usb.run("pwd; echo $HOME", user="alice")) == ["/", "/home/alice"]
+
+
+def test_numeric_uids_and_uid_gid_pairs(usb: dsec.Sandbox) -> None:
+    assert lines(usb.run(WHO, user="1000"))[:4] == ["1000", "1000", "1000 50", "/home/alice"]
+    # uid:gid names the one group (no supplementary ones, as Docker does).
+    assert lines(usb.run("id -u; id -g; id -G", user="1000:50")) == ["1000", "50", "50"]
+    # A uid without a passwd line runs with gid 0 and HOME=/, as Docker does.
+    assert lines(usb.run("id -u; id -g; echo $HOME; pwd", user="4242")) == ["4242", "0", "/", "/"]
+
+
+def test_a_spawned_process_runs_as_the_user(usb: dsec.Sandbox) -> None:
+    p = usb.spawn("id -u; id -G; pwd; cat /root/secret", user="alice", stdin=False)
+    out = {"stdout": "", "stderr": ""}
+    for ev in p.events():
+        if ev.kind == "exit":
+            assert ev.exit_code != 0
+            break
+        out[ev.kind] += ev.data
+    assert out["stdout"].splitlines() == ["1000", "1000 50", "/home/alice"], out
+    assert "Permission denied" in out["stderr"], out
+    pty = usb.spawn("id -u", user="alice", pty={"cols": 80, "rows": 24})
+    assert pty.wait(timeout=60) == 0
+
+
+def test_root_given_is_the_default(usb: dsec.Sandbox) -> None:
+    default = lines(usb.run(WHO))
+    assert default[0] == "0"
+    for root in ("root", "0", "0:0"):
+        assert lines(usb.run(WHO, user=root)) == default
+
+
+def test_unknown_and_malformed_users_are_invalid_arguments(usb: dsec.Sandbox) -> None:
+    with pytest.raises(dsec.InvalidArgument, match=r'"bob" not found in the sandbox.s /etc/passwd'):
+        usb.run("true", user="bob")
+    # A stream reports it as it reports a missing working directory: raised where the
+    # backend knows before the stream starts (docker), else as its last event.
+    try:
+        events = list(usb.stream("true", user="bob"))
+    except dsec.InvalidArgument as e:
+        assert '"bob" not found' in str(e)
+    else:
+        assert [ev.kind for ev in events] == ["stderr"], events
+        assert events[0].data.startswith('dsec: user "bob" not found'), events
+    with pytest.raises(dsec.InvalidArgument, match="bob"):
+        usb.spawn("true", user="bob")
+    for bad in ("a b", "-x", "1:x", ""):
+        with pytest.raises(dsec.InvalidArgument, match="malformed"):
+            usb.run("true", user=bad)
+    # A user added later is found at once: the lookup is made for each command.
+    usb.run("echo 'bob:x:1001:1001::/:/bin/sh' >> /etc/passwd")
+    assert lines(usb.run("id -u", user="bob")) == ["1001"]
+
+
+def test_fncall_refuses_users(backend: str, sb: dsec.Sandbox) -> None:
+    if backend != "fncall":
+        pytest.skip("fncall only")
+    with pytest.raises(dsec.InvalidArgument, match="fncall calls run as root only"):
+        sb.run("true", user="alice")
+
+
+def test_the_cli_runs_as_the_user(backend: str, usb: dsec.Sandbox, server: Server) -> None:
+    if backend != "container":
+        pytest.skip("the CLI speaks the same request on every backend")
+    argv = [str(DSEC_BIN), "exec", usb.id, "--url", server.url, "--user", "alice", "--", "id", "-u"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (0, "1000\n"), r.stderr
+    r = subprocess.run(
+        [*argv[:5], "--user", "nobody-here", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0 and "nobody-here" in r.stderr, r.stderr
+
+
+def test_users_are_refused_where_the_trajectory_cannot_record_them(
+    backend: str, make_sandbox: MakeSandbox
+) -> None:
+    if backend != "container":
+        pytest.skip("the edge refuses it before any backend is asked")
+    sb = make_sandbox(trajectory_id=f"users-{id(make_sandbox)}")
+    with pytest.raises(dsec.InvalidArgument, match="trajectory"):
+        sb.run("true", user="alice")
+
+
+def test_the_async_sdk_runs_as_the_user(backend: str, usb: dsec.Sandbox, server: Server) -> None:
+    if backend != "container":
+        pytest.skip("the async SDK sends the same requests on every backend")
+
+    async def main() -> tuple[list[str], str, str]:
+        async with server.async_client() as c:
+            sb = await c.get(usb.id)
+            r = await sb.run("id -u; pwd", user="alice")
+            streamed = ""
+            async for ev in sb.stream("id -u", user="1000:50"):
+                if ev.kind == "stdout":
+                    streamed += ev.data
+            p = await sb.spawn("id -g", user="alice", stdin=False)
+            spawned = ""
+            async for pev in p.events():
+                if pev.kind == "stdout":
+                    spawned += pev.data
+            return r.stdout.splitlines(), streamed, spawned
+
+    assert asyncio.run(main()) == (["1000", "/home/alice"], "1000\n", "1000\n")
