@@ -41,6 +41,7 @@ from e2b import (  # noqa: E402
     AsyncSandbox,
     AuthenticationException,
     CommandExitException,
+    InvalidArgumentException,
     NotFoundException,
     Sandbox,
     SandboxException,
@@ -137,6 +138,8 @@ def test_commands_run_streams_output_and_exit_codes(sandbox: Sandbox) -> None:
     assert (r.stdout, r.stderr, r.exit_code) == ("out\nhi\n", "err\n", 0)
     assert sandbox.commands.run("pwd").stdout == "/root\n"
     assert sandbox.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+    with pytest.raises(InvalidArgumentException, match="/no/such/dir"):
+        sandbox.commands.run("pwd", cwd="/no/such/dir")
     seen: list[str] = []
     sandbox.commands.run("echo a; echo b", on_stdout=seen.append)
     assert "".join(seen) == "a\nb\n"
@@ -161,6 +164,10 @@ def test_commands_timeout_raises_and_kills(sandbox: Sandbox) -> None:
         "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' <$f; echo; done"
     ).stdout
     assert "sleep 30" not in procs
+    # A background command's timeout ends it too, whether or not anyone still listens.
+    handle = sandbox.commands.run("sleep 30", background=True, timeout=1)
+    handle.disconnect()
+    assert wait_until(lambda: handle.pid not in [p.pid for p in sandbox.commands.list()], 10)
 
 
 def test_commands_background_finishes_and_reports(sandbox: Sandbox) -> None:
@@ -554,6 +561,15 @@ def test_async_sdk(e2b_env: E2bServer) -> None:
         try:
             r = await sb.commands.run("echo async")
             assert r.stdout == "async\n"
+            cat = await sb.commands.run("cat", background=True, stdin=True)
+            assert cat.pid in [p.pid for p in await sb.commands.list()]
+            await sb.commands.send_stdin(cat.pid, "in\n")
+            await sb.commands.close_stdin(cat.pid)
+            assert (await cat.wait()).stdout == "in\n"
+            sleeper = await sb.commands.run("sleep 60", background=True)
+            assert await sb.commands.kill(sleeper.pid) is True
+            with pytest.raises(CommandExitException):
+                await sleeper.wait()
             await sb.files.write("/tmp/x.txt", "x")
             assert await sb.files.read("/tmp/x.txt") == "x"
             assert await sb.files.make_dir("/tmp/d") is True
