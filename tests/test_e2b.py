@@ -2,9 +2,10 @@
 --e2b-listen --e2b-envd-listen`: through the control plane (E2B_API_URL, E2B_SANDBOX_URL,
 E2B_API_KEY) and in the SDK's debug mode (E2B_DEBUG=true, one sandbox for every call).
 
-What dsec's E2B API does not do yet (processes that outlive their request, stdin, PTYs,
-users other than root, stat/mkdir/move/remove/watch, templates, volumes) is asserted to
-answer at once with E2B's error shape and a message that says so.
+Commands are dsec's spawned processes (stdin, PTYs, list, kill, connect, surviving a
+disconnect). What dsec's E2B API does not do yet (users other than root, file metadata,
+templates, volumes) is asserted to answer at once with E2B's error shape and a message
+that says so.
 
 The "base" template here is the suite's Debian test image (bash, python3; made once by
 scripts/make-debian-rootfs.sh into $DSEC_TEST_DEBIAN_ROOTFS, shared with test_network.py):
@@ -40,6 +41,8 @@ from e2b import (  # noqa: E402
     AsyncSandbox,
     AuthenticationException,
     CommandExitException,
+    InvalidArgumentException,
+    NotFoundException,
     Sandbox,
     SandboxException,
     SandboxNotFoundException,
@@ -135,6 +138,8 @@ def test_commands_run_streams_output_and_exit_codes(sandbox: Sandbox) -> None:
     assert (r.stdout, r.stderr, r.exit_code) == ("out\nhi\n", "err\n", 0)
     assert sandbox.commands.run("pwd").stdout == "/root\n"
     assert sandbox.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+    with pytest.raises(InvalidArgumentException, match="/no/such/dir"):
+        sandbox.commands.run("pwd", cwd="/no/such/dir")
     seen: list[str] = []
     sandbox.commands.run("echo a; echo b", on_stdout=seen.append)
     assert "".join(seen) == "a\nb\n"
@@ -159,6 +164,10 @@ def test_commands_timeout_raises_and_kills(sandbox: Sandbox) -> None:
         "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' <$f; echo; done"
     ).stdout
     assert "sleep 30" not in procs
+    # A background command's timeout ends it too, whether or not anyone still listens.
+    handle = sandbox.commands.run("sleep 30", background=True, timeout=1)
+    handle.disconnect()
+    assert wait_until(lambda: handle.pid not in [p.pid for p in sandbox.commands.list()], 10)
 
 
 def test_commands_background_finishes_and_reports(sandbox: Sandbox) -> None:
@@ -167,20 +176,98 @@ def test_commands_background_finishes_and_reports(sandbox: Sandbox) -> None:
     assert (result.stdout, result.exit_code) == ("done\n", 0)
 
 
-def test_process_features_not_there_yet_answer_clearly(sandbox: Sandbox) -> None:
-    cases = [
-        lambda: sandbox.commands.list(),
-        lambda: sandbox.commands.send_stdin(1, "x"),
-        lambda: sandbox.commands.kill(1),
-        lambda: sandbox.commands.connect(1),
-        lambda: sandbox.commands.run("cat", stdin=True),
-        lambda: sandbox.pty.create(e2b.PtySize(rows=24, cols=80)),
-    ]
-    for case in cases:
-        t0 = time.monotonic()
-        with pytest.raises(SandboxException, match=NOT_YET):
-            case()
-        assert time.monotonic() - t0 < 10
+def test_commands_stdin_send_stream_and_close(sandbox: Sandbox) -> None:
+    handle = sandbox.commands.run("cat", background=True, stdin=True)
+    assert handle.pid > 0
+    sandbox.commands.send_stdin(handle.pid, "hello\n")
+    handle.send_stdin(b"bytes\n")
+    sandbox.commands.stream_input(handle.pid, ["str", b"eam\n"])
+    sandbox.commands.close_stdin(handle.pid)
+    assert handle.wait().stdout == "hello\nbytes\nstream\n"
+    # Ended, it is gone, as in envd.
+    with pytest.raises(NotFoundException, match="no running process"):
+        sandbox.commands.send_stdin(handle.pid, "late")
+    # A command started without stdin refuses input, and says why.
+    quiet = sandbox.commands.run("sleep 60", background=True)
+    with pytest.raises(SandboxException, match="standard input is closed"):
+        sandbox.commands.send_stdin(quiet.pid, "x")
+    assert quiet.kill() is True
+
+
+def test_commands_list_and_kill(sandbox: Sandbox) -> None:
+    handle = sandbox.commands.run("sleep 60", background=True, envs={"MARK": "1"}, cwd="/tmp")
+    listed = {p.pid: p for p in sandbox.commands.list()}
+    mine = listed[handle.pid]
+    assert (mine.cmd, mine.args, mine.envs, mine.cwd) == (
+        "/bin/bash",
+        ["-l", "-c", "sleep 60"],
+        {"MARK": "1"},
+        "/tmp",
+    )
+    assert mine.tag is None
+    assert sandbox.commands.kill(handle.pid) is True
+    with pytest.raises(CommandExitException) as exc:
+        handle.wait()
+    assert (exc.value.exit_code, exc.value.error) == (-1, "signal: killed")
+    assert handle.pid not in [p.pid for p in sandbox.commands.list()]
+    # Killing what is gone answers False, as the SDK reads not_found.
+    assert sandbox.commands.kill(handle.pid) is False
+
+
+def test_commands_survive_disconnect_and_connect_from_another_handle(sandbox: Sandbox) -> None:
+    handle = sandbox.commands.run("echo first; sleep 1; echo second", background=True)
+    handle.disconnect()
+    other = Sandbox.connect(sandbox.sandbox_id)
+    # Output from before the connect is replayed, then the rest follows live.
+    result = other.commands.connect(handle.pid).wait()
+    assert (result.stdout, result.exit_code) == ("first\nsecond\n", 0)
+
+
+def test_processes_that_do_not_exist_answer_not_found(sandbox: Sandbox) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(NotFoundException, match="no running process 999999"):
+        sandbox.commands.send_stdin(999999, "x")
+    with pytest.raises(NotFoundException):
+        sandbox.commands.connect(999999)
+    with pytest.raises(NotFoundException):
+        sandbox.pty.resize(999999, e2b.PtySize(rows=24, cols=80))
+    assert sandbox.commands.kill(999999) is False
+    assert time.monotonic() - t0 < 10
+
+
+def test_pty_input_resize_and_kill(sandbox: Sandbox) -> None:
+    term = sandbox.pty.create(e2b.PtySize(rows=24, cols=80))
+    output = iter(term)
+
+    def read_until(marker: bytes) -> bytes:
+        seen = b""
+        for _, _, chunk in output:
+            seen += chunk or b""
+            if marker in seen:
+                return seen
+        raise AssertionError(f"{marker!r} never came; got {seen!r}")
+
+    assert term.pid in [p.pid for p in sandbox.commands.list()]
+    sandbox.pty.send_stdin(term.pid, b"stty size; echo term=$TERM\n")
+    assert b"term=xterm-256color" in read_until(b"term=xterm")
+    sandbox.pty.resize(term.pid, e2b.PtySize(rows=30, cols=100))
+    sandbox.pty.send_stdin(term.pid, b"stty size\n")
+    read_until(b"30 100")
+    # Pipes' input is not a terminal's.
+    with pytest.raises(SandboxException, match="runs on a terminal"):
+        sandbox.commands.send_stdin(term.pid, "x")
+    assert sandbox.pty.kill(term.pid) is True
+    with pytest.raises(CommandExitException) as exc:
+        term.wait()
+    assert exc.value.exit_code == -1
+
+
+def test_pty_exits_with_its_shell(sandbox: Sandbox) -> None:
+    term = sandbox.pty.create(e2b.PtySize(rows=24, cols=80))
+    sandbox.pty.stream_input(term.pid, [b"exit 0\n"])
+    seen: list[bytes] = []
+    assert term.wait(on_pty=seen.append).exit_code == 0
+    assert b"exit" in b"".join(seen)
 
 
 def test_other_users_are_refused_not_run_as_root(sandbox: Sandbox) -> None:
@@ -474,6 +561,15 @@ def test_async_sdk(e2b_env: E2bServer) -> None:
         try:
             r = await sb.commands.run("echo async")
             assert r.stdout == "async\n"
+            cat = await sb.commands.run("cat", background=True, stdin=True)
+            assert cat.pid in [p.pid for p in await sb.commands.list()]
+            await sb.commands.send_stdin(cat.pid, "in\n")
+            await sb.commands.close_stdin(cat.pid)
+            assert (await cat.wait()).stdout == "in\n"
+            sleeper = await sb.commands.run("sleep 60", background=True)
+            assert await sb.commands.kill(sleeper.pid) is True
+            with pytest.raises(CommandExitException):
+                await sleeper.wait()
             await sb.files.write("/tmp/x.txt", "x")
             assert await sb.files.read("/tmp/x.txt") == "x"
             assert await sb.files.make_dir("/tmp/d") is True

@@ -7,7 +7,9 @@
 //! - **Streams**: `Content-Type: application/connect+json`; each message travels in an
 //!   envelope `[flags u8][length u32 big-endian][JSON]`. The reply is always `200`: message
 //!   envelopes (flags 0), then one end-of-stream envelope (flags [`FLAG_END_STREAM`]) whose
-//!   JSON is `{}` or `{"error":{"code","message"}}`.
+//!   JSON is `{}` or `{"error":{"code","message"}}`. A client stream (`StreamInput`) sends
+//!   envelopes the same way in the request body, decoded as they arrive
+//!   ([`EnvelopeDecoder`]), and is answered as a server stream of one message.
 //! - `Connect-Timeout-Ms` bounds the whole call ([`deadline`]); a streaming call past it
 //!   ends with `deadline_exceeded`, and dropping the handler's stream is what stops its work.
 //! - `Keepalive-Ping-Interval` (seconds, an envd extension) asks a server stream to send a

@@ -31,24 +31,19 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine;
-use dsec_api::{Command, ExecRequest};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
 
 use super::connect::{self, Code, ConnectError, MessageStream};
 use super::proto::{
-    DataEvent, Empty, EndEvent, EntryInfo, EntryResponse, EventType, FileType, FilesystemEvent,
-    ListDirRequest, ListDirResponse, MoveRequest, PathRequest, ProcessEvent, ProcessStreamMessage,
-    StartRequest, WatchDirRequest, WatchDirResponse, WatcherRequest,
+    Empty, EntryInfo, EntryResponse, EventType, FileType, FilesystemEvent, ListDirRequest,
+    ListDirResponse, MoveRequest, PathRequest, WatchDirRequest, WatchDirResponse, WatcherRequest,
 };
 use super::{E2b, E2bSandbox, DEBUG_SANDBOX_ID};
-use crate::backend::{FileRead, Output, Upload};
+use crate::backend::{FileRead, Upload};
 use crate::error::ApiError;
 use dsec_runtime::files::watch::{WatchEvent, WatchEventKind};
-
-/// Longest time one command may run when the client sets no deadline (dsec's longest).
-const NO_DEADLINE_TIMEOUT_S: f64 = 30.0 * 86400.0;
 
 /// The envd endpoint's routes.
 pub fn router(e2b: Arc<E2b>) -> Router {
@@ -56,7 +51,7 @@ pub fn router(e2b: Arc<E2b>) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/files", get(read_file).post(write_files))
-        .route("/process.Process/{method}", post(process_rpc))
+        .route("/process.Process/{method}", post(super::process::rpc))
         .route("/filesystem.Filesystem/{method}", post(filesystem_rpc))
         .fallback(|| async { http_error(StatusCode::NOT_FOUND, "no such envd route in dsec") })
         .layer(axum::extract::DefaultBodyLimit::max(max_upload))
@@ -193,9 +188,9 @@ async fn health(State(e2b): State<Arc<E2b>>, headers: HeaderMap) -> Response {
 
 /// Who a request acts as, and where its relative paths start.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct EnvdUser {
-    name: String,
-    home: String,
+pub(super) struct EnvdUser {
+    pub(super) name: String,
+    pub(super) home: String,
 }
 
 /// The user a request names (`Authorization: Basic base64("<user>:")` or `username=`).
@@ -235,7 +230,7 @@ fn request_user(headers: &HeaderMap, username: Option<&str>) -> Result<EnvdUser,
 
 /// An absolute, normalised path: `~` and relative paths start at the user's home; `.`
 /// and `..` are resolved by name (the sandbox confines the result).
-fn resolve_path(path: &str, user: &EnvdUser) -> Result<String, ConnectError> {
+pub(super) fn resolve_path(path: &str, user: &EnvdUser) -> Result<String, ConnectError> {
     if path.contains('\0') {
         return Err(ConnectError::invalid("path must not contain NUL"));
     }
@@ -289,7 +284,7 @@ const DRAIN_LIMIT: usize = 64 << 10;
 /// Reads what is left of a (small) request body before an early error reply: the e2b SDK
 /// streams request bodies, and a client still sending one would see the connection
 /// closed instead of the reply.
-async fn drained(body: Body, response: Response) -> Response {
+pub(super) async fn drained(body: Body, response: Response) -> Response {
     match axum::body::to_bytes(body, DRAIN_LIMIT).await {
         Ok(_) => response,
         Err(_) => closing(response),
@@ -298,7 +293,7 @@ async fn drained(body: Body, response: Response) -> Response {
 
 /// Marks a reply after which the request body is left unread: the connection then closes,
 /// and the client must know not to send its next request on it.
-fn closing(mut response: Response) -> Response {
+pub(super) fn closing(mut response: Response) -> Response {
     response.headers_mut().insert(
         header::CONNECTION,
         header::HeaderValue::from_static("close"),
@@ -307,52 +302,62 @@ fn closing(mut response: Response) -> Response {
 }
 
 /// What every Connect call shares: the checked sandbox, user and deadline.
-struct Call {
-    sandbox: E2bSandbox,
-    user: EnvdUser,
-    deadline: Option<tokio::time::Instant>,
-    keepalive: Option<std::time::Duration>,
+pub(super) struct Call {
+    pub(super) sandbox: E2bSandbox,
+    pub(super) user: EnvdUser,
+    pub(super) deadline: Option<tokio::time::Instant>,
+    pub(super) keepalive: Option<std::time::Duration>,
 }
 
-/// A Connect call's checked sandbox, user and deadline, and its request message; else
-/// the reply refusing it, in the call's own form (a stream's end frame, or a unary error).
-async fn call(
+/// A failure in the call's own form: a stream's end frame, or a unary error.
+pub(super) fn call_error(e: &ConnectError, streaming: bool) -> Response {
+    if streaming {
+        connect::stream_error(e)
+    } else {
+        e.clone().into_response()
+    }
+}
+
+/// A Connect call's checked sandbox, user and deadline; else the reply refusing it (its
+/// request body left for the caller to drain).
+pub(super) async fn checked_call(
+    e2b: &E2b,
+    headers: &HeaderMap,
+    streaming: bool,
+) -> Result<Call, Response> {
+    let fail = |e: ConnectError| call_error(&e, streaming);
+    connect::check_content_type(headers, streaming)?;
+    let sandbox = authorized(e2b, headers).await?;
+    let user = request_user(headers, None).map_err(fail)?;
+    let deadline = connect::deadline(headers).map_err(fail)?;
+    Ok(Call {
+        sandbox,
+        user,
+        deadline,
+        keepalive: connect::keepalive_interval(headers),
+    })
+}
+
+/// A Connect call's checked sandbox, user and deadline, and its request message (one,
+/// whole); else the reply refusing it, in the call's own form.
+pub(super) async fn call(
     e2b: &E2b,
     headers: &HeaderMap,
     body: Body,
     streaming: bool,
 ) -> Result<(Call, Bytes), Response> {
-    let fail = |e: ConnectError| {
-        if streaming {
-            connect::stream_error(&e)
-        } else {
-            e.into_response()
-        }
-    };
-    let checked = async {
-        connect::check_content_type(headers, streaming)?;
-        let sandbox = authorized(e2b, headers).await?;
-        let user = request_user(headers, None).map_err(fail)?;
-        let deadline = connect::deadline(headers).map_err(fail)?;
-        Ok::<_, Response>(Call {
-            sandbox,
-            user,
-            deadline,
-            keepalive: connect::keepalive_interval(headers),
-        })
-    };
-    let call = match checked.await {
+    let call = match checked_call(e2b, headers, streaming).await {
         Ok(call) => call,
         Err(response) => return Err(drained(body, response).await),
     };
     let message = read_message(body, streaming, e2b.max_upload_bytes)
         .await
-        .map_err(fail)?;
+        .map_err(|e| call_error(&e, streaming))?;
     Ok((call, message))
 }
 
 /// A unary call with its deadline applied.
-async fn unary<M: Serialize>(
+pub(super) async fn unary<M: Serialize>(
     deadline: Option<tokio::time::Instant>,
     work: impl std::future::Future<Output = Result<M, ConnectError>>,
 ) -> Response {
@@ -371,144 +376,13 @@ async fn unary<M: Serialize>(
     }
 }
 
-/// What the process service cannot do until dsec has long-lived processes.
-fn needs_process_api(method: &str) -> ConnectError {
-    ConnectError::unimplemented(format!(
-        "process.Process/{method} needs dsec's process API (processes that outlive their \
-         request, stdin, signals, terminals), which this server does not have yet"
-    ))
-}
-
-async fn process_rpc(
-    State(e2b): State<Arc<E2b>>,
-    Path(method): Path<String>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    let streaming = matches!(method.as_str(), "Start" | "Connect" | "StreamInput");
-    let (call, message) = match call(&e2b, &headers, body, streaming).await {
-        Ok(c) => c,
-        Err(response) => return response,
-    };
-    match method.as_str() {
-        "Start" => {
-            let req: StartRequest = match connect::decode("StartRequest", &message) {
-                Ok(r) => r,
-                Err(e) => return connect::stream_error(&e),
-            };
-            match start(&e2b, &call, req).await {
-                Ok(events) => connect::stream_response(
-                    events,
-                    call.deadline,
-                    call.keepalive
-                        .map(|every| (every, ProcessStreamMessage::keepalive)),
-                ),
-                Err(e) => connect::stream_error(&e),
-            }
-        }
-        "Connect" | "StreamInput" => connect::stream_error(&needs_process_api(&method)),
-        "List" | "Update" | "SendInput" | "SendSignal" | "CloseStdin" => {
-            needs_process_api(&method).into_response()
-        }
-        other => unknown_method("process.Process", other, streaming),
-    }
-}
-
-fn unknown_method(service: &str, method: &str, streaming: bool) -> Response {
+pub(super) fn unknown_method(service: &str, method: &str, streaming: bool) -> Response {
     let e = ConnectError::unimplemented(format!("{service}/{method} is not a method of envd"));
     if streaming {
         connect::stream_error(&e)
     } else {
         e.into_response()
     }
-}
-
-/// The environment envd gives a process: who it runs as, then the request's variables.
-fn process_env(user: &EnvdUser, envs: BTreeMap<String, String>) -> BTreeMap<String, String> {
-    let mut env = BTreeMap::from([
-        ("HOME".to_owned(), user.home.clone()),
-        ("USER".to_owned(), user.name.clone()),
-        ("LOGNAME".to_owned(), user.name.clone()),
-    ]);
-    env.extend(envs);
-    env
-}
-
-/// `Start`, on dsec's command execution: the command's output and end as process events.
-/// Until dsec has long-lived processes, a process cannot be given stdin or a terminal,
-/// lives as long as its stream, and is reported with pid 0.
-async fn start(
-    e2b: &E2b,
-    call: &Call,
-    req: StartRequest,
-) -> Result<MessageStream<ProcessStreamMessage>, ConnectError> {
-    if req.pty.is_some() {
-        return Err(needs_process_api("Start with a terminal (pty)"));
-    }
-    if req.stdin != Some(false) {
-        return Err(needs_process_api("Start with stdin open"));
-    }
-    if req.process.cmd.is_empty() {
-        return Err(ConnectError::invalid("process.cmd must not be empty"));
-    }
-    let cwd = match &req.process.cwd {
-        Some(cwd) if !cwd.is_empty() => resolve_path(cwd, &call.user)?,
-        _ => call.user.home.clone(),
-    };
-    let timeout_s = call.deadline.map_or(NO_DEADLINE_TIMEOUT_S, |d| {
-        d.saturating_duration_since(tokio::time::Instant::now())
-            .as_secs_f64()
-            .max(0.001)
-    });
-    let mut argv = vec![req.process.cmd];
-    argv.extend(req.process.args);
-    let exec = ExecRequest {
-        cmd: Command::Argv(argv),
-        env: process_env(&call.user, req.process.envs),
-        cwd: Some(cwd),
-        stdin_b64: None,
-        files: Vec::new(),
-        timeout_s: Some(timeout_s),
-        max_output_bytes: None,
-        step: None,
-    };
-    let execution = e2b
-        .edge()
-        .exec(&call.sandbox.info.id, exec)
-        .await
-        .map_err(ConnectError::from)?;
-    let started = futures::stream::once(async {
-        Ok(ProcessStreamMessage {
-            event: ProcessEvent::Start { pid: 0 },
-        })
-    });
-    let events = futures::stream::unfold(execution.stream, |mut stream| async move {
-        let event = stream.next().await?;
-        Some((event, stream))
-    })
-    .map(|event| {
-        let event = match event.map_err(ConnectError::from)? {
-            Output::Stdout(d) => ProcessEvent::Data(DataEvent::Stdout(d)),
-            Output::Stderr(d) => ProcessEvent::Data(DataEvent::Stderr(d)),
-            Output::Exit(exit) if exit.timed_out => {
-                return Err(ConnectError::new(
-                    Code::DeadlineExceeded,
-                    "the command ran past its timeout (Connect-Timeout-Ms) and was killed",
-                ))
-            }
-            Output::Exit(exit) => {
-                let code = exit.exit_code.unwrap_or(-1);
-                ProcessEvent::End(EndEvent {
-                    exit_code: code,
-                    exited: exit.exit_code.is_some(),
-                    status: format!("exit status {code}"),
-                    error: None,
-                })
-            }
-        };
-        Ok(ProcessStreamMessage { event })
-    });
-    Ok(Box::pin(started.chain(events)))
 }
 
 async fn filesystem_rpc(

@@ -17,6 +17,7 @@
 pub mod connect;
 pub mod control;
 pub mod envd;
+mod process;
 pub mod proto;
 
 use std::collections::{BTreeMap, HashMap};
@@ -33,9 +34,12 @@ use crate::projects::{Caller, Projects};
 
 /// The envd version dsec reports to the SDK, which enables its features by version
 /// (`e2b/envd/versions.py`). 0.6.4 turns on every gate the SDK knows, so the SDK sends
-/// each request as it would to E2B and dsec answers it: served, or refused with a message
-/// saying what dsec lacks. A lower version would make the SDK act as user `user` by
-/// default (< 0.4.0) or blame the template for what it does not send (TemplateException).
+/// each request as it would to E2B and dsec answers it. Served: recursive watch (0.1.4),
+/// the stdin flag (0.3.0) and closing stdin (0.5.2) on dsec's process table,
+/// octet-stream uploads (0.5.7); refused with a message saying what dsec lacks: file
+/// metadata (0.6.2); watch events carry no entry (0.6.3), which the SDK reads as none. A
+/// lower version would make the SDK act as user `user` by default (< 0.4.0) or blame the
+/// template for what it does not send (TemplateException).
 pub const ENVD_VERSION: &str = "0.6.4";
 
 /// The sandbox id the SDK uses in debug mode (`E2B_DEBUG=true`), where it makes no
@@ -187,6 +191,8 @@ pub struct E2b {
     debug_sandbox: tokio::sync::Mutex<Option<String>>,
     /// envd's polling watchers.
     watchers: envd::Watchers,
+    /// What envd's `List` reports of the processes started through it.
+    process_configs: process::Configs,
 }
 
 fn unix_now() -> f64 {
@@ -247,6 +253,7 @@ impl E2b {
             records: Mutex::default(),
             debug_sandbox: tokio::sync::Mutex::new(None),
             watchers: envd::Watchers::default(),
+            process_configs: process::Configs::default(),
         }
     }
 

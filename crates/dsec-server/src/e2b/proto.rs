@@ -4,6 +4,7 @@
 //! key of its chosen field. Requests ignore fields they do not know, as proto3 parsers do.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize, Serializer};
 
@@ -62,14 +63,116 @@ pub struct StartRequest {
     pub stdin: Option<bool>,
 }
 
+/// Which process a call is about.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ProcessSelector {
+    /// Its pid.
+    Pid(u32),
+    /// The tag it was started with.
+    Tag(String),
+}
+
+/// `Connect` and `CloseStdin`: a process, and nothing else.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct SelectorRequest {
+    /// The process.
+    pub process: Option<ProcessSelector>,
+}
+
+/// Bytes for a process: to its standard input, or typed on its terminal.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ProcessInput {
+    /// To its standard input.
+    Stdin(#[serde(deserialize_with = "base64_bytes::deserialize")] Vec<u8>),
+    /// To its terminal.
+    Pty(#[serde(deserialize_with = "base64_bytes::deserialize")] Vec<u8>),
+}
+
+/// `SendInput`, and a `data` message of `StreamInput`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct SendInputRequest {
+    /// The process (absent in `StreamInput`, which names it once, first).
+    pub process: Option<ProcessSelector>,
+    /// The bytes.
+    pub input: Option<ProcessInput>,
+}
+
+/// One message of the `StreamInput` request stream.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum StreamInputRequest {
+    /// First: the process the input is for.
+    Start(SelectorRequest),
+    /// Input.
+    Data(SendInputRequest),
+    /// Nothing; keeps a quiet stream alive.
+    Keepalive(Empty),
+}
+
+/// A signal as a name (`SIGNAL_SIGKILL`) or its number, as proto3 JSON parsers take enums.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum SignalValue {
+    /// The enum value's name.
+    Name(String),
+    /// Its number.
+    Number(i32),
+}
+
+/// `SendSignal`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct SendSignalRequest {
+    /// The process.
+    pub process: Option<ProcessSelector>,
+    /// The signal.
+    pub signal: Option<SignalValue>,
+}
+
+/// `Update`: a new terminal size.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct UpdateRequest {
+    /// The process.
+    pub process: Option<ProcessSelector>,
+    /// Its terminal's new size; absent changes nothing.
+    pub pty: Option<Pty>,
+}
+
+/// A process as `List` describes it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ProcessInfo {
+    /// What it runs, as it was started.
+    pub config: ProcessConfig,
+    /// Its pid.
+    pub pid: u32,
+    /// Its tag.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+}
+
+/// `List`'s reply.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ListResponse {
+    /// The running processes.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub processes: Vec<ProcessInfo>,
+}
+
 /// A chunk of output.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub enum DataEvent {
     /// Standard output.
-    Stdout(#[serde(serialize_with = "base64_bytes::serialize")] Vec<u8>),
+    Stdout(#[serde(serialize_with = "base64_bytes::serialize")] Arc<[u8]>),
     /// Standard error.
-    Stderr(#[serde(serialize_with = "base64_bytes::serialize")] Vec<u8>),
+    Stderr(#[serde(serialize_with = "base64_bytes::serialize")] Arc<[u8]>),
+    /// The terminal's output.
+    Pty(#[serde(serialize_with = "base64_bytes::serialize")] Arc<[u8]>),
 }
 
 /// How a process ended.
@@ -286,14 +389,28 @@ fn int64_string<S: Serializer>(n: &i64, s: S) -> Result<S::Ok, S::Error> {
     s.collect_str(n)
 }
 
-/// proto3 `bytes`: standard base64.
+/// proto3 `bytes`: standard base64 out; standard or URL-safe, padded or not, in (as
+/// proto3 JSON parsers accept).
 mod base64_bytes {
-    use base64::engine::general_purpose::STANDARD;
+    use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE_NO_PAD};
     use base64::Engine;
-    use serde::Serializer;
+    use serde::{Deserialize, Deserializer, Serializer};
 
     pub fn serialize<S: Serializer>(data: &[u8], s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&STANDARD.encode(data))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let text = String::deserialize(d)?;
+        let bare = text.trim_end_matches('=');
+        let engine = if bare.contains(['-', '_']) {
+            URL_SAFE_NO_PAD
+        } else {
+            STANDARD_NO_PAD
+        };
+        engine
+            .decode(bare)
+            .map_err(|e| serde::de::Error::custom(format!("bytes must be base64: {e}")))
     }
 }
 
@@ -335,7 +452,7 @@ mod tests {
             r#"{"event":{"end":{"exited":true,"status":"exit status 0"}}}"#
         );
         let data = ProcessStreamMessage {
-            event: ProcessEvent::Data(DataEvent::Stdout(b"hi\n".to_vec())),
+            event: ProcessEvent::Data(DataEvent::Stdout(Arc::from(&b"hi\n"[..]))),
         };
         assert_eq!(
             serde_json::to_string(&data).unwrap(),
@@ -348,6 +465,61 @@ mod tests {
         assert_eq!(
             serde_json::to_string(&ProcessEvent::Start { pid: 5 }).unwrap(),
             r#"{"start":{"pid":5}}"#
+        );
+    }
+
+    #[test]
+    fn the_sdks_process_requests_parse() {
+        let req: SendInputRequest =
+            serde_json::from_str(r#"{"process":{"pid":42},"input":{"stdin":"aGkK"}}"#).unwrap();
+        assert_eq!(req.process, Some(ProcessSelector::Pid(42)));
+        assert_eq!(req.input, Some(ProcessInput::Stdin(b"hi\n".to_vec())));
+        let pty: SendInputRequest =
+            serde_json::from_str(r#"{"process":{"tag":"t"},"input":{"pty":"_w"}}"#).unwrap();
+        assert_eq!(pty.input, Some(ProcessInput::Pty(vec![0xff])));
+        let start: StreamInputRequest =
+            serde_json::from_str(r#"{"start":{"process":{"pid":7}}}"#).unwrap();
+        assert_eq!(
+            start,
+            StreamInputRequest::Start(SelectorRequest {
+                process: Some(ProcessSelector::Pid(7))
+            })
+        );
+        let keepalive: StreamInputRequest = serde_json::from_str(r#"{"keepalive":{}}"#).unwrap();
+        assert_eq!(keepalive, StreamInputRequest::Keepalive(Empty {}));
+        for (json, want) in [
+            (
+                r#"{"signal":"SIGNAL_SIGKILL"}"#,
+                SignalValue::Name("SIGNAL_SIGKILL".into()),
+            ),
+            (r#"{"signal":15}"#, SignalValue::Number(15)),
+        ] {
+            let req: SendSignalRequest = serde_json::from_str(json).unwrap();
+            assert_eq!(req.signal, Some(want));
+        }
+        assert!(serde_json::from_str::<SendInputRequest>(r#"{"input":{"stdin":"!"}}"#).is_err());
+    }
+
+    #[test]
+    fn lists_name_their_processes() {
+        let list = ListResponse {
+            processes: vec![ProcessInfo {
+                config: ProcessConfig {
+                    cmd: "sleep".into(),
+                    args: vec!["9".into()],
+                    ..ProcessConfig::default()
+                },
+                pid: 12,
+                tag: None,
+            }],
+        };
+        assert_eq!(
+            serde_json::to_string(&list).unwrap(),
+            r#"{"processes":[{"config":{"cmd":"sleep","args":["9"]},"pid":12}]}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&ListResponse::default()).unwrap(),
+            "{}"
         );
     }
 
