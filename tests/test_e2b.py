@@ -3,8 +3,8 @@
 E2B_API_KEY) and in the SDK's debug mode (E2B_DEBUG=true, one sandbox for every call).
 
 Commands are dsec's spawned processes (stdin, PTYs, list, kill, connect, surviving a
-disconnect). What dsec's E2B API does not do yet (users other than root, file metadata,
-templates, volumes) is asserted to answer at once with E2B's error shape and a message
+disconnect), as root or as a user of the image. What dsec's E2B API does not do yet (file
+metadata, templates, volumes) is asserted to answer at once with E2B's error shape and a message
 that says so.
 
 The "base" template here is the suite's Debian test image (bash, python3; made once by
@@ -270,10 +270,27 @@ def test_pty_exits_with_its_shell(sandbox: Sandbox) -> None:
     assert b"exit" in b"".join(seen)
 
 
-def test_other_users_are_refused_not_run_as_root(sandbox: Sandbox) -> None:
-    with pytest.raises(SandboxException, match="only root"):
-        sandbox.commands.run("id -un", user="user")
+def test_commands_and_paths_as_another_user(sandbox: Sandbox) -> None:
+    # A user the sandbox makes itself is found at once (looked up in its own /etc/passwd).
+    sandbox.commands.run("useradd -m -s /bin/sh user", user="root")
+    r = sandbox.commands.run("id -un; id -u; pwd; echo $HOME", user="user")
+    assert r.stdout.split() == ["user", r.stdout.split()[1], "/home/user", "/home/user"]
+    assert r.stdout.split()[1] != "0"
     assert sandbox.commands.run("id -un", user="root").stdout == "root\n"
+    # The user's relative paths start at its home; it cannot read root's files.
+    sandbox.files.write("notes.txt", "hi", user="user")
+    assert sandbox.commands.run("cat /home/user/notes.txt", user="user").stdout == "hi"
+    assert [e.name for e in sandbox.files.list(".", user="user")].count("notes.txt") == 1
+    sandbox.commands.run("echo secret > /root/s; chmod 600 /root/s", user="root")
+    with pytest.raises(CommandExitException):
+        sandbox.commands.run("cat /root/s", user="user")
+    # A background process runs as the user too.
+    handle = sandbox.commands.run("sleep 0.2; id -un", background=True, user="user")
+    assert handle.wait().stdout == "user\n"
+    with pytest.raises(SandboxException, match="nobody-here"):
+        sandbox.commands.run("true", user="nobody-here")
+    with pytest.raises(SandboxException, match="nobody-here"):
+        sandbox.files.read("/etc/hostname", user="nobody-here")
 
 
 # ------------------------------------------------------------------ files

@@ -1175,6 +1175,18 @@ impl Edge {
             })
     }
 
+    /// The account `user` names in sandbox `id`'s own `/etc/passwd` and `/etc/group`
+    /// (see [`crate::backend::account`]).
+    pub async fn account(
+        &self,
+        id: &str,
+        user: &str,
+    ) -> Result<dsec_runtime::users::Account, ApiError> {
+        let entry = self.live_entry(id).await?;
+        let account = crate::backend::account(&*entry.sandbox, user).await;
+        entry.or_failed(account).await
+    }
+
     /// Records a finished command's latency.
     pub fn record_exec(&self, id: &str, seconds: f64) {
         let backend = self

@@ -89,6 +89,53 @@ pub struct CommandSpec {
 
 pub use dsec_runtime::proto::RunAs;
 
+/// The account `user` (a name, `uid` or `uid:gid`) names in `sandbox`'s own `/etc/passwd`
+/// and `/etc/group`, read through its file API: what a command run as that user gets,
+/// for callers that need it outside the sandbox (the docker backend's exec, E2B's home
+/// directories). `InvalidArgument` for a user the files do not have, in init's words.
+pub async fn account<S: Sandbox + ?Sized>(
+    sandbox: &S,
+    user: &str,
+) -> Result<dsec_runtime::users::Account, ApiError> {
+    use dsec_runtime::users::{self, GROUP, PASSWD};
+    let invalid = |e: users::UserError| ApiError::invalid(e.to_string());
+    users::UserSpec::parse(user).map_err(invalid)?;
+    let passwd = small_file(sandbox, user, PASSWD).await?;
+    let group = small_file(sandbox, user, GROUP).await?;
+    users::resolve(user, passwd.as_deref(), group.as_deref()).map_err(invalid)
+}
+
+/// A passwd or group file of a sandbox, whole; `None` when it does not exist.
+async fn small_file<S: Sandbox + ?Sized>(
+    sandbox: &S,
+    user: &str,
+    path: &'static str,
+) -> Result<Option<String>, ApiError> {
+    use dsec_runtime::users::{UserError, MAX_FILE_BYTES};
+    let unreadable = |reason: String| {
+        ApiError::invalid(
+            UserError::Unreadable {
+                user: user.to_owned(),
+                file: path,
+                reason,
+            }
+            .to_string(),
+        )
+    };
+    let mut read = match sandbox.read_file(path, MAX_FILE_BYTES).await {
+        Ok(read) => read,
+        Err(e) if e.kind == dsec_api::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(unreadable(e.message)),
+    };
+    let mut data = Vec::new();
+    while let Some(chunk) = read.next().await {
+        data.extend_from_slice(&chunk.map_err(|e| unreadable(e.message))?);
+    }
+    String::from_utf8(data)
+        .map(Some)
+        .map_err(|_| unreadable("it is not UTF-8".into()))
+}
+
 /// A file to write before a command.
 #[derive(Clone, Debug)]
 pub struct FileWrite {

@@ -193,10 +193,21 @@ pub(super) struct EnvdUser {
     pub(super) home: String,
 }
 
-/// The user a request names (`Authorization: Basic base64("<user>:")` or `username=`).
-/// Commands and files run as root until dsec's `user=` exists; naming another user is
-/// refused rather than silently run as root.
-fn request_user(headers: &HeaderMap, username: Option<&str>) -> Result<EnvdUser, ConnectError> {
+impl EnvdUser {
+    fn root() -> EnvdUser {
+        EnvdUser {
+            name: "root".to_owned(),
+            home: "/root".to_owned(),
+        }
+    }
+}
+
+/// The user a request names (`Authorization: Basic base64("<user>:")` or `username=`);
+/// `None` for root, the default.
+fn requested_user(
+    headers: &HeaderMap,
+    username: Option<&str>,
+) -> Result<Option<String>, ConnectError> {
     let from_header = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -212,20 +223,33 @@ fn request_user(headers: &HeaderMap, username: Option<&str>) -> Result<EnvdUser,
                 })
         })
         .transpose()?;
-    let name = username
+    Ok(username
         .map(str::to_owned)
         .or(from_header)
-        .filter(|n| !n.is_empty());
-    match name.as_deref() {
-        None | Some("root") => Ok(EnvdUser {
-            name: "root".to_owned(),
-            home: "/root".to_owned(),
-        }),
-        Some(other) => Err(ConnectError::unimplemented(format!(
-            "acting as user {other:?} needs dsec's per-command users, which this server \
-             does not have yet: only root is served"
-        ))),
-    }
+        .filter(|n| !n.is_empty() && n != "root"))
+}
+
+/// The request's user, with the home its relative paths start at: another user than
+/// root is looked up in the sandbox's own `/etc/passwd` (as dsec's `user=` does for the
+/// commands it runs), and one that is not there is an `invalid_argument`.
+async fn request_user(
+    e2b: &E2b,
+    sandbox: &E2bSandbox,
+    headers: &HeaderMap,
+    username: Option<&str>,
+) -> Result<EnvdUser, ConnectError> {
+    let Some(name) = requested_user(headers, username)? else {
+        return Ok(EnvdUser::root());
+    };
+    let account = e2b
+        .edge()
+        .account(&sandbox.info.id, &name)
+        .await
+        .map_err(ConnectError::from)?;
+    Ok(EnvdUser {
+        name,
+        home: account.home,
+    })
 }
 
 /// An absolute, normalised path: `~` and relative paths start at the user's home; `.`
@@ -328,7 +352,9 @@ pub(super) async fn checked_call(
     let fail = |e: ConnectError| call_error(&e, streaming);
     connect::check_content_type(headers, streaming)?;
     let sandbox = authorized(e2b, headers).await?;
-    let user = request_user(headers, None).map_err(fail)?;
+    let user = request_user(e2b, &sandbox, headers, None)
+        .await
+        .map_err(fail)?;
     let deadline = connect::deadline(headers).map_err(fail)?;
     Ok(Call {
         sandbox,
@@ -857,9 +883,11 @@ async fn files_target(
 ) -> Result<(E2bSandbox, EnvdUser), Response> {
     let sandbox = target(e2b, headers).await?;
     files_authorized(e2b, &sandbox, headers, q, operation)?;
-    let user = request_user(headers, q.username.as_deref())
-        .map_err(|e| http_error(StatusCode::UNAUTHORIZED, e.message))?;
-    Ok((running(e2b, sandbox).await?, user))
+    let sandbox = running(e2b, sandbox).await?;
+    let user = request_user(e2b, &sandbox, headers, q.username.as_deref())
+        .await
+        .map_err(|e| http_error(StatusCode::BAD_REQUEST, e.message))?;
+    Ok((sandbox, user))
 }
 
 fn wants_gzip(headers: &HeaderMap) -> Result<bool, Response> {
@@ -1170,10 +1198,7 @@ mod tests {
     use super::*;
 
     fn root() -> EnvdUser {
-        EnvdUser {
-            name: "root".into(),
-            home: "/root".into(),
-        }
+        EnvdUser::root()
     }
 
     #[test]
@@ -1193,18 +1218,19 @@ mod tests {
     #[test]
     fn users_come_from_basic_auth_or_the_query() {
         let mut h = HeaderMap::new();
-        assert_eq!(request_user(&h, None).unwrap(), root());
+        assert_eq!(requested_user(&h, None).unwrap(), None);
         h.insert(header::AUTHORIZATION, "Basic cm9vdDo=".parse().unwrap()); // "root:"
-        assert_eq!(request_user(&h, None).unwrap(), root());
+        assert_eq!(requested_user(&h, None).unwrap(), None);
         h.insert(header::AUTHORIZATION, "Basic dXNlcjo=".parse().unwrap()); // "user:"
+        assert_eq!(requested_user(&h, None).unwrap().as_deref(), Some("user"));
+        assert_eq!(requested_user(&h, Some("root")).unwrap(), None);
         assert_eq!(
-            request_user(&h, None).unwrap_err().code,
-            Code::Unimplemented
+            requested_user(&h, Some("alice")).unwrap().as_deref(),
+            Some("alice")
         );
-        assert_eq!(request_user(&h, Some("root")).unwrap(), root());
         h.insert(header::AUTHORIZATION, "Basic !!!".parse().unwrap());
         assert_eq!(
-            request_user(&h, None).unwrap_err().code,
+            requested_user(&h, None).unwrap_err().code,
             Code::InvalidArgument
         );
     }
