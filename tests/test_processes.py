@@ -228,3 +228,27 @@ def test_bad_input_gets_clear_errors(psb: dsec.Sandbox, backend: str) -> None:
     missing = psb.spawn(["/no/such/program"])
     assert missing.wait(timeout=20) == 127
     assert "cannot execute" in output_of(missing)[0]
+
+
+def test_a_followed_process_keeps_its_sandbox_from_idling(
+    backend: str, make_sandbox: MakeSandbox, client: dsec.Client
+) -> None:
+    if backend != "container":
+        pytest.skip("the edge counts followers the same way on every backend")
+    tag = f"follow-{time.monotonic_ns()}"
+    sb = make_sandbox(idle_ttl_s=2, labels={"t": tag})
+    # Quiet for longer than the idle TTL, with a client following it: not idle.
+    p = sb.spawn("sleep 4; echo done", stdin=False)
+    text, end = output_of(p)
+    assert (text, end.exit_code) == ("done\n", 0)
+    # A client waiting for it counts as well.
+    p = sb.spawn("sleep 4", stdin=False)
+    assert p.wait(timeout=20) == 0
+    assert sb.info().state == "running"
+    # A process nobody follows does not: the sandbox goes after its idle TTL (polled
+    # through list(), which is no request to the sandbox).
+    sb.spawn("sleep 30", stdin=False)
+    deadline = time.monotonic() + 15
+    while [s.id for s in client.list(labels={"t": tag})] == [sb.id]:
+        assert time.monotonic() < deadline, "an unfollowed process kept its sandbox alive"
+        time.sleep(0.25)

@@ -150,14 +150,24 @@ def test_the_cli_runs_as_the_user(backend: str, usb: dsec.Sandbox, server: Serve
     assert r.returncode != 0 and "nobody-here" in r.stderr, r.stderr
 
 
-def test_users_are_refused_where_the_trajectory_cannot_record_them(
+def test_the_trajectory_records_the_user_and_replay_compares_it(
     backend: str, make_sandbox: MakeSandbox
 ) -> None:
     if backend != "container":
-        pytest.skip("the edge refuses it before any backend is asked")
+        pytest.skip("the edge records and compares it before any backend is asked")
     sb = make_sandbox(trajectory_id=f"users-{id(make_sandbox)}")
-    with pytest.raises(dsec.InvalidArgument, match="trajectory"):
-        sb.run("true", user="alice")
+    assert sb.run(ADD_ALICE, step=0).exit_code == 0
+    r = sb.run("id -u", user="alice", step=1)
+    assert (r.replayed, r.stdout) == (False, "1000\n")
+    # The same step as the same user replays; as another user (or root) it diverges.
+    again = sb.run("id -u", user="alice", step=1)
+    assert (again.replayed, again.stdout) == (True, "1000\n")
+    for other in ("root", None, "1000"):
+        with pytest.raises(dsec.TrajectoryDiverged, match="alice"):
+            sb.run("id -u", user=other, step=1)
+    steps = sb.log()["steps"]
+    assert steps[1]["request"]["run_as"] == "alice"
+    assert "run_as" not in steps[0]["request"]
 
 
 def test_the_async_sdk_runs_as_the_user(backend: str, usb: dsec.Sandbox, server: Server) -> None:

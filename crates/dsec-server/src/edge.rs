@@ -533,6 +533,14 @@ impl Edge {
         Ok(entry)
     }
 
+    /// Counts as a request to sandbox `id` (its idle time starts again), if it exists: a
+    /// client following one of its processes is using it.
+    pub fn touch(&self, id: &str) {
+        if let Ok(entry) = self.lookup(id) {
+            entry.touch();
+        }
+    }
+
     /// The sandbox `id`, without counting as a request to it.
     fn lookup(&self, id: &str) -> Result<Arc<Entry>, ApiError> {
         self.sandboxes
@@ -1037,14 +1045,6 @@ impl Edge {
         let ExecBody { exec: req, user } = req.into();
         let run_as = run_as(user.as_deref(), req.cwd.is_some())?;
         let entry = self.live_entry(id).await?;
-        // A replayed step is compared with the recorded request, which does not hold the
-        // user yet: a step run as another user would replay as if it were the same.
-        if run_as.is_some() && entry.info.trajectory_id.is_some() {
-            return Err(ApiError::invalid(
-                "user= is not supported on sandboxes with a trajectory_id yet (the \
-                 trajectory log does not record the user a step ran as); run as root there",
-            ));
-        }
         let argv = argv_of(req.cmd)?;
         let timeout_s = req.timeout_s.unwrap_or(self.config.timeout_s);
         if !timeout_s.is_finite() || timeout_s <= 0.0 || timeout_s > MAX_TTL_S {
@@ -1092,6 +1092,7 @@ impl Edge {
                 })
                 .collect(),
             timeout_s: req.timeout_s,
+            run_as: run_as.as_ref().map(|r| r.user.clone()),
         };
         let recorder =
             match trajectory::decide(&self.log, id, &entry.position, req.step, request).await? {

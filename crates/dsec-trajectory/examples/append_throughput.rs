@@ -50,6 +50,7 @@ fn step(id: &str, n: i64) -> Step {
                 mode: 0o644,
             }],
             timeout_s: Some(60.0),
+            run_as: None,
         },
         result: StepResult::new(
             ExitStatus {

@@ -87,6 +87,7 @@ impl StepJson {
             &s.request.cwd,
             s.request.stdin_sha256.as_deref().unwrap_or(""),
             &self.files,
+            s.request.run_as.as_deref().unwrap_or(""),
             &r.stdout,
             &r.stderr,
             &r.stdout_sha256,

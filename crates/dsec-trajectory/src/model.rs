@@ -35,6 +35,9 @@ pub struct StepRequest {
     pub files: Vec<FileDigest>,
     /// The timeout, in seconds, as requested (not compared on replay).
     pub timeout_s: Option<f64>,
+    /// The user it ran as, as requested (`user=`); `None` for root, the default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_as: Option<String>,
 }
 
 impl StepRequest {
@@ -46,6 +49,7 @@ impl StepRequest {
             && self.cwd == other.cwd
             && self.stdin_sha256 == other.stdin_sha256
             && self.files == other.files
+            && self.run_as == other.run_as
     }
 
     /// A one-line description for error messages: command, cwd, env and digests.
@@ -66,6 +70,9 @@ impl StepRequest {
         }
         for f in &self.files {
             s += &format!(", file {} {}", f.path, f.sha256);
+        }
+        if let Some(user) = &self.run_as {
+            s += &format!(", as user {user:?}");
         }
         s
     }
@@ -254,6 +261,17 @@ mod tests {
         assert!(!a.same_as(&b));
         assert!(b.describe().contains("\"/tmp\""), "{}", b.describe());
         assert!(b.describe().contains("file /a sha256:"), "{}", b.describe());
+        // A step run as another user is another step; logs written before users read as
+        // root's.
+        let mut c = a.clone();
+        c.run_as = Some("alice".into());
+        assert!(!a.same_as(&c));
+        assert!(
+            c.describe().contains("as user \"alice\""),
+            "{}",
+            c.describe()
+        );
+        assert_eq!(a.run_as, None);
     }
 
     #[test]

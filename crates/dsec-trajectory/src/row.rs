@@ -21,7 +21,7 @@ pub(crate) const STEP_COLUMNS: &str =
     "step, trajectory_id, sandbox_id, argv, env, cwd, stdin_sha256, \
     files, timeout_s, exit_code, stdout, stderr, timed_out, truncated, oom_killed, \
     duration_ms, started_at, finished_at, stdout_bytes, stdout_sha256, stdout_elided, \
-    stderr_bytes, stderr_sha256, stderr_elided, bytes";
+    stderr_bytes, stderr_sha256, stderr_elided, bytes, run_as";
 
 /// A `steps` row before its JSON columns (argv, env, files) are decoded.
 pub(crate) struct RawStep {
@@ -34,6 +34,7 @@ pub(crate) struct RawStep {
     pub(crate) stdin_sha256: Option<String>,
     pub(crate) files: String,
     pub(crate) timeout_s: Option<f64>,
+    pub(crate) run_as: Option<String>,
     pub(crate) result: StepResult,
     pub(crate) started_at: f64,
     pub(crate) finished_at: f64,
@@ -59,6 +60,7 @@ impl RawStep {
                 stdin_sha256: self.stdin_sha256,
                 files: serde_json::from_str(&self.files).map_err(corrupt)?,
                 timeout_s: self.timeout_s,
+                run_as: self.run_as,
             },
             result: self.result,
             started_at: self.started_at,

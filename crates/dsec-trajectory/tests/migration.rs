@@ -59,6 +59,47 @@ async fn a_log_of_the_first_schema_is_upgraded_in_place() {
     );
 }
 
+#[tokio::test]
+async fn a_log_of_version_1_gains_the_user_of_each_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("trajectory.db");
+    // Version 1: the first schema with the bounded outputs' columns, before `run_as`.
+    let conn = Connection::open(&path).unwrap();
+    conn.execute_batch(FIRST_SCHEMA).unwrap();
+    conn.execute_batch(
+        "ALTER TABLE sandboxes ADD COLUMN stopped_at REAL;
+         ALTER TABLE sandboxes ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
+         ALTER TABLE steps ADD COLUMN stdout_bytes INTEGER NOT NULL DEFAULT 0;
+         ALTER TABLE steps ADD COLUMN stdout_sha256 TEXT NOT NULL DEFAULT '';
+         ALTER TABLE steps ADD COLUMN stdout_elided INTEGER NOT NULL DEFAULT 0;
+         ALTER TABLE steps ADD COLUMN stderr_bytes INTEGER NOT NULL DEFAULT 0;
+         ALTER TABLE steps ADD COLUMN stderr_sha256 TEXT NOT NULL DEFAULT '';
+         ALTER TABLE steps ADD COLUMN stderr_elided INTEGER NOT NULL DEFAULT 0;
+         ALTER TABLE steps ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;",
+    )
+    .unwrap();
+    conn.pragma_update(None, "user_version", 1).unwrap();
+    drop(conn);
+    let log = TrajectoryLog::open(&path, LogConfig::default()).unwrap();
+    // A step written before users ran as root.
+    let old = log.step("t", 0).await.unwrap().unwrap();
+    assert_eq!(
+        (old.result.stdout.as_str(), old.request.run_as),
+        ("hi\n", None)
+    );
+    log.register(common::sandbox("new", Some("u")))
+        .wait()
+        .await
+        .unwrap();
+    let mut step = common::step(Some("u"), "new", 0, "id -u");
+    step.request.run_as = Some("alice".into());
+    log.append(step).wait().await.unwrap();
+    drop(log);
+    let log = TrajectoryLog::open(&path, LogConfig::default()).unwrap();
+    let got = log.step("u", 0).await.unwrap().unwrap();
+    assert_eq!(got.request.run_as.as_deref(), Some("alice"));
+}
+
 #[test]
 fn a_log_of_a_newer_dsec_is_refused() {
     let dir = tempfile::tempdir().unwrap();

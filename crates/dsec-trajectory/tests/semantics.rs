@@ -17,12 +17,14 @@ async fn steps_round_trip_and_survive_reopening(b: &Backing<'_>) {
         .wait()
         .await
         .unwrap();
+    // The last step ran as a user.
+    let recorded = |n: i64| {
+        let mut s = step(Some("t1"), "s1", n, &format!("echo {n}"));
+        s.request.run_as = (n == 2).then(|| "alice".to_owned());
+        s
+    };
     for n in 0..3 {
-        t.log
-            .append(step(Some("t1"), "s1", n, &format!("echo {n}")))
-            .wait()
-            .await
-            .unwrap();
+        t.log.append(recorded(n)).wait().await.unwrap();
     }
     let live = t.log.sandbox_log("s1", None).await.unwrap().unwrap();
     assert_eq!(live.stopped_at, None);
@@ -31,6 +33,7 @@ async fn steps_round_trip_and_survive_reopening(b: &Backing<'_>) {
     let t = t.reopen().await;
     let got = t.log.step("t1", 1).await.unwrap().unwrap();
     assert_eq!(got, step(Some("t1"), "s1", 1, "echo 1"));
+    assert_eq!(t.log.step("t1", 2).await.unwrap().unwrap(), recorded(2));
     assert_eq!(
         got.result.stdout_sha256,
         dsec_trajectory::digest(b"echo 1\n")

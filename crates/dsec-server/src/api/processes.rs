@@ -22,6 +22,8 @@ use crate::error::ApiError;
 
 /// How often a quiet event stream sends a blank line, so clients and proxies keep it.
 const HEARTBEAT: Duration = Duration::from_secs(15);
+/// How often a client following a process counts as a request to its sandbox.
+const TOUCH_EVERY: Duration = Duration::from_secs(1);
 /// The longest `wait`.
 const MAX_WAIT_S: f64 = 3600.0;
 
@@ -97,19 +99,29 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
-/// A reader of one process, with a text decoder per stream.
+/// A reader of one process, with a text decoder per stream. While it reads, its sandbox
+/// is not idle (`idle_ttl_s`): each line and heartbeat counts as a request.
 struct Reader {
     events: Subscription,
     decoders: [Utf8Decoder; 3],
+    state: AppState,
+    sandbox: String,
 }
 
 impl Reader {
     /// The next lines: output, the decoders' tails and the exit at the end, or a blank
     /// heartbeat after [`HEARTBEAT`] of quiet; `None` after the exit.
     async fn next(&mut self) -> Option<Vec<Option<EventLine>>> {
-        let event = match tokio::time::timeout(HEARTBEAT, self.events.next()).await {
-            Err(_) => return Some(vec![None]),
-            Ok(event) => event?,
+        let quiet_until = tokio::time::Instant::now() + HEARTBEAT;
+        let event = loop {
+            self.state.edge.touch(&self.sandbox);
+            let left = quiet_until.saturating_duration_since(tokio::time::Instant::now());
+            // `next` keeps its place when cancelled: it only moves in a synchronous step.
+            match tokio::time::timeout(left.min(TOUCH_EVERY), self.events.next()).await {
+                Ok(event) => break event?,
+                Err(_) if left <= TOUCH_EVERY => return Some(vec![None]),
+                Err(_) => {}
+            }
         };
         Some(match event {
             ProcessEvent::Output {
@@ -155,6 +167,8 @@ pub(super) async fn events(
     let reader = Reader {
         events: state.edge.process(&id, &process)?.subscribe(),
         decoders: Default::default(),
+        state,
+        sandbox: id,
     };
     let lines = futures::stream::unfold(reader, |mut reader| async move {
         let lines = reader.next().await?;
@@ -339,7 +353,15 @@ pub(super) async fn wait(
         None => Duration::from_secs_f64(MAX_WAIT_S),
     };
     let process = state.edge.process(&id, &process)?;
-    process.wait(Some(timeout)).await;
+    // A waiting client is using the sandbox: its idle time starts again as it waits.
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if process.wait(Some(left.min(TOUCH_EVERY))).await.is_some() || left <= TOUCH_EVERY {
+            break;
+        }
+        state.edge.touch(&id);
+    }
     Ok(Json(process.info()))
 }
 

@@ -33,6 +33,7 @@ fn raw_step(r: &Row) -> RawStep {
         stdin_sha256: r.get(6),
         files: r.get(7),
         timeout_s: r.get(8),
+        run_as: r.get(25),
         result: StepResult {
             exit: ExitStatus {
                 exit_code: r.get(9),

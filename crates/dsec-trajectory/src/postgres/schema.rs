@@ -9,7 +9,7 @@ use crate::model::SandboxRecord;
 use crate::row::{sql_count, sql_int};
 
 /// The schema this build writes (`dsec_schema.version`).
-const SCHEMA_VERSION: i64 = 1;
+const SCHEMA_VERSION: i64 = 2;
 
 /// The same tables as SQLite's, prefixed (the database may hold others), plus what a
 /// database shared by servers needs: each sandbox's edge, and each edge's share of the log.
@@ -57,8 +57,11 @@ CREATE TABLE IF NOT EXISTS dsec_steps (
     stderr_sha256 TEXT NOT NULL,
     stderr_elided BIGINT NOT NULL,
     bytes         BIGINT NOT NULL,
+    run_as        TEXT,
     PRIMARY KEY (trajectory, step)
 );
+-- Version 2: the user a step ran as (none before: root).
+ALTER TABLE dsec_steps ADD COLUMN IF NOT EXISTS run_as TEXT;
 CREATE TABLE IF NOT EXISTS dsec_usage (edge TEXT PRIMARY KEY, bytes BIGINT NOT NULL);
 ";
 
@@ -99,6 +102,11 @@ pub(super) async fn migrate(client: &mut Client, db: &str) -> Result<(), LogErro
                 found,
                 supported: SCHEMA_VERSION,
             })
+        }
+        Some(found) if found < SCHEMA_VERSION => {
+            tx.execute("UPDATE dsec_schema SET version = $1", &[&SCHEMA_VERSION])
+                .await
+                .map_err(err("migrating the schema"))?;
         }
         Some(_) => {}
     }

@@ -83,10 +83,11 @@ impl Session {
                  $7::text[], $8::text[], $9::text[], $10::float8[], $11::int4[], \
                  $12::bytea[], $13::bytea[], $14::bool[], $15::bool[], $16::bool[], \
                  $17::float8[], $18::float8[], $19::float8[], $20::int8[], $21::text[], \
-                 $22::int8[], $23::int8[], $24::text[], $25::int8[], $26::int8[]) \
+                 $22::int8[], $23::int8[], $24::text[], $25::int8[], $26::int8[], \
+                 $27::text[]) \
                  ON CONFLICT DO NOTHING RETURNING trajectory, step, bytes), \
                  counted AS (INSERT INTO dsec_usage (edge, bytes) \
-                 SELECT $27::text, sum(bytes) FROM inserted HAVING count(*) > 0 \
+                 SELECT $28::text, sum(bytes) FROM inserted HAVING count(*) > 0 \
                  ON CONFLICT (edge) DO UPDATE SET bytes = dsec_usage.bytes + EXCLUDED.bytes) \
                  SELECT trajectory, step FROM inserted"
             ))
@@ -345,6 +346,10 @@ async fn insert_steps<C: GenericClient + Sync>(
         .collect();
     let files: Vec<&str> = steps.iter().map(|(_, j)| j.files.as_str()).collect();
     let timeout: Vec<Option<f64>> = steps.iter().map(|(s, _)| s.request.timeout_s).collect();
+    let run_as: Vec<Option<&str>> = steps
+        .iter()
+        .map(|(s, _)| s.request.run_as.as_deref())
+        .collect();
     let exit_code: Vec<Option<i32>> = steps.iter().map(|(s, _)| s.result.exit.exit_code).collect();
     let stdout: Vec<&[u8]> = steps
         .iter()
@@ -388,6 +393,7 @@ async fn insert_steps<C: GenericClient + Sync>(
                 &col(|s| &s.result.stderr_sha256),
                 &int(|s| s.result.stderr_elided),
                 &bytes,
+                &run_as,
                 &edge,
             ],
         )
@@ -486,7 +492,7 @@ async fn register<C: GenericClient + Sync>(
                      SELECT $1, step, $1, $2, argv, env, cwd, stdin_sha256, files, timeout_s, \
                      exit_code, stdout, stderr, timed_out, truncated, oom_killed, duration_ms, \
                      started_at, finished_at, stdout_bytes, stdout_sha256, stdout_elided, \
-                     stderr_bytes, stderr_sha256, stderr_elided, bytes \
+                     stderr_bytes, stderr_sha256, stderr_elided, bytes, run_as \
                      FROM dsec_steps WHERE trajectory = $3 AND step < $4"
                 ),
                 &[child, &s.id, &fork.trajectory_id, &fork.steps],

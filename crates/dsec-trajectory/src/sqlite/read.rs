@@ -21,6 +21,7 @@ pub(super) fn raw_step(r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<Raw
         stdin_sha256: r.get(at + 6)?,
         files: r.get(at + 7)?,
         timeout_s: r.get(at + 8)?,
+        run_as: r.get(at + 25)?,
         result: StepResult {
             exit: ExitStatus {
                 exit_code: r.get(at + 9)?,

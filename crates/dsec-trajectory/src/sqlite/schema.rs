@@ -12,7 +12,7 @@ use crate::model::{digest, SandboxRecord};
 use crate::row::{sql_count, STEP_COLUMNS};
 
 /// The schema this build writes (`PRAGMA user_version`).
-pub(super) const SCHEMA_VERSION: i64 = 1;
+pub(super) const SCHEMA_VERSION: i64 = 2;
 
 const SCHEMA: &str = "
 CREATE TABLE sandboxes (
@@ -52,6 +52,7 @@ CREATE TABLE steps (
     stderr_sha256 TEXT NOT NULL DEFAULT '',
     stderr_elided INTEGER NOT NULL DEFAULT 0,
     bytes         INTEGER NOT NULL DEFAULT 0,
+    run_as        TEXT,
     PRIMARY KEY (trajectory, step)
 );
 ";
@@ -70,6 +71,9 @@ ALTER TABLE steps ADD COLUMN stderr_sha256 TEXT NOT NULL DEFAULT '';
 ALTER TABLE steps ADD COLUMN stderr_elided INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE steps ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
 ";
+
+/// Upgrades a log written before version 2: the user a step ran as (none before: root).
+const MIGRATE_V1: &str = "ALTER TABLE steps ADD COLUMN run_as TEXT;";
 
 /// Serves pruning: the stopped sandboxes, oldest stop first.
 const INDEXES: &str = "
@@ -101,12 +105,16 @@ pub(super) fn migrate(conn: &mut Connection, path: &Path) -> Result<(), LogError
             .map_err(err("reading the schema"))?;
         if has_steps {
             tx.execute_batch(MIGRATE_V0)
+                .and_then(|()| tx.execute_batch(MIGRATE_V1))
                 .map_err(err("migrating the schema"))?;
             account_v0_rows(&tx, path)?;
         } else {
             tx.execute_batch(SCHEMA)
                 .map_err(err("creating the schema"))?;
         }
+    } else if version == 1 {
+        tx.execute_batch(MIGRATE_V1)
+            .map_err(err("migrating the schema"))?;
     }
     tx.execute_batch(INDEXES)
         .and_then(|()| tx.pragma_update(None, "user_version", SCHEMA_VERSION))

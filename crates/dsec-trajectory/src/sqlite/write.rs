@@ -141,7 +141,7 @@ fn register(conn: &Connection, path: &Path, s: &SandboxRecord) -> Result<Change,
                  SELECT ?1, step, ?1, ?2, argv, env, cwd, stdin_sha256, files, timeout_s, \
                  exit_code, stdout, stderr, timed_out, truncated, oom_killed, duration_ms, \
                  started_at, finished_at, stdout_bytes, stdout_sha256, stdout_elided, \
-                 stderr_bytes, stderr_sha256, stderr_elided, bytes \
+                 stderr_bytes, stderr_sha256, stderr_elided, bytes, run_as \
                  FROM steps WHERE trajectory = ?3 AND step < ?4"
             ))
             .and_then(|mut st| st.execute(params![child, s.id, fork.trajectory_id, fork.steps]))
@@ -193,7 +193,7 @@ fn append(
         .prepare_cached(&format!(
             "INSERT INTO steps (trajectory, {STEP_COLUMNS}) VALUES \
              (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, \
-              ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26)"
+              ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27)"
         ))
         .and_then(|mut st| {
             let r = &s.result;
@@ -224,6 +224,7 @@ fn append(
                 r.stderr_sha256,
                 r.stderr_elided,
                 bytes,
+                s.request.run_as,
             ])
         });
     match inserted {

@@ -179,6 +179,7 @@ pub fn step(trajectory_id: Option<&str>, sandbox: &str, n: i64, cmd: &str) -> St
                 mode: 0o644,
             }],
             timeout_s: Some(5.0),
+            run_as: None,
         },
         result: output(64 << 10, format!("{cmd}\n").as_bytes()),
         started_at: 1.0,
