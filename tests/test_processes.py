@@ -4,6 +4,7 @@ backend that holds a sandbox."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator
 
@@ -88,6 +89,27 @@ def test_stdin_false_closes_input_at_once(psb: dsec.Sandbox) -> None:
     p = psb.spawn("cat; echo done", stdin=False)
     assert p.wait(timeout=20) == 0
     assert output_of(p)[0] == "done\n"
+
+
+def test_commands_ignore_no_signal_the_server_was_started_ignoring(
+    backend: str, make_server: Callable[..., Server]
+) -> None:
+    if backend != "container":
+        pytest.skip("the server's own dispositions reach native sandboxes only")
+    # As a shell's background job (SIGINT, SIGQUIT) under nohup (SIGHUP) starts it.
+    ignored = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
+    before = [signal.signal(s, signal.SIG_IGN) for s in ignored]
+    try:
+        server = make_server()
+    finally:
+        for s, handler in zip(ignored, before, strict=True):
+            signal.signal(s, handler)
+    with server.client() as c, c.create(image="busybox") as sb:
+        r = sb.run(["grep", "SigIgn", "/proc/self/status"])
+        assert r.stdout == "SigIgn:\t0000000000000000\n"
+        p = sb.spawn(["sleep", "1000"], stdin=False)
+        p.signal("INT")
+        assert p.wait(timeout=20) == 128 + 2
 
 
 def test_signals_by_name_and_number_and_kill(psb: dsec.Sandbox, backend: str) -> None:
