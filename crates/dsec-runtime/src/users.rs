@@ -252,8 +252,18 @@ fn read(root: &SandboxRoot, user: &str, file: &'static str) -> Result<Option<Str
         Err(FileError::NotFound { .. }) => return Ok(None),
         Err(e) => return Err(unreadable(e.to_string())),
     };
+    // Bounded while read too: a command may be appending to the file as init reads it.
     let mut text = String::new();
-    std::io::Read::read_to_string(&mut f, &mut text).map_err(|e| unreadable(e.to_string()))?;
+    std::io::Read::read_to_string(
+        &mut std::io::Read::take(&mut f, MAX_FILE_BYTES + 1),
+        &mut text,
+    )
+    .map_err(|e| unreadable(e.to_string()))?;
+    if text.len() as u64 > MAX_FILE_BYTES {
+        return Err(unreadable(format!(
+            "it grew past {MAX_FILE_BYTES} bytes while read"
+        )));
+    }
     Ok(Some(text))
 }
 

@@ -197,9 +197,21 @@ pub fn serve() -> ! {
             std::process::exit(1)
         }
     };
-    // Inits are reaped by the kernel: the edge learns of their end from the channel.
-    // SAFETY: setting a disposition, no handler code involved.
-    unsafe { libc::signal(libc::SIGCHLD, libc::SIG_IGN) };
+    // Every sandbox descends from here, and commands keep what their parents ignore across
+    // execve: every signal starts at its default, whatever the server was started with (a
+    // shell's background job ignores SIGINT and SIGQUIT, nohup SIGHUP). Once per server,
+    // not once per sandbox. Inits are reaped by the kernel (SIGCHLD ignored): the edge
+    // learns of their end from the channel.
+    // SAFETY: setting dispositions, no handler code involved. The C library refuses the
+    // signals it keeps for itself, harmlessly.
+    unsafe {
+        for signal in 1..=libc::SIGRTMAX() {
+            if signal != libc::SIGKILL && signal != libc::SIGSTOP {
+                libc::signal(signal, libc::SIG_DFL);
+            }
+        }
+        libc::signal(libc::SIGCHLD, libc::SIG_IGN);
+    }
     let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
         let n = match rustix::net::recv(&socket, &mut buf, rustix::net::RecvFlags::empty()) {

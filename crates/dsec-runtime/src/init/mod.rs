@@ -143,19 +143,12 @@ fn io_setup_error(stage: InitStage, err: std::io::Error) -> InitError {
 fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, InitError> {
     let io = io_setup_error;
     let _ = rustix::process::set_parent_process_death_signal(Some(Signal::KILL));
-    // Commands keep what init ignores across their execve: every signal starts at its
-    // default here, whatever the server was started with (a shell's background job ignores
-    // SIGINT and SIGQUIT, nohup SIGHUP) and the zygote's SIGCHLD (ignored to auto-reap;
-    // init must see its children's status). SIGPIPE is ignored by init alone: a command's
-    // child resets it before its execve.
-    // SAFETY: setting dispositions to SIG_DFL or SIG_IGN; no handler code is involved. The
-    // C library refuses the signals it keeps for itself, harmlessly.
+    // The zygote ignores SIGCHLD to auto-reap; init must see its children's status. Every
+    // other signal is at its default already (see `zygote::serve`). SIGPIPE is ignored by
+    // init alone: a command's child resets it before its execve.
+    // SAFETY: setting dispositions; no handler code is involved.
     unsafe {
-        for signal in 1..=libc::SIGRTMAX() {
-            if signal != libc::SIGKILL && signal != libc::SIGSTOP {
-                libc::signal(signal, libc::SIG_DFL);
-            }
-        }
+        libc::signal(libc::SIGCHLD, libc::SIG_DFL);
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
     protect_from_oom_killer();
