@@ -129,6 +129,7 @@ def main() -> int:
         "--vm-exec-n", type=int, default=100, help="vm: exec round trips per backend (100)"
     )
     ap.add_argument("--vm-idle-n", type=int, default=8, help="vm: idle VMs per backend (8)")
+    ap.add_argument("--vm-fork-n", type=int, default=3, help="vm: fork(8) rounds per backend (3)")
     ap.add_argument("--rootfs", help="use this busybox rootfs instead of building one")
     ap.add_argument(
         "--trajectory-sync",

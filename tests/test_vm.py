@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import dsec
+import httpx
 import pytest
 from dsec_testlib import (
     VM_BACKENDS,
@@ -25,9 +26,7 @@ _UNAVAILABLE: dict[str, str | None] = {}
 
 
 @pytest.fixture(params=sorted(VM_BACKENDS))
-def vm_backend(
-    request: pytest.FixtureRequest, client: dsec.Client, busybox_image: str
-) -> str:
+def vm_backend(request: pytest.FixtureRequest, client: dsec.Client, busybox_image: str) -> str:
     """A VM backend this server can run. Where it cannot (no QEMU, no guest kernel, no
     static agent) the test fails with the server's reason if scripts/setup.sh set VMs up,
     and skips if it did not."""
@@ -80,6 +79,129 @@ def test_writes_stay_in_their_own_guest(
         with client.create(backend=vm_backend, image=busybox_image) as b:
             assert b.run("cat /etc/owned").exit_code != 0
         assert a.read_file("/etc/owned") == b"mine\n"
+
+
+def _saved_guests(server: Server) -> list[str]:
+    d = server.state_dir / "vm" / "snapshots"
+    return sorted(os.listdir(d)) if d.is_dir() else []
+
+
+def _prune(server: Server) -> None:
+    httpx.post(server.url + "/v1/store/prune", timeout=60, trust_env=False).raise_for_status()
+
+
+@pytest.mark.timeout(300)
+def test_fork_of_a_running_guest_carries_its_memory_and_takes_fresh_identities(
+    server: Server, client: dsec.Client, busybox_image: str, vm_backend: str
+) -> None:
+    parent = client.create(backend=vm_backend, image=busybox_image)
+    kids: list[dsec.Sandbox] = []
+    try:
+        # State that lives only in the guest's memory: a shell counting in a loop.
+        parent.run("echo parent > /root/state")
+        ticker = parent.spawn("i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done")
+        assert wait_until(lambda: parent.run("cat /tmp/n").stdout.strip() != "", 10)
+        kids = parent.fork(2)
+        assert parent.info().state == "running"
+        seen = []
+        for kid in kids:
+            assert kid.info().backend == vm_backend
+            # The parent's process runs on in the child, from where it was.
+            assert kid.run(f"kill -0 {ticker.pid}").exit_code == 0
+            first = int(kid.run("cat /tmp/n").stdout)
+            assert wait_until(lambda k=kid, f=first: int(k.run("cat /tmp/n").stdout) > f, 10)
+            r = kid.run(
+                "hostname; head -c 16 /dev/urandom | od -An -tx1;"
+                " cat /proc/sys/kernel/random/boot_id; date +%s"
+            )
+            host, rand, boot_id, now = r.stdout.strip().split("\n")
+            assert host == kid.id
+            assert abs(int(now) - time.time()) < 30, "the child's clock was not set"
+            seen.append((rand, boot_id))
+            assert kid.run("cat /root/state").stdout == "parent\n"
+        assert seen[0][0] != seen[1][0], "two children share a random stream"
+        # Read first in the children: each made its own.
+        assert seen[0][1] != seen[1][1]
+        for i, kid in enumerate(kids):
+            kid.run(f"echo {i} > /root/state")
+        assert [k.read_file("/root/state") for k in kids] == [b"0\n", b"1\n"]
+        assert parent.read_file("/root/state") == b"parent\n"
+        assert parent.run("echo still").stdout == "still\n"
+        # A child forks again, from its own memory and disk.
+        grandkids = kids[0].fork(1)
+        kids += grandkids
+        assert grandkids[0].run("cat /root/state").stdout == "0\n"
+        assert grandkids[0].run(f"kill -0 {ticker.pid}").exit_code == 0
+    finally:
+        for k in kids:
+            k.stop()
+        parent.stop()
+    for sb in [parent, *kids]:
+        assert_no_leftovers(server, sb.id)
+    # The fork images go once their children are gone, and their saved guests with them.
+    _prune(server)
+    assert _saved_guests(server) == []
+
+
+@pytest.mark.timeout(300)
+def test_fork_while_the_guest_floods_its_channel(
+    client: dsec.Client, busybox_image: str, vm_backend: str
+) -> None:
+    """Saved halfway through a frame, a child still finds where its own stream begins."""
+    with client.create(backend=vm_backend, image=busybox_image) as parent:
+        flood = parent.spawn("while :; do cat /bin/busybox; done")
+        kids = []
+        try:
+            for _ in range(3):
+                kids += parent.fork(1)
+            for kid in kids:
+                assert kid.run("echo ok; hostname").stdout == f"ok\n{kid.id}\n"
+            assert parent.run("echo parent").stdout == "parent\n"
+        finally:
+            flood.kill()
+            for kid in kids:
+                kid.stop()
+
+
+@pytest.mark.timeout(300)
+def test_snapshot_of_a_running_guest_starts_guests_of_its_shape_only(
+    server: Server, client: dsec.Client, busybox_image: str, vm_backend: str
+) -> None:
+    name = f"vmsnap-{vm_backend}-{os.getpid()}"
+    with client.create(backend=vm_backend, image=busybox_image, memory_mb=192) as sb:
+        sb.run("echo kept > /root/kept")
+        img = sb.snapshot(name)
+        assert sb.run("cat /root/kept").stdout == "kept\n"
+    try:
+        assert img.name == name
+        assert client.get_image(name).layers == client.get_image(busybox_image).layers
+        other = "vm" if vm_backend == "microvm" else "microvm"
+        for wrong, match in [
+            (dict(backend="container"), f'backend="{vm_backend}"'),
+            (dict(backend=other, memory_mb=192), f'backend="{vm_backend}"'),
+            (dict(backend=vm_backend), "memory_mb=192"),
+            (dict(backend=vm_backend, memory_mb=192, disk_mb=64), "disk_mb="),
+        ]:
+            with pytest.raises(dsec.InvalidArgument, match=match):
+                client.create(image=name, **wrong)  # type: ignore[arg-type]
+        copies = [client.create(backend=vm_backend, image=name, memory_mb=192) for _ in range(2)]
+        try:
+            for c in copies:
+                assert c.run("cat /root/kept; hostname").stdout == f"kept\n{c.id}\n"
+            assert len(_saved_guests(server)) == 1
+            # Deleted while guests run from it: they keep it until they stop.
+            client.delete_image(name)
+            _prune(server)
+            assert len(_saved_guests(server)) == 1
+            assert copies[0].run("cat /root/kept").stdout == "kept\n"
+        finally:
+            for c in copies:
+                c.stop()
+        _prune(server)
+        assert _saved_guests(server) == []
+    finally:
+        if name in {i.name for i in client.images()}:
+            client.delete_image(name)
 
 
 def test_disk_limit_is_the_scratch_disk(

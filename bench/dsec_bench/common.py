@@ -36,6 +36,7 @@ TARGET_FNCALL_P50_MS = 3.0
 TARGET_FNCALLS_PER_S = 500.0
 TARGET_VM_RESTORE_MS = 1000.0  # microvm/vm: create (snapshot restore) -> first exec, TCG
 TARGET_VM_EXEC_MS = 5.0  # microvm/vm: exec round trip
+TARGET_VM_FORK_MS = 2000.0  # microvm/vm: fork(8) of a running guest -> every child answers
 
 
 def log(msg: str) -> None:

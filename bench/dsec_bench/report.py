@@ -24,6 +24,7 @@ from .common import (
     TARGET_LOG_OVERHEAD_PCT,
     TARGET_REPLAY_1000_S,
     TARGET_VM_EXEC_MS,
+    TARGET_VM_FORK_MS,
     TARGET_VM_RESTORE_MS,
     run_cmd,
 )
@@ -419,6 +420,17 @@ def vm_table(res: dict[str, Any]) -> list[str]:
         m=g("microvm_template_memory_mib"),
         w=g("vm_template_memory_mib"),
     )
+    row(
+        f"fork({g('microvm_fork', 'children')}) of a running sandbox → every child "
+        "answers, p50 ms ᶠ",
+        ("fork", "p50_ms"),
+        TARGET_VM_FORK_MS,
+    )
+    single(
+        "fork child, QEMU RssAnon MiB per child ᶠ",
+        m=g("microvm_fork", "anon_mib_per_child"),
+        w=g("vm_fork", "anon_mib_per_child"),
+    )
     row("exec round trip `true`, p50 ms ᵈ", ("exec", "p50_ms"), TARGET_VM_EXEC_MS)
     row("exec round trip `true`, p99 ms ᵈ", ("exec", "p99_ms"))
     row("exec, server-side duration p50 ms ᵈ", ("exec", "server_p50_ms"))
@@ -460,6 +472,14 @@ def vm_table(res: dict[str, Any]) -> list[str]:
         "under it, else TCG) that the server starts at launch, if that is still running. "
         "Scratch qcow2 and memory file: what the template keeps on disk (before "
         "shared-memory templates, the qcow2 held the saved RAM too).  "
+    )
+    out.append(
+        f'ᶠ `sb.fork(n)` of one running sandbox until each child has answered `run("true")` '
+        f"in turn, then the children stopped (untimed); {g('microvm_fork', 'n')} rounds per "
+        "backend. A VM fork saves the paused parent once (disk copy, RAM into a file through a "
+        "receiving QEMU, device state) and restores each child from it, its RAM mapped "
+        "copy-on-write; a container fork commits the writable layer. RssAnon: what each "
+        "child's QEMU holds alone, read once all answered (target ≤ 40 MiB).  "
     )
     out.append(
         'ᵈ `run("true")` (`/bin/sh -c true`) in one running sandbox, sync Client, after 10 '
@@ -613,7 +633,8 @@ def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: 
     if "vm" in res:
         sizes.append(
             f"VM backends: {args.vm_n} restores, {args.vm_cold_n} cold boots, "
-            f"{args.vm_exec_n} exec round trips, {args.vm_idle_n} idle sandboxes per backend"
+            f"{args.vm_exec_n} exec round trips, {args.vm_idle_n} idle sandboxes, "
+            f"{args.vm_fork_n} forks per backend"
         )
     cmd = " ".join(["python3", "bench/bench.py", *sys.argv[1:]])
     out.append(f"Host: {host_description()}. Rootfs: busybox. {'; '.join(sizes)}. Command: `{cmd}`")

@@ -20,6 +20,9 @@ from .idle import settled_mem_available_kib
 
 VM_BACKENDS = ("microvm", "vm")
 
+#: Children per fork in the fork measurement (the issue's fork(8)).
+FORK_CHILDREN = 8
+
 
 def _create_first_exec(d: Dsec, backend: str, **kw: Any) -> float:
     """ms from create(backend=...) until the first run("true") returns; the sandbox is
@@ -116,6 +119,42 @@ def _idle_memory(d: Dsec, backend: str, count: int) -> dict[str, Any]:
             stop_sandbox(d, sb)
 
 
+def _fork_series(d: Dsec, backend: str, children: int, rounds: int) -> dict[str, Any]:
+    """fork(children) of a running sandbox until every child has answered run("true"),
+    `rounds` times from one parent; and, for VMs, the children QEMUs' RssAnon (what each
+    holds alone: the parent's memory it only reads is the saved guest's file, shared)."""
+    parent = d.client.create(backend=backend, image=d.image, labels=d.labels)
+    d.track(parent.id)
+    lat: list[float] = []
+    anon: list[float] = []
+    try:
+        parent.run("echo parent > /root/state")
+        log(f"{backend}: {rounds} x fork({children}) -> every child answers")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            kids = parent.fork(children)
+            for k in kids:
+                d.track(k.id)
+            try:
+                for k in kids:
+                    if k.run("true").exit_code != 0:
+                        raise RuntimeError(f"a child of {backend} fork failed `true`")
+                lat.append((time.perf_counter() - t0) * 1e3)
+                if backend in VM_BACKENDS:
+                    pids = [pid for k in kids for pid, _ in dsec_local.qemu_procs(k.id)]
+                    kib = [dsec_local.proc_status_kib(pid, "RssAnon") or 0 for pid in pids]
+                    anon.append(sum(kib) / len(kids) / 1024)
+            finally:
+                for k in kids:
+                    stop_sandbox(d, k)
+        res = latency_stats(lat, 0)
+        res["children"] = children
+        res["anon_mib_per_child"] = sum(anon) / len(anon) if anon else None
+        return res
+    finally:
+        stop_sandbox(d, parent)
+
+
 def _template_snapshots(d: Dsec) -> dict[str, tuple[int, int | None]]:
     """Per boot template of a server started here: the size of its scratch qcow2 (each
     restore copies it; dsec before the shared-memory templates kept the saved RAM in it) and
@@ -165,6 +204,8 @@ def bench_vm(d: Dsec, args: argparse.Namespace, res_so_far: dict[str, Any]) -> d
             res[f"{b}_first_create_ms"] - restore["p50_ms"] if restore["n"] else None
         )
         res[f"{b}_exec"] = _exec_series(d, b, args.vm_exec_n)
+    for b in ("container", *VM_BACKENDS):
+        res[f"{b}_fork"] = _fork_series(d, b, FORK_CHILDREN, args.vm_fork_n)
     res["accelerator"] = {b: res[f"{b}_exec"]["accelerator"] for b in VM_BACKENDS}
 
     idle = res_so_far.get("idle")

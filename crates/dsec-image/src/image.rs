@@ -22,6 +22,28 @@ pub struct Image {
     /// once none of them is left. Images a user named have none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fork: Option<Fork>,
+    /// Set on a snapshot of a running VM guest: its filesystem is not in `layers` alone
+    /// but in the guest's disk, saved with its memory and devices by the VM backend.
+    /// Only that backend, with the same shape, can start it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest: Option<GuestSnapshot>,
+}
+
+/// Where and how a VM guest saved in an image ([`Image::guest`]) runs again.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct GuestSnapshot {
+    /// The backend that saved it (`microvm` or `vm`).
+    pub backend: String,
+    /// The edge whose state directory holds the saved guest.
+    pub edge: String,
+    /// Its virtual CPUs.
+    pub vcpus: u32,
+    /// Its memory in MiB.
+    pub memory_mb: u64,
+    /// Its disk in MiB.
+    pub disk_mb: u64,
+    /// The backend's name for the saved guest's files (opaque to the store).
+    pub saved: String,
 }
 
 /// Whose an image made by a fork is.

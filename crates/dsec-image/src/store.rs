@@ -22,7 +22,7 @@ use crate::distribution::{self, Registry};
 use crate::docker;
 use crate::error::{io_error, store_error, Fault, ImageError};
 use crate::holds::{unix_now, Held, HoldCounts, StoreLock};
-use crate::image::{Fork, Image, ImageConfig};
+use crate::image::{Fork, GuestSnapshot, Image, ImageConfig};
 use crate::mount::LayerMounts;
 use crate::oci;
 use crate::plan::{Plan, PlannedLayer};
@@ -443,6 +443,39 @@ impl ImageStore {
             inner.finish(name, id, size, layers, base.config.clone(), None)
         })
         .await
+    }
+
+    /// Records a VM guest saved by its backend as image `name` (see [`Image::guest`]):
+    /// `base`'s layers, held like any image's, and its config; the id is new (the guest
+    /// is one point in time, not content).
+    pub fn record_guest(
+        &self,
+        base: &Image,
+        name: &str,
+        guest: GuestSnapshot,
+    ) -> Result<Image, ImageError> {
+        validate_name(name, name)?;
+        let held = Held::new(self.inner.clone());
+        for layer in &base.layers {
+            if !self.inner.hold_if_stored(&held, layer)? {
+                return Err(ImageError::NotFound {
+                    name: format!("{} (layer {layer})", base.name),
+                });
+            }
+        }
+        let unique = format!("{}\n{name}\n{:032x}", base.id, rand::random::<u128>());
+        let image = Image {
+            name: name.to_owned(),
+            id: sha256(unique.as_bytes()),
+            size: base.size,
+            layers: base.layers.clone(),
+            created_at: unix_now(),
+            config: base.config.clone(),
+            fork: None,
+            guest: Some(guest),
+        };
+        self.inner.write_meta(&image)?;
+        Ok(image)
     }
 
     /// Marks `name` as the image of a fork (see [`Image::fork`]).
@@ -927,6 +960,7 @@ impl Inner {
             created_at: unix_now(),
             config,
             fork,
+            guest: None,
         };
         self.write_meta(&image)?;
         tracing::info!(image = %image.name, id = %image.id, layers = image.layers.len(), size = image.size, "imported image");

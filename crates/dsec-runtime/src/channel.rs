@@ -46,6 +46,31 @@ pub enum ExecEvent {
     Exit(ExecExit),
 }
 
+/// Writes to a channel held back ([`Channel::hold_writes`]) until this is dropped.
+pub struct WriteHold {
+    _writer: tokio::sync::OwnedMutexGuard<OwnedWriteHalf>,
+    drained: bool,
+}
+
+impl WriteHold {
+    /// Whether the peer had read every byte written before the hold began.
+    pub fn drained(&self) -> bool {
+        self.drained
+    }
+}
+
+/// Bytes written to `stream` that its peer has not read yet (`SIOCOUTQ`).
+fn unread_bytes(stream: &UnixStream) -> std::io::Result<libc::c_int> {
+    use std::os::fd::AsRawFd;
+    let mut queued: libc::c_int = 0;
+    // SAFETY: SIOCOUTQ writes one int through the pointer, which outlives the call; the
+    // descriptor is the stream's own, open while it is borrowed.
+    if unsafe { libc::ioctl(stream.as_raw_fd(), libc::TIOCOUTQ, &mut queued) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(queued)
+}
+
 /// A connected control channel whose peer has reported ready. Clones share it.
 #[derive(Clone)]
 pub struct Channel {
@@ -98,9 +123,39 @@ impl Channel {
     }
 
     /// Starts routing on a channel whose peer is already serving — a VM guest restored
-    /// from a snapshot taken after its `Ready` — without waiting for anything.
-    pub fn attach(stream: UnixStream) -> Channel {
-        Channel::route(stream, Vec::new())
+    /// from a snapshot taken after its `Ready` — without waiting for anything. `pending`
+    /// holds the bytes read from `stream` so far (from a frame boundary on); the ids of
+    /// new requests start at `first_id`, past any the guest may still know.
+    pub fn attach(stream: UnixStream, pending: Vec<u8>, first_id: u32) -> Channel {
+        let channel = Channel::route(stream, pending);
+        channel.shared.next_id.store(first_id, Ordering::Relaxed);
+        channel
+    }
+
+    /// The id the next request will take: a guest saved now has seen only smaller ones.
+    pub fn next_id(&self) -> u32 {
+        self.shared.next_id.load(Ordering::Relaxed)
+    }
+
+    /// Keeps every other writer out until the hold is dropped, once all that was written
+    /// has been read by the peer (or `within` has passed: see [`WriteHold::drained`]).
+    /// A VM saved under the hold has no request half-delivered to its guest.
+    pub async fn hold_writes(&self, within: Duration) -> WriteHold {
+        let writer = Arc::clone(&self.shared.writer).lock_owned().await;
+        let deadline = tokio::time::Instant::now() + within;
+        let drained = loop {
+            match unread_bytes(writer.as_ref()) {
+                Ok(0) => break true,
+                Ok(_) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                _ => break false,
+            }
+        };
+        WriteHold {
+            _writer: writer,
+            drained,
+        }
     }
 
     /// `pending` holds bytes already read past the `Ready` frame.

@@ -22,7 +22,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any incompatible change; the edge refuses a mismatching init or agent.
-pub const VERSION: u32 = 5;
+pub const VERSION: u32 = 6;
 
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 9;

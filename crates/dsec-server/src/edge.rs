@@ -658,6 +658,15 @@ impl Edge {
     ) -> Result<SandboxInfo, ApiError> {
         let request = req.clone();
         let (kind, backend) = self.backends.get(&req.backend)?;
+        if let Some(guest) = self.images.get(&req.image).ok().and_then(|i| i.guest) {
+            if guest.backend != kind.name() {
+                return Err(ApiError::invalid(format!(
+                    "image {} is a snapshot of a running {} guest (its memory and disk, not \
+                     layers): create it with backend=\"{}\"",
+                    req.image, guest.backend, guest.backend
+                )));
+            }
+        }
         let (cpus, memory_mb, pids, disk_mb) = self.validate(&req)?;
         let ttl_s = check_duration("ttl_s", req.ttl_s)?;
         let idle_ttl_s = check_duration("idle_ttl_s", req.idle_ttl_s)?;

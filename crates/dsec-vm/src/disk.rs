@@ -13,7 +13,8 @@ use std::process::Command;
 use crate::VmError;
 
 /// Filesystem of image disks.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum BaseFs {
     /// ext4 without a journal (read-only).
     #[default]
@@ -185,9 +186,31 @@ pub fn build_scratch_base(disk_mb: u64, target: &Path) -> Result<(), VmError> {
 /// Creates a sandbox's scratch disk: a qcow2 over `base` that only ever holds the
 /// sandbox's own writes.
 pub fn create_scratch(base: &Path, target: &Path) -> Result<(), VmError> {
+    create_overlay(base, "raw", target)
+}
+
+/// Copies the qcow2 `disk` (of a paused guest) to `target` as a qcow2 over the raw
+/// `base` holding every cluster `disk` or the qcow2s under it changed: a copy that
+/// depends on none of them, only on the base every scratch disk shares.
+pub fn copy_onto_base(disk: &Path, base: &Path, target: &Path) -> Result<(), VmError> {
     run_tool(
         Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
+            // `-U`: the paused guest's QEMU holds the disk open (and locked).
+            .args([
+                "convert", "-q", "-U", "-f", "qcow2", "-O", "qcow2", "-F", "raw", "-B",
+            ])
+            .arg(base)
+            .arg(disk)
+            .arg(target),
+    )
+}
+
+/// A qcow2 at `target` whose reads fall through to `base` (of `base_format`), which is
+/// never written: how a fork's children share their parent's saved disk.
+pub fn create_overlay(base: &Path, base_format: &str, target: &Path) -> Result<(), VmError> {
+    run_tool(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-F", base_format, "-b"])
             .arg(base)
             .arg(target),
     )

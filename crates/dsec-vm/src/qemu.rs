@@ -24,7 +24,7 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use dsec_runtime::channel::Channel;
+use dsec_runtime::channel::{Channel, WriteHold};
 use dsec_runtime::guest::{self, BootArgs};
 use dsec_runtime::proto::{self, FrameKind};
 use tokio::net::UnixStream;
@@ -46,6 +46,9 @@ const RESTORE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long saving or loading a boot template's device state may take.
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long a pause waits for the guest to read what was sent to it.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The kind of virtual machine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -136,6 +139,9 @@ pub struct Vm {
     /// QEMU's exit status, once it has exited and been reaped.
     status: Arc<OnceLock<ExitStatus>>,
     console: PathBuf,
+    /// While paused: the channel's writes, held since everything sent before the pause
+    /// reached the guest (so a snapshot has no request half-delivered).
+    held: tokio::sync::Mutex<Option<WriteHold>>,
 }
 
 fn clear_cloexec(fd: i32) -> std::io::Result<()> {
@@ -301,9 +307,14 @@ pub enum Start<'a> {
     /// reports ready, before it takes an identity: the state a boot template is saved in
     /// ([`Vm::save_template`]).
     Template(TemplateFiles<'a>),
-    /// Resume a boot template (over a copy of its scratch disk); the guest takes its
-    /// identity.
+    /// Resume a boot template or a snapshot (over a copy of its scratch disk); the guest
+    /// takes its identity.
     Restore(GuestIdentity<'a>, TemplateFiles<'a>),
+    /// Wait, stopped, for a running guest's memory and devices to come in from
+    /// [`Vm::send_state`], keeping its RAM in `files.memory` (mapped shared), so that it
+    /// can be saved as a template ([`Vm::save_template`]): how a running guest becomes
+    /// a snapshot.
+    Receive(TemplateFiles<'a>),
     /// Boot only far enough for the agent to answer (accelerator probe; no disks).
     Probe,
 }
@@ -325,29 +336,33 @@ pub struct TemplateFiles<'a> {
     pub memory: &'a Path,
     /// The CPUs' and devices' state: a migration stream without the RAM.
     pub state: &'a Path,
+    /// The first request id the saved guest has never seen (1 for a boot template; past
+    /// the running guest's last for a snapshot): a restored guest's requests start there.
+    pub first_request: u32,
 }
 
 impl<'a> Start<'a> {
     fn identity(&self) -> Option<GuestIdentity<'a>> {
         match self {
             Start::Cold(identity) | Start::Restore(identity, _) => Some(*identity),
-            Start::Template(_) | Start::Probe => None,
+            Start::Template(_) | Start::Receive(_) | Start::Probe => None,
         }
     }
 
     /// The memory file and whether this QEMU maps it shared.
     fn memory(&self) -> Option<(&'a Path, bool)> {
         match self {
-            Start::Template(files) => Some((files.memory, true)),
+            Start::Template(files) | Start::Receive(files) => Some((files.memory, true)),
             Start::Restore(_, files) => Some((files.memory, false)),
             Start::Cold(_) | Start::Probe => None,
         }
     }
 }
 
-/// The migration capability that leaves RAM in shared memory files out of the stream.
-fn ignore_shared() -> serde_json::Value {
-    serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]})
+/// The migration capability that leaves RAM in shared memory files out of the stream
+/// (`state`: on or off).
+fn ignore_shared(state: bool) -> serde_json::Value {
+    serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": state}]})
 }
 
 /// Waits until the migration (either way) has completed and `done` holds; a failed one
@@ -392,6 +407,68 @@ fn option_value(path: &Path) -> String {
 /// Gives the guest its name, fresh randomness and the time; the agent confines itself
 /// right after.
 async fn send_identity(channel: &Channel, guest: GuestIdentity<'_>) -> Result<(), String> {
+    channel
+        .request(FrameKind::Identity, &identity_payload(guest))
+        .await
+        .map(drop)
+        .map_err(|e| format!("the guest refused its identity: {e}"))
+}
+
+/// Gives a restored guest its identity as request `id`, straight on its channel, and
+/// returns what the channel had read past the answer.
+///
+/// What the guest sends before the answer is dropped: a snapshot of a running guest
+/// may have been taken halfway through a frame the guest was writing, whose first part
+/// went to the snapshotted guest's own channel. The guest writes its frames in order,
+/// so the stream is whole again from the answer on; `id` was never used before, and is
+/// chosen at random far from the ids used before, so that no older output can hold the
+/// answer's header by chance.
+async fn identify_restored(
+    stream: &mut UnixStream,
+    guest: GuestIdentity<'_>,
+    id: u32,
+) -> Result<Vec<u8>, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let payload = identity_payload(guest);
+    let mut frame = proto::header(FrameKind::Identity, id, payload.len()).to_vec();
+    frame.extend_from_slice(&payload);
+    let gone = |e: std::io::Error| format!("the guest's channel failed: {e}");
+    stream.write_all(&frame).await.map_err(gone)?;
+    // Kind and id: the last five bytes of the answer's header.
+    let tail = |kind| proto::header(kind, id, 0)[4..].to_vec();
+    let (done, error) = (tail(FrameKind::Done), tail(FrameKind::Error));
+    let mut buf = Vec::new();
+    loop {
+        let found = buf
+            .windows(5)
+            .enumerate()
+            .skip(4)
+            .find(|(_, w)| *w == done.as_slice() || *w == error.as_slice());
+        if let Some((at, _)) = found {
+            let start = at - 4;
+            if let Some((kind, _, len)) = proto::decode_header(&buf[start..]).ok().flatten() {
+                let end = start + proto::HEADER_LEN + len;
+                if buf.len() >= end {
+                    if kind == FrameKind::Done {
+                        return Ok(buf.split_off(end));
+                    }
+                    let err: proto::InitError =
+                        serde_json::from_slice(&buf[start + proto::HEADER_LEN..end])
+                            .map_err(|e| format!("the guest's answer is unreadable: {e}"))?;
+                    return Err(format!("the guest refused its identity: {}", err.message));
+                }
+            }
+        }
+        let mut chunk = [0u8; 16 << 10];
+        match stream.read(&mut chunk).await.map_err(gone)? {
+            0 => return Err("the guest closed its channel".into()),
+            n => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// An [`proto::Identity`] for `guest`, as JSON.
+fn identity_payload(guest: GuestIdentity<'_>) -> Vec<u8> {
     let identity = proto::Identity {
         hostname: guest.hostname.to_owned(),
         pids_max: Some(guest.pids_max),
@@ -400,12 +477,7 @@ async fn send_identity(channel: &Channel, guest: GuestIdentity<'_>) -> Result<()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos()),
     };
-    let payload = serde_json::to_vec(&identity).expect("identity serializes");
-    channel
-        .request(FrameKind::Identity, &payload)
-        .await
-        .map(drop)
-        .map_err(|e| format!("the guest refused its identity: {e}"))
+    serde_json::to_vec(&identity).expect("identity serializes")
 }
 
 impl Vm {
@@ -436,7 +508,7 @@ impl Vm {
             (agent_qemu.as_raw_fd(), qmp_qemu.as_raw_fd()),
             &console,
         );
-        if matches!(start, Start::Restore(..)) {
+        if matches!(start, Start::Restore(..) | Start::Receive(_)) {
             args.extend(["-incoming".into(), "defer".into()]);
         }
         let log_path = dir.join("qemu.log");
@@ -514,7 +586,7 @@ impl Vm {
         if let Start::Restore(_, files) = start {
             // The guest runs once its state is in.
             let incoming = async {
-                qmp.execute("migrate-set-capabilities", ignore_shared())
+                qmp.execute("migrate-set-capabilities", ignore_shared(true))
                     .await?;
                 let uri = format!("exec:cat < {}", shell_quoted(files.state));
                 qmp.execute("migrate-incoming", serde_json::json!({ "uri": uri }))
@@ -528,23 +600,34 @@ impl Vm {
                 return Err(failed(e.to_string()));
             }
         }
+        let wait = timeout.unwrap_or(RESTORE_TIMEOUT);
+        let answered = |_| format!("the guest did not answer within {} s", wait.as_secs());
         let channel = async {
-            let channel = match start {
-                Start::Restore(..) => Channel::attach(agent_host),
-                _ => Channel::open(agent_host, timeout.unwrap_or(BOOT_TIMEOUT))
-                    .await
-                    .map(|(channel, _)| channel)
-                    .map_err(|e| e.to_string())?,
-            };
-            if let Some(identity) = start.identity() {
-                let wait = timeout.unwrap_or(RESTORE_TIMEOUT);
-                tokio::time::timeout(wait, send_identity(&channel, identity))
-                    .await
-                    .map_err(|_| {
-                        format!("the guest did not answer within {} s", wait.as_secs())
-                    })??;
+            match start {
+                Start::Restore(identity, files) => {
+                    let mut stream = agent_host;
+                    let id = files.first_request;
+                    let pending =
+                        tokio::time::timeout(wait, identify_restored(&mut stream, identity, id))
+                            .await
+                            .map_err(answered)??;
+                    Ok(Channel::attach(stream, pending, id.wrapping_add(1)))
+                }
+                // Its guest never runs: the channel is never used.
+                Start::Receive(_) => Ok(Channel::attach(agent_host, Vec::new(), 1)),
+                Start::Cold(_) | Start::Template(_) | Start::Probe => {
+                    let channel = Channel::open(agent_host, timeout.unwrap_or(BOOT_TIMEOUT))
+                        .await
+                        .map(|(channel, _)| channel)
+                        .map_err(|e| e.to_string())?;
+                    if let Some(identity) = start.identity() {
+                        tokio::time::timeout(wait, send_identity(&channel, identity))
+                            .await
+                            .map_err(answered)??;
+                    }
+                    Ok::<_, String>(channel)
+                }
             }
-            Ok::<_, String>(channel)
         }
         .await;
         match channel {
@@ -556,6 +639,7 @@ impl Vm {
                 exited,
                 status,
                 console,
+                held: tokio::sync::Mutex::new(None),
             }),
             Err(reason) => {
                 kill();
@@ -584,8 +668,13 @@ impl Vm {
         !*self.exited.borrow() && self.channel.is_alive()
     }
 
-    /// Stops the vCPUs (the guest's clocks stop with them).
+    /// Stops the vCPUs (the guest's clocks stop with them), once the guest has taken
+    /// what was sent to it; no request is sent until [`Vm::resume`].
     pub async fn pause(&self) -> Result<(), VmError> {
+        let mut held = self.held.lock().await;
+        if held.is_none() {
+            *held = Some(self.channel.hold_writes(DRAIN_TIMEOUT).await);
+        }
         self.qmp
             .execute("stop", serde_json::json!({}))
             .await
@@ -594,10 +683,60 @@ impl Vm {
 
     /// Restarts the vCPUs.
     pub async fn resume(&self) -> Result<(), VmError> {
-        self.qmp
-            .execute("cont", serde_json::json!({}))
-            .await
-            .map(drop)
+        let mut held = self.held.lock().await;
+        self.qmp.execute("cont", serde_json::json!({})).await?;
+        *held = None;
+        Ok(())
+    }
+
+    /// Sends a paused guest's memory and devices to `receiver` (started with
+    /// [`Start::Receive`], for the same hardware and disks), which then holds the same
+    /// guest, stopped. This guest stays paused: [`Vm::resume`] runs it on.
+    pub async fn send_state(&self, receiver: &Vm, through: &Path) -> Result<(), VmError> {
+        let drained = self.held.lock().await.as_ref().map(WriteHold::drained);
+        if drained != Some(true) {
+            return Err(VmError::Qemu(
+                "the guest has not taken all that was sent to it; it cannot be saved now \
+                 (try again)"
+                    .into(),
+            ));
+        }
+        let _ = std::fs::remove_file(through);
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            through,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
+            0,
+        )
+        .map_err(|e| VmError::io("create", through)(e.into()))?;
+        let sent = async {
+            // RAM included: this guest's is private, the receiver's a shared file.
+            for vm in [self, receiver] {
+                vm.qmp
+                    .execute("migrate-set-capabilities", ignore_shared(false))
+                    .await?;
+            }
+            let fifo = shell_quoted(through);
+            receiver
+                .qmp
+                .execute(
+                    "migrate-incoming",
+                    serde_json::json!({ "uri": format!("exec:cat < {fifo}") }),
+                )
+                .await?;
+            self.qmp
+                .execute(
+                    "migrate",
+                    serde_json::json!({ "uri": format!("exec:cat > {fifo}") }),
+                )
+                .await?;
+            migration_done(&self.qmp, "sending the guest's state", || true).await?;
+            migration_done(&receiver.qmp, "receiving the guest's state", || true).await
+        };
+        let result = sent.await;
+        let _ = std::fs::remove_file(through);
+        result
     }
 
     /// Saves a guest started with [`Start::Template`]: stops it and writes its CPUs' and
@@ -607,9 +746,9 @@ impl Vm {
     pub async fn save_template(&self, state: &Path) -> Result<(), VmError> {
         let partial = state.with_extension("partial");
         let _ = std::fs::remove_file(&partial);
-        self.pause().await?;
+        self.qmp.execute("stop", serde_json::json!({})).await?;
         self.qmp
-            .execute("migrate-set-capabilities", ignore_shared())
+            .execute("migrate-set-capabilities", ignore_shared(true))
             .await?;
         // `cat` ends when QEMU closes the stream, after the migration reports completed:
         // the rename marks the end of the file.

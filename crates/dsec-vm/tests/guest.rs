@@ -148,6 +148,7 @@ async fn cold_then_restore(machine: Machine) {
     let files = TemplateFiles {
         memory: &template.join("memory"),
         state: &template.join("state"),
+        first_request: 1,
     };
     let vm = Vm::start(
         &hw,

@@ -113,6 +113,8 @@ pub fn serve_guest(
     write_all_blocking(&control, &answer)
         .map_err(|e| io_setup_error(InitStage::AnswerIdentity, e))?;
     taken?;
+    let identity_keeper =
+        IdentityKeeper::start(&control).map_err(|e| io_setup_error(InitStage::Identity, e))?;
     crate::caps::drop_to_default()
         .map_err(|e| setup_error(InitStage::DropCapabilities, e, None))?;
     seccomp
@@ -128,9 +130,101 @@ pub fn serve_guest(
         devnull: devnull.into(),
         commands_cgroup: Some(cgroup.procs),
         guest: true,
+        identity_keeper: Some(identity_keeper),
     };
     Init::new(control, prepared, Vec::new(), inbuf).serve();
     Ok(())
+}
+
+/// The largest identity request the keeper reads (64 bytes of entropy and a hostname
+/// fit many times over).
+const MAX_IDENTITY: usize = 16 << 10;
+
+/// A child of the agent forked before it confines itself, which keeps the privileges
+/// a new identity needs (hostname, entropy, clock) and nothing else: a guest restored
+/// from a snapshot of its running self — a fork's child — is already confined when it
+/// is told who it is now. It serves only the agent, over a socket pair no command can
+/// reach (the agent is not dumpable, so its descriptors are closed to them), and takes
+/// nothing but an [`proto::Identity`] over it.
+pub(super) struct IdentityKeeper {
+    socket: OwnedFd,
+}
+
+impl IdentityKeeper {
+    fn start(control: &OwnedFd) -> std::io::Result<IdentityKeeper> {
+        use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
+        let (ours, theirs) = socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )?;
+        // SAFETY: the agent is single-threaded here (it has started no thread), so the
+        // child may run any code; it only loops below and exits.
+        match unsafe { libc::fork() } {
+            -1 => Err(std::io::Error::last_os_error()),
+            0 => {
+                drop(ours);
+                // The channel stays the agent's alone.
+                // SAFETY: closing a descriptor this process inherited and never uses.
+                unsafe { libc::close(control.as_raw_fd()) };
+                Self::serve(&theirs);
+                // SAFETY: the keeper's end; nothing of the agent's is left to unwind.
+                unsafe { libc::_exit(0) }
+            }
+            _ => Ok(IdentityKeeper { socket: ours }),
+        }
+    }
+
+    /// The keeper's loop: one identity per message, answered with `0`, or `1` and the
+    /// error's text; ends when the agent's end closes.
+    fn serve(socket: &OwnedFd) {
+        use rustix::net::{recv, send, RecvFlags, SendFlags};
+        let mut buf = vec![0u8; MAX_IDENTITY];
+        loop {
+            let n = match recv(socket, &mut buf, RecvFlags::empty()) {
+                Ok((0, _)) => return,
+                Ok((n, _)) => n,
+                Err(Errno::INTR) => continue,
+                Err(_) => return,
+            };
+            let answer = serde_json::from_slice::<proto::Identity>(&buf[..n])
+                .map_err(|e| e.to_string())
+                .and_then(|id| take_identity(&id).map_err(|e| e.to_string()));
+            let reply = match answer {
+                Ok(()) => vec![0],
+                Err(e) => [&[1], e.as_bytes()].concat(),
+            };
+            if send(socket, &reply, SendFlags::empty()).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Has the keeper take the identity in `request` (an [`proto::Identity`] as JSON).
+    pub(super) fn take(&self, request: &[u8]) -> Result<(), String> {
+        use rustix::net::{recv, send, RecvFlags, SendFlags};
+        if request.len() > MAX_IDENTITY {
+            return Err(format!(
+                "an identity of {} bytes is too large",
+                request.len()
+            ));
+        }
+        let failed = |e: Errno| format!("the guest's identity keeper is gone: {e}");
+        send(&self.socket, request, SendFlags::empty()).map_err(failed)?;
+        let mut reply = vec![0u8; 4096];
+        let n = loop {
+            match recv(&self.socket, &mut reply, RecvFlags::empty()) {
+                Err(Errno::INTR) => continue,
+                Ok((0, _)) => return Err("the guest's identity keeper is gone".into()),
+                other => break other.map_err(failed)?.0,
+            }
+        };
+        match reply[..n] {
+            [0] => Ok(()),
+            _ => Err(String::from_utf8_lossy(&reply[1..n]).into_owned()),
+        }
+    }
 }
 
 /// OOM kills since boot, from `/proc/vmstat`: in a VM guest the whole machine is the

@@ -99,6 +99,9 @@ struct Prepared {
     /// A VM guest: the whole machine is the sandbox, so its OOM kills are read from
     /// `/proc/vmstat` (a container's edge asks the container's cgroup).
     guest: bool,
+    /// A VM guest's privileged helper that takes a new identity after the guest is
+    /// restored from a snapshot of its running self (see [`agent::IdentityKeeper`]).
+    identity_keeper: Option<agent::IdentityKeeper>,
 }
 
 /// Where commands get their capabilities, no_new_privs and seccomp filter from.
@@ -225,6 +228,7 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
         devnull: devnull.into(),
         commands_cgroup,
         guest: false,
+        identity_keeper: None,
     })
 }
 

@@ -354,12 +354,20 @@ impl Init {
                 }
                 None => {}
             },
-            FrameKind::Identity => self.send_error(
-                frame.exec_id,
-                InitStage::Identity,
-                None,
-                "the guest took its identity when it started; it cannot change".into(),
-            ),
+            FrameKind::Identity => match &self.prepared.identity_keeper {
+                Some(keeper) => match keeper.take(&frame.payload) {
+                    Ok(()) => proto::encode(&mut self.outbuf, FrameKind::Done, frame.exec_id, &[]),
+                    Err(message) => {
+                        self.send_error(frame.exec_id, InitStage::Identity, None, message);
+                    }
+                },
+                None => self.send_error(
+                    frame.exec_id,
+                    InitStage::Identity,
+                    None,
+                    "a container's identity is set when it starts; it cannot change".into(),
+                ),
+            },
             _ => {}
         }
     }

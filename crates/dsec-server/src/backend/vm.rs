@@ -21,8 +21,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use dsec_api::{FileInfo, Usage};
-use dsec_image::{HeldBlobs, Image, ImageStore};
+use dsec_api::{FileInfo, ImageInfo, Usage};
+use dsec_image::{GuestSnapshot, HeldBlobs, Image, ImageStore};
 use dsec_runtime::channel::{ExecEvent, ExecHandle};
 use dsec_runtime::guest::MAX_IMAGE_DISKS;
 use dsec_runtime::procfs::{self, Stat};
@@ -121,6 +121,61 @@ pub struct VmHost {
     image_disks: Mutex<HashMap<String, Lazy<PathBuf>>>,
     scratch_bases: Mutex<HashMap<u64, Lazy<PathBuf>>>,
     templates: Mutex<HashMap<TemplateKey, Lazy<PathBuf>>>,
+    /// Saved guests being written (not yet images) or restored by running sandboxes
+    /// (which map their memory and read their disk), with how many: pruning leaves them.
+    saving: Mutex<HashMap<String, usize>>,
+}
+
+/// A saved guest in use ([`VmHost::saving`]) while this is held.
+struct SavedInUse {
+    host: Arc<VmHost>,
+    saved: String,
+}
+
+impl SavedInUse {
+    fn new(host: &Arc<VmHost>, saved: &str) -> SavedInUse {
+        *host
+            .saving
+            .lock()
+            .expect("lock")
+            .entry(saved.to_owned())
+            .or_default() += 1;
+        SavedInUse {
+            host: Arc::clone(host),
+            saved: saved.to_owned(),
+        }
+    }
+}
+
+impl Drop for SavedInUse {
+    fn drop(&mut self) {
+        let mut saving = self.host.saving.lock().expect("lock");
+        if let Some(count) = saving.get_mut(&self.saved) {
+            *count -= 1;
+            if *count == 0 {
+                saving.remove(&self.saved);
+            }
+        }
+    }
+}
+
+/// A running guest saved as an image (`sb.snapshot()`, `sb.fork()`): a boot template's
+/// files (see [`template_files`]) in `<state>/vm/snapshots/<saved>/`, and this record of
+/// what a guest restored from them needs, in `guest.json`.
+#[derive(Debug, Serialize, Deserialize)]
+struct SavedGuest {
+    /// The first channel request id the saved guest never saw.
+    first_request: u32,
+    /// The image disks it ran with, top first: exactly those, since its page cache holds
+    /// their blocks.
+    image_disks: Vec<PathBuf>,
+    /// Their filesystem.
+    base_fs: BaseFs,
+}
+
+/// Where the files of saved guest `saved` are.
+fn saved_dir(vm_dir: &Path, saved: &str) -> PathBuf {
+    vm_dir.join("snapshots").join(saved)
 }
 
 /// What `<state>/vm/sandboxes/<id>/record.json` holds, for cleanup after a crash.
@@ -182,6 +237,7 @@ impl VmHost {
             image_disks: Mutex::default(),
             scratch_bases: Mutex::default(),
             templates: Mutex::default(),
+            saving: Mutex::default(),
         }
     }
 
@@ -279,9 +335,39 @@ impl VmHost {
     }
 
     /// Removes the merged disks and boot templates of images that no longer exist
-    /// (`live`: the ids of those that do); returns the bytes freed.
+    /// (`live`: the ids of those that do), and the saved guests of snapshots that no
+    /// longer exist; returns the bytes freed. A disk a saved guest ran with stays.
     pub fn prune_images(&self, live: &HashSet<String>) -> u64 {
         let mut freed = 0;
+        let saved: HashSet<String> = match self.images.list() {
+            Ok(images) => images
+                .into_iter()
+                .filter_map(|i| Some(i.guest?.saved))
+                .collect(),
+            // Unsure which are still images: remove none.
+            Err(_) => return 0,
+        };
+        let mut kept_disks = HashSet::new();
+        for entry in std::fs::read_dir(self.dir.join("snapshots"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if self.saving.lock().expect("lock").contains_key(&name) {
+                continue;
+            }
+            if saved.contains(&name) {
+                if let Some(guest) = read_saved(&entry.path()) {
+                    kept_disks.extend(guest.image_disks);
+                }
+                continue;
+            }
+            freed += dir_bytes(&entry.path());
+            if std::fs::remove_dir_all(entry.path()).is_ok() {
+                tracing::info!(saved = %name, "removed the saved guest of a deleted snapshot");
+            }
+        }
         let disk_id = |name: &str| {
             name.rsplit_once('.')
                 .map(|(id, _)| id.replacen('-', ":", 1))
@@ -293,7 +379,7 @@ impl VmHost {
         {
             let name = entry.file_name().to_string_lossy().into_owned();
             let Some(id) = disk_id(&name) else { continue };
-            if name.contains(".tmp-") || live.contains(&id) {
+            if name.contains(".tmp-") || live.contains(&id) || kept_disks.contains(&entry.path()) {
                 continue;
             }
             freed += entry.metadata().map_or(0, |m| m.len());
@@ -371,6 +457,7 @@ impl VmHost {
                 let files = TemplateFiles {
                     memory: &memory,
                     state: &state,
+                    first_request: 1,
                 };
                 let vm = Vm::start(
                     &hw,
@@ -449,6 +536,16 @@ impl VmHost {
                 let _ = std::fs::remove_dir_all(entry.path());
             }
         }
+        for entry in std::fs::read_dir(self.dir.join("snapshots"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            // Half-saved: the record is written last.
+            if read_saved(&entry.path()).is_none() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
         for sub in ["disks", "scratch", "guest"] {
             for entry in std::fs::read_dir(self.dir.join(sub))
                 .into_iter()
@@ -465,6 +562,11 @@ impl VmHost {
         let _ = std::fs::remove_dir_all(self.dir.join("probe"));
         cleaned
     }
+}
+
+/// The record of the saved guest in `dir`, if it is whole.
+fn read_saved(dir: &Path) -> Option<SavedGuest> {
+    serde_json::from_slice(&std::fs::read(dir.join("guest.json")).ok()?).ok()
 }
 
 /// Bytes of disk the files under `dir` take (a template's memory file is sparse).
@@ -494,6 +596,60 @@ impl VmBackend {
     /// The backend running `machine`s on `host`.
     pub fn new(host: Arc<VmHost>, machine: Machine) -> VmBackend {
         VmBackend { host, machine }
+    }
+}
+
+impl VmBackend {
+    /// The files of the guest saved as image `name` and their record, once `hardware` and
+    /// `disk_mb` are checked to be the guest's own: a running guest keeps its shape.
+    fn saved_guest(
+        &self,
+        name: &str,
+        guest: &GuestSnapshot,
+        hardware: &Hardware,
+        disk_mb: u64,
+    ) -> Result<(PathBuf, SavedGuest), ApiError> {
+        let backend = self.machine.backend();
+        if guest.backend != backend {
+            return Err(ApiError::invalid(format!(
+                "image {name} is a snapshot of a running {} guest: create it with \
+                 backend=\"{}\"",
+                guest.backend, guest.backend
+            )));
+        }
+        if guest.edge != self.host.images.edge() {
+            return Err(ApiError::unavailable(format!(
+                "image {name} is a snapshot of a running guest saved on edge {}: only that \
+                 edge can start it",
+                guest.edge
+            )));
+        }
+        if (guest.vcpus, guest.memory_mb, guest.disk_mb)
+            != (hardware.vcpus, hardware.memory_mb, disk_mb)
+        {
+            return Err(ApiError::invalid(format!(
+                "image {name} is a snapshot of a running guest with {} CPUs, {} MiB of \
+                 memory and a {} MiB disk, and a guest keeps its shape: create it with \
+                 cpus={}, memory_mb={}, disk_mb={} (asked: {} CPUs, {} MiB, {} MiB)",
+                guest.vcpus,
+                guest.memory_mb,
+                guest.disk_mb,
+                guest.vcpus,
+                guest.memory_mb,
+                guest.disk_mb,
+                hardware.vcpus,
+                hardware.memory_mb,
+                disk_mb
+            )));
+        }
+        let dir = saved_dir(&self.host.dir, &guest.saved);
+        match read_saved(&dir) {
+            Some(saved) => Ok((dir, saved)),
+            None => Err(ApiError::internal(format!(
+                "the saved guest of image {name} is missing from {}",
+                dir.display()
+            ))),
+        }
     }
 }
 
@@ -532,11 +688,26 @@ impl Backend for VmBackend {
             memory_mb: req.memory_mb,
         };
         let held = host.images.blobs(&image)?;
-        let ((image_disks, base_fs), scratch_base) = tokio::try_join!(
-            host.image_disks(&image, &held),
-            host.scratch_base(req.disk_mb)
-        )?;
-        let template_disks = Disks {
+        // In use before it is read: pruning must not take it in between.
+        let in_use = image
+            .guest
+            .as_ref()
+            .map(|guest| SavedInUse::new(host, &guest.saved));
+        let saved = match &image.guest {
+            Some(guest) => Some(self.saved_guest(&image.name, guest, &hardware, req.disk_mb)?),
+            None => None,
+        };
+        let ((image_disks, base_fs), scratch_base) = match &saved {
+            Some((_, guest)) => (
+                (guest.image_disks.clone(), guest.base_fs),
+                host.scratch_base(req.disk_mb).await?,
+            ),
+            None => tokio::try_join!(
+                host.image_disks(&image, &held),
+                host.scratch_base(req.disk_mb)
+            )?,
+        };
+        let base_disks = Disks {
             image: image_disks,
             base_fs,
             scratch: scratch_base.clone(),
@@ -544,48 +715,61 @@ impl Backend for VmBackend {
         let dir = host.dir.join("sandboxes").join(&req.id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
-        let scratch = dir.join("scratch.qcow2");
+        let disks = Disks {
+            scratch: dir.join("scratch.qcow2"),
+            ..base_disks.clone()
+        };
         let identity = GuestIdentity {
             hostname: &req.id,
             pids_max: req.pids,
         };
         let started = async {
-            // The template's memory and state files, which the restore borrows.
-            let template_paths: (PathBuf, PathBuf);
-            let start = match host.config.boot {
-                BootMode::Snapshot => {
+            // The saved guest's memory and state files, which the restore borrows.
+            let (template_dir, first_request) = match (&saved, host.config.boot) {
+                (Some((saved_dir, guest)), _) => {
+                    let (saved_scratch, _, _) = template_files(saved_dir);
+                    let target = disks.scratch.clone();
+                    tokio::task::spawn_blocking(move || {
+                        disk::create_overlay(&saved_scratch, "qcow2", &target)
+                    })
+                    .await
+                    .map_err(blocking_error)?
+                    .map_err(vm_error)?;
+                    (Some(saved_dir.clone()), guest.first_request)
+                }
+                (None, BootMode::Snapshot) => {
                     let key = TemplateKey {
                         image_id: image.id.clone(),
                         hardware: hardware.clone(),
                         disk_mb: req.disk_mb,
                     };
-                    let template_dir = host.template(key, &assets, template_disks.clone()).await?;
+                    let template_dir = host.template(key, &assets, base_disks.clone()).await?;
                     let (template_scratch, _, _) = template_files(&template_dir);
-                    let target = scratch.clone();
+                    let target = disks.scratch.clone();
                     tokio::task::spawn_blocking(move || std::fs::copy(template_scratch, target))
                         .await
                         .map_err(blocking_error)?
                         .map_err(|e| {
                             ApiError::internal(format!("copying the template's scratch disk: {e}"))
                         })?;
-                    let (_, memory, state) = template_files(&template_dir);
-                    template_paths = (memory, state);
-                    Start::Restore(
-                        identity,
-                        TemplateFiles {
-                            memory: &template_paths.0,
-                            state: &template_paths.1,
-                        },
-                    )
+                    (Some(template_dir), 1)
                 }
-                BootMode::Cold => {
-                    create_scratch(&scratch_base, &scratch).await?;
-                    Start::Cold(identity)
+                (None, BootMode::Cold) => {
+                    create_scratch(&scratch_base, &disks.scratch).await?;
+                    (None, 0)
                 }
             };
-            let disks = Disks {
-                scratch: scratch.clone(),
-                ..template_disks.clone()
+            let files = template_dir.as_deref().map(template_files);
+            let start = match &files {
+                Some((_, memory, state)) => Start::Restore(
+                    identity,
+                    TemplateFiles {
+                        memory,
+                        state,
+                        first_request,
+                    },
+                ),
+                None => Start::Cold(identity),
             };
             let vm = Vm::start(&hardware, &assets, Some(&disks), start, &dir, None)
                 .await
@@ -617,7 +801,12 @@ impl Backend for VmBackend {
                 _layers: held,
                 vm: Arc::new(vm),
                 dir,
-                accel: hardware.accel,
+                host: Arc::clone(host),
+                image: image.clone(),
+                hardware,
+                disks,
+                disk_mb: req.disk_mb,
+                _restored_from: in_use,
             }),
             image: ImageDefaults {
                 env: image.config.env,
@@ -632,7 +821,108 @@ struct VmSandbox {
     _layers: HeldBlobs,
     vm: Arc<Vm>,
     dir: PathBuf,
-    accel: Accel,
+    host: Arc<VmHost>,
+    /// What it was started from (a snapshot of it stacks the same layers).
+    image: Image,
+    hardware: Hardware,
+    disks: Disks,
+    disk_mb: u64,
+    /// The saved guest it was restored from, if any.
+    _restored_from: Option<SavedInUse>,
+}
+
+impl VmSandbox {
+    /// Saves the paused guest as image `name`: its disk, then its memory and devices,
+    /// moved into a receiving QEMU that keeps the RAM in a file and saves the rest as a
+    /// boot template is saved (see [`dsec_vm::qemu`]). Guests restored from it map that
+    /// file copy-on-write, as they map a template's.
+    async fn save_guest(&self, saved: &str, name: &str) -> Result<ImageInfo, ApiError> {
+        let host = &self.host;
+        let dir = saved_dir(&host.dir, saved);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
+        let (scratch, memory, state) = template_files(&dir);
+        // Paused: its disk is flushed and stays as it is.
+        let (disk, base, target) = (
+            self.disks.scratch.clone(),
+            host.scratch_base(self.disk_mb).await?,
+            scratch.clone(),
+        );
+        tokio::task::spawn_blocking(move || disk::copy_onto_base(&disk, &base, &target))
+            .await
+            .map_err(blocking_error)?
+            .map_err(vm_error)?;
+        let assets = host.assets().await?;
+        let disks = Disks {
+            scratch: scratch.clone(),
+            ..self.disks.clone()
+        };
+        let files = TemplateFiles {
+            memory: &memory,
+            state: &state,
+            first_request: 0,
+        };
+        let receiver = Vm::start(
+            &self.hardware,
+            &assets,
+            Some(&disks),
+            Start::Receive(files),
+            &dir,
+            None,
+        )
+        .await
+        .map_err(vm_error)?;
+        let moved = async {
+            self.vm.send_state(&receiver, &dir.join("transfer")).await?;
+            receiver.save_template(&state).await
+        }
+        .await;
+        receiver.kill().await;
+        moved.map_err(vm_error)?;
+        let record = SavedGuest {
+            first_request: self
+                .vm
+                .channel()
+                .next_id()
+                .wrapping_add(rand::random_range(1 << 16..1 << 24)),
+            image_disks: self.disks.image.clone(),
+            base_fs: self.disks.base_fs,
+        };
+        let written = dir.clone();
+        tokio::task::spawn_blocking(move || {
+            let dir = written;
+            for log in ["console.log", "qemu.log"] {
+                let _ = std::fs::remove_file(dir.join(log));
+            }
+            let (scratch, memory, state) = template_files(&dir);
+            for file in [scratch, memory, state] {
+                std::fs::File::open(&file)
+                    .and_then(|f| f.sync_all())
+                    .map_err(|e| format!("syncing {}: {e}", file.display()))?;
+            }
+            let tmp = dir.join("guest.json.tmp");
+            std::fs::write(
+                &tmp,
+                serde_json::to_vec(&record).expect("record serializes"),
+            )
+            .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
+            .and_then(|()| std::fs::rename(&tmp, dir.join("guest.json")))
+            .map_err(|e| format!("writing {}: {e}", tmp.display()))
+        })
+        .await
+        .map_err(blocking_error)?
+        .map_err(ApiError::internal)?;
+        let guest = GuestSnapshot {
+            backend: self.hardware.machine.backend().to_owned(),
+            edge: host.images.edge().to_owned(),
+            vcpus: self.hardware.vcpus,
+            memory_mb: self.hardware.memory_mb,
+            disk_mb: self.disk_mb,
+            saved: saved.to_owned(),
+        };
+        let image = host.images.record_guest(&self.image, name, guest)?;
+        Ok(super::image_info(&host.images, image))
+    }
 }
 
 /// The output of a command in a guest.
@@ -722,6 +1012,16 @@ impl Sandbox for VmSandbox {
         self.vm.resume().await.map_err(vm_error)
     }
 
+    async fn snapshot(&self, name: &str) -> Result<ImageInfo, ApiError> {
+        let saved = format!("{:016x}", rand::random::<u64>());
+        let _saving = SavedInUse::new(&self.host, &saved);
+        let result = self.save_guest(&saved, name).await;
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(saved_dir(&self.host.dir, &saved));
+        }
+        result
+    }
+
     fn usage(&self) -> Usage {
         let pid = self.vm.pid();
         let cpu_ms = Stat::read(pid).map_or(0.0, |s| s.cpu_ms());
@@ -762,7 +1062,7 @@ impl Sandbox for VmSandbox {
     }
 
     fn accelerator(&self) -> Option<&'static str> {
-        Some(self.accel.name())
+        Some(self.hardware.accel.name())
     }
 
     async fn stop(&self) {
