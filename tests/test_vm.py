@@ -81,9 +81,10 @@ def test_writes_stay_in_their_own_guest(
         assert a.read_file("/etc/owned") == b"mine\n"
 
 
-def _saved_guests(server: Server) -> list[str]:
+def _saved_guests(server: Server) -> set[str]:
+    """The saved guests (snapshots of running VMs) in the server's state directory."""
     d = server.state_dir / "vm" / "snapshots"
-    return sorted(os.listdir(d)) if d.is_dir() else []
+    return set(os.listdir(d)) if d.is_dir() else set()
 
 
 def _prune(server: Server) -> None:
@@ -94,12 +95,16 @@ def _prune(server: Server) -> None:
 def test_fork_of_a_running_guest_carries_its_memory_and_takes_fresh_identities(
     server: Server, client: dsec.Client, busybox_image: str, vm_backend: str
 ) -> None:
+    before = _saved_guests(server)
     parent = client.create(backend=vm_backend, image=busybox_image)
     kids: list[dsec.Sandbox] = []
     try:
         # State that lives only in the guest's memory: a shell counting in a loop.
         parent.run("echo parent > /root/state")
-        ticker = parent.spawn("i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done")
+        ticker = parent.spawn(
+            "i=0; while :; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n;"
+            " sleep 0.05; done"
+        )
         assert wait_until(lambda: parent.run("cat /tmp/n").stdout.strip() != "", 10)
         kids = parent.fork(2)
         assert parent.info().state == "running"
@@ -132,6 +137,7 @@ def test_fork_of_a_running_guest_carries_its_memory_and_takes_fresh_identities(
         kids += grandkids
         assert grandkids[0].run("cat /root/state").stdout == "0\n"
         assert grandkids[0].run(f"kill -0 {ticker.pid}").exit_code == 0
+        assert len(_saved_guests(server) - before) == 2, "one saved guest per fork"
     finally:
         for k in kids:
             k.stop()
@@ -140,7 +146,7 @@ def test_fork_of_a_running_guest_carries_its_memory_and_takes_fresh_identities(
         assert_no_leftovers(server, sb.id)
     # The fork images go once their children are gone, and their saved guests with them.
     _prune(server)
-    assert _saved_guests(server) == []
+    assert not _saved_guests(server) - before
 
 
 @pytest.mark.timeout(300)
@@ -168,6 +174,7 @@ def test_snapshot_of_a_running_guest_starts_guests_of_its_shape_only(
     server: Server, client: dsec.Client, busybox_image: str, vm_backend: str
 ) -> None:
     name = f"vmsnap-{vm_backend}-{os.getpid()}"
+    before = _saved_guests(server)
     with client.create(backend=vm_backend, image=busybox_image, memory_mb=192) as sb:
         sb.run("echo kept > /root/kept")
         img = sb.snapshot(name)
@@ -188,20 +195,57 @@ def test_snapshot_of_a_running_guest_starts_guests_of_its_shape_only(
         try:
             for c in copies:
                 assert c.run("cat /root/kept; hostname").stdout == f"kept\n{c.id}\n"
-            assert len(_saved_guests(server)) == 1
+            saved = _saved_guests(server) - before
+            assert len(saved) == 1
             # Deleted while guests run from it: they keep it until they stop.
             client.delete_image(name)
             _prune(server)
-            assert len(_saved_guests(server)) == 1
+            assert saved <= _saved_guests(server)
             assert copies[0].run("cat /root/kept").stdout == "kept\n"
         finally:
             for c in copies:
                 c.stop()
         _prune(server)
-        assert _saved_guests(server) == []
+        assert not saved & _saved_guests(server)
     finally:
         if name in {i.name for i in client.images()}:
             client.delete_image(name)
+
+
+@pytest.mark.timeout(300)
+def test_pause_that_saves_the_guest_frees_its_memory_and_loses_nothing(
+    make_server: Callable[..., Server], vm_backend: str
+) -> None:
+    s = make_server(extra_args=["--vm-pause", "save"])
+    with s.client() as c, c.create(backend=vm_backend, image="busybox") as sb:
+        # Numbered lines, on the channel and in the guest's memory, across each pause.
+        p = sb.spawn("i=0; while [ $i -lt 60 ]; do i=$((i+1)); echo $i; sleep 0.05; done")
+        echo = sb.spawn("cat", stdin=True)
+        echo.send_stdin("before\n")
+        for _ in range(2):
+            time.sleep(0.4)
+            sb.pause()
+            assert sb.info().state == "paused"
+            assert wait_until(lambda: not qemu_procs(sb.id), 10), "its QEMU still runs"
+            assert (sb.info().usage.memory_bytes or 0) == 0
+            time.sleep(0.3)
+            sb.resume()
+            assert len(qemu_procs(sb.id)) == 1
+        # A request resumes it too.
+        sb.pause()
+        assert wait_until(lambda: not qemu_procs(sb.id), 10)
+        assert sb.run("hostname").stdout == f"{sb.id}\n"
+        assert p.wait(timeout=60) == 0
+        out = "".join(ev.data for ev in p.events() if ev.kind == "stdout")
+        assert out.split() == [str(i) for i in range(1, 61)], "output lost across a pause"
+        echo.send_stdin("after\n")
+        echo.close_stdin()
+        assert echo.wait(timeout=30) == 0
+        assert "".join(ev.data for ev in echo.events() if ev.kind == "stdout") == "before\nafter\n"
+        r = sb.run("date +%s")
+        assert abs(int(r.stdout) - time.time()) < 30, "the resumed guest's clock was not set"
+        sb_id = sb.id
+    assert_no_leftovers(s, sb_id)
 
 
 def test_disk_limit_is_the_scratch_disk(

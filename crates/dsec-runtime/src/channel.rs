@@ -6,7 +6,7 @@
 //! When the channel ends, each waiter learns that the sandbox is gone; nothing hangs.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -48,7 +48,7 @@ pub enum ExecEvent {
 
 /// Writes to a channel held back ([`Channel::hold_writes`]) until this is dropped.
 pub struct WriteHold {
-    _writer: tokio::sync::OwnedMutexGuard<OwnedWriteHalf>,
+    writer: tokio::sync::OwnedMutexGuard<OwnedWriteHalf>,
     drained: bool,
 }
 
@@ -82,6 +82,11 @@ struct Shared {
     routes: Routes,
     next_id: AtomicU32,
     alive: watch::Receiver<bool>,
+    /// Set while the peer moves to another transport ([`Channel::suspend`]): the end of
+    /// the current one is not the end of the channel.
+    suspended: Arc<AtomicBool>,
+    /// The reader task's next transport, once the current one has ended.
+    next_reader: mpsc::UnboundedSender<OwnedReadHalf>,
 }
 
 impl Channel {
@@ -152,10 +157,7 @@ impl Channel {
                 _ => break false,
             }
         };
-        WriteHold {
-            _writer: writer,
-            drained,
-        }
+        WriteHold { writer, drained }
     }
 
     /// `pending` holds bytes already read past the `Ready` frame.
@@ -163,15 +165,48 @@ impl Channel {
         let (reader, writer) = stream.into_split();
         let routes: Routes = Arc::default();
         let (alive_tx, alive) = watch::channel(true);
-        tokio::spawn(route_frames(reader, pending, Arc::clone(&routes), alive_tx));
+        let suspended = Arc::new(AtomicBool::new(false));
+        let (next_reader, readers) = mpsc::unbounded_channel();
+        let transports = Transports {
+            current: reader,
+            suspended: Arc::clone(&suspended),
+            next: readers,
+        };
+        tokio::spawn(route_frames(
+            transports,
+            pending,
+            Arc::clone(&routes),
+            alive_tx,
+        ));
         Channel {
             shared: Arc::new(Shared {
                 writer: Arc::new(tokio::sync::Mutex::new(writer)),
                 routes,
                 next_id: AtomicU32::new(1),
                 alive,
+                suspended,
+                next_reader,
             }),
         }
+    }
+
+    /// Keeps the channel open across the end of its transport: the peer (a VM guest
+    /// being saved to disk) will go on over another, given to [`Channel::resume_on`].
+    /// Requests wait for it under the hold taken before the peer stopped.
+    pub fn suspend(&self) {
+        self.shared.suspended.store(true, Ordering::SeqCst);
+    }
+
+    /// Goes on over `stream` (the restored guest's), exactly where the old transport
+    /// ended: the reader reads what the old one still held to its end first, so a frame
+    /// split between the two arrives whole. `hold` (taken before the guest stopped, so
+    /// nothing was half-written to it) is released once writes go to `stream`.
+    pub fn resume_on(&self, stream: UnixStream, mut hold: WriteHold) {
+        let (reader, writer) = stream.into_split();
+        *hold.writer = writer;
+        // The reader task takes it once the old transport has ended, and only then clears
+        // `suspended`; it ends only with the channel, which then has no one to resume.
+        let _ = self.shared.next_reader.send(reader);
     }
 
     /// Whether the peer is still there.
@@ -349,6 +384,9 @@ async fn read_frame<R: AsyncReadExt + Unpin>(
                     .await
                     .map_err(channel_err)?;
                 if payload.len() < len {
+                    // Kept whole: the frame may go on over the next transport.
+                    *buf = proto::header(kind, exec_id, len).to_vec();
+                    buf.extend_from_slice(&payload);
                     return Ok(None);
                 }
                 return Ok(Some(Frame {
@@ -381,17 +419,34 @@ fn ends_route(frame: &Frame) -> bool {
     )
 }
 
+/// The reader task's transports: the current one, and where the next comes from.
+struct Transports {
+    current: OwnedReadHalf,
+    suspended: Arc<AtomicBool>,
+    next: mpsc::UnboundedReceiver<OwnedReadHalf>,
+}
+
 /// Routes frames to the exec or request they belong to; when the channel ends, every
 /// waiter's sender is dropped, which it reads as the sandbox being gone.
 async fn route_frames(
-    mut reader: OwnedReadHalf,
+    mut transports: Transports,
     mut buf: Vec<u8>,
     routes: Routes,
     alive: watch::Sender<bool>,
 ) {
     loop {
-        let frame = match read_frame(&mut reader, &mut buf).await {
+        let frame = match read_frame(&mut transports.current, &mut buf).await {
             Ok(Some(frame)) => frame,
+            Ok(None) if transports.suspended.load(Ordering::SeqCst) => {
+                match transports.next.recv().await {
+                    Some(next) => {
+                        transports.current = next;
+                        transports.suspended.store(false, Ordering::SeqCst);
+                        continue;
+                    }
+                    None => break,
+                }
+            }
             Ok(None) => break,
             Err(e) => {
                 tracing::warn!(error = %e, "control channel unreadable: closing it");

@@ -310,6 +310,10 @@ pub enum Start<'a> {
     /// Resume a boot template or a snapshot (over a copy of its scratch disk); the guest
     /// takes its identity.
     Restore(GuestIdentity<'a>, TemplateFiles<'a>),
+    /// Resume a guest saved from a paused sandbox (see [`Vm::take_hold`]) on the channel it
+    /// had, which goes on exactly where it stopped; the guest then takes its identity
+    /// again (the clock above all: it was stopped for a while).
+    Resume(GuestIdentity<'a>, TemplateFiles<'a>, Resumed),
     /// Wait, stopped, for a running guest's memory and devices to come in from
     /// [`Vm::send_state`], keeping its RAM in `files.memory` (mapped shared), so that it
     /// can be saved as a template ([`Vm::save_template`]): how a running guest becomes
@@ -317,6 +321,15 @@ pub enum Start<'a> {
     Receive(TemplateFiles<'a>),
     /// Boot only far enough for the agent to answer (accelerator probe; no disks).
     Probe,
+}
+
+/// The channel of a guest saved to disk, with the hold of its writes, taken before it
+/// stopped; a [`Start::Resume`] goes on with both.
+pub struct Resumed {
+    /// The channel, suspended ([`Channel::suspend`]).
+    pub channel: Channel,
+    /// Its writes, held since the guest took all that was sent to it.
+    pub hold: WriteHold,
 }
 
 /// What a sandbox's guest is told once it runs.
@@ -344,7 +357,9 @@ pub struct TemplateFiles<'a> {
 impl<'a> Start<'a> {
     fn identity(&self) -> Option<GuestIdentity<'a>> {
         match self {
-            Start::Cold(identity) | Start::Restore(identity, _) => Some(*identity),
+            Start::Cold(identity) | Start::Restore(identity, _) | Start::Resume(identity, ..) => {
+                Some(*identity)
+            }
             Start::Template(_) | Start::Receive(_) | Start::Probe => None,
         }
     }
@@ -353,7 +368,7 @@ impl<'a> Start<'a> {
     fn memory(&self) -> Option<(&'a Path, bool)> {
         match self {
             Start::Template(files) | Start::Receive(files) => Some((files.memory, true)),
-            Start::Restore(_, files) => Some((files.memory, false)),
+            Start::Restore(_, files) | Start::Resume(_, files, _) => Some((files.memory, false)),
             Start::Cold(_) | Start::Probe => None,
         }
     }
@@ -508,7 +523,10 @@ impl Vm {
             (agent_qemu.as_raw_fd(), qmp_qemu.as_raw_fd()),
             &console,
         );
-        if matches!(start, Start::Restore(..) | Start::Receive(_)) {
+        if matches!(
+            start,
+            Start::Restore(..) | Start::Resume(..) | Start::Receive(_)
+        ) {
             args.extend(["-incoming".into(), "defer".into()]);
         }
         let log_path = dir.join("qemu.log");
@@ -583,7 +601,7 @@ impl Vm {
                 return Err(failed(e.to_string()));
             }
         };
-        if let Start::Restore(_, files) = start {
+        if let Start::Restore(_, files) | Start::Resume(_, files, _) = &start {
             // The guest runs once its state is in.
             let incoming = async {
                 qmp.execute("migrate-set-capabilities", ignore_shared(true))
@@ -612,6 +630,13 @@ impl Vm {
                             .await
                             .map_err(answered)??;
                     Ok(Channel::attach(stream, pending, id.wrapping_add(1)))
+                }
+                Start::Resume(identity, _, Resumed { channel, hold }) => {
+                    channel.resume_on(agent_host, hold);
+                    tokio::time::timeout(wait, send_identity(&channel, identity))
+                        .await
+                        .map_err(answered)??;
+                    Ok(channel)
                 }
                 // Its guest never runs: the channel is never used.
                 Start::Receive(_) => Ok(Channel::attach(agent_host, Vec::new(), 1)),
@@ -687,6 +712,12 @@ impl Vm {
         self.qmp.execute("cont", serde_json::json!({})).await?;
         *held = None;
         Ok(())
+    }
+
+    /// The hold of a paused guest's writes (see [`Vm::pause`]), for a [`Start::Resume`] of
+    /// the guest once this QEMU is gone; `None` unless paused.
+    pub async fn take_hold(&self) -> Option<WriteHold> {
+        self.held.lock().await.take()
     }
 
     /// Sends a paused guest's memory and devices to `receiver` (started with

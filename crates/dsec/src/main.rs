@@ -13,7 +13,7 @@ use dsec_api::{
 };
 use dsec_server::admission::AdmissionConfig;
 use dsec_server::backend::fncall::PoolConfig;
-use dsec_server::backend::vm::{AccelChoice, BootMode, VmConfig};
+use dsec_server::backend::vm::{AccelChoice, BootMode, PauseMode, VmConfig};
 use dsec_server::e2b::E2bConfig;
 use dsec_server::edge::{EdgeConfig, FileLimits};
 use dsec_server::sandboxfusion::SandboxFusionConfig;
@@ -299,6 +299,11 @@ struct ServeArgs {
     /// shape) for each sandbox; `cold` boots each sandbox's kernel.
     #[arg(long, default_value = "snapshot", value_parser = parse_boot)]
     vm_boot: BootMode,
+    /// VM backends: what `pause` does. `stop` stops the vCPUs (the guest stays in memory);
+    /// `save` also saves the guest to disk and ends its QEMU, freeing its memory (the next
+    /// request restores it, its processes and channel where they were).
+    #[arg(long, default_value = "stop", value_parser = parse_pause)]
+    vm_pause: PauseMode,
     /// VM backends: `auto` uses KVM when a probe guest boots under it, else TCG.
     #[arg(long, default_value = "auto", value_parser = parse_accel)]
     vm_accel: AccelChoice,
@@ -467,6 +472,14 @@ fn parse_boot(s: &str) -> Result<BootMode, String> {
         "snapshot" => Ok(BootMode::Snapshot),
         "cold" => Ok(BootMode::Cold),
         _ => Err(format!("{s:?} is not snapshot or cold")),
+    }
+}
+
+fn parse_pause(s: &str) -> Result<PauseMode, String> {
+    match s {
+        "stop" => Ok(PauseMode::Stop),
+        "save" => Ok(PauseMode::Save),
+        _ => Err(format!("{s:?} is not stop or save")),
     }
 }
 
@@ -843,6 +856,7 @@ fn serve(
             base_fs: args.vm_base_fs,
             boot: args.vm_boot,
             accel: args.vm_accel,
+            pause: args.vm_pause,
         },
         e2b: E2bConfig {
             listen: args.e2b_listen,

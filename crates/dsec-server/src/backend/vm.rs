@@ -18,6 +18,7 @@ use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
@@ -60,6 +61,17 @@ pub enum BootMode {
     Cold,
 }
 
+/// What `sb.pause()` does to a VM sandbox.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PauseMode {
+    /// Stop the vCPUs; the guest stays in memory (resumes at once).
+    #[default]
+    Stop,
+    /// Stop the vCPUs, save the guest to disk and end QEMU: its memory is freed; the next
+    /// request restores it.
+    Save,
+}
+
 /// Which accelerator to use.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AccelChoice {
@@ -85,6 +97,8 @@ pub struct VmConfig {
     pub boot: BootMode,
     /// Accelerator.
     pub accel: AccelChoice,
+    /// What a pause does.
+    pub pause: PauseMode,
 }
 
 /// The layout of a boot template's directory; part of its name, so that templates an
@@ -184,6 +198,19 @@ struct Record {
     qemu_pid: i32,
     /// `/proc/<pid>/stat` start time of that QEMU: a recycled pid has another.
     start_ticks: u64,
+}
+
+/// Names `vm`'s QEMU in the sandbox directory `dir`, for cleanup after a crash.
+fn write_record(dir: &Path, vm: &Vm) -> Result<(), ApiError> {
+    let record = Record {
+        qemu_pid: vm.pid(),
+        start_ticks: Stat::read(vm.pid()).map_or(0, |s| s.start_ticks),
+    };
+    std::fs::write(
+        dir.join("record.json"),
+        serde_json::to_vec(&record).expect("record serializes"),
+    )
+    .map_err(|e| ApiError::internal(format!("writing the sandbox record: {e}")))
 }
 
 fn vm_error(e: VmError) -> ApiError {
@@ -774,18 +801,9 @@ impl Backend for VmBackend {
             let vm = Vm::start(&hardware, &assets, Some(&disks), start, &dir, None)
                 .await
                 .map_err(vm_error)?;
-            let record = Record {
-                qemu_pid: vm.pid(),
-                start_ticks: Stat::read(vm.pid()).map_or(0, |s| s.start_ticks),
-            };
-            if let Err(e) = std::fs::write(
-                dir.join("record.json"),
-                serde_json::to_vec(&record).expect("record serializes"),
-            ) {
+            if let Err(e) = write_record(&dir, &vm) {
                 vm.kill().await;
-                return Err(ApiError::internal(format!(
-                    "writing the sandbox record: {e}"
-                )));
+                return Err(e);
             }
             Ok(vm)
         };
@@ -799,7 +817,11 @@ impl Backend for VmBackend {
         Ok(Created {
             sandbox: Box::new(VmSandbox {
                 _layers: held,
-                vm: Arc::new(vm),
+                vm: std::sync::RwLock::new(Arc::new(vm)),
+                on_disk: tokio::sync::Mutex::new(false),
+                saved_to_disk: AtomicBool::new(false),
+                id: req.id.clone(),
+                pids: req.pids,
                 dir,
                 host: Arc::clone(host),
                 image: image.clone(),
@@ -819,7 +841,15 @@ impl Backend for VmBackend {
 struct VmSandbox {
     /// Its image's layers, held for as long as it runs (its disk may be one of them).
     _layers: HeldBlobs,
-    vm: Arc<Vm>,
+    /// Its QEMU: a new one after a pause that saved it to disk.
+    vm: std::sync::RwLock<Arc<Vm>>,
+    /// Whether the paused guest is on disk, with no QEMU ([`PauseMode::Save`]); the lock
+    /// orders pauses and resumes.
+    on_disk: tokio::sync::Mutex<bool>,
+    /// The same, for the synchronous checks ([`Sandbox::is_alive`]).
+    saved_to_disk: AtomicBool,
+    id: String,
+    pids: u64,
     dir: PathBuf,
     host: Arc<VmHost>,
     /// What it was started from (a snapshot of it stacks the same layers).
@@ -832,6 +862,102 @@ struct VmSandbox {
 }
 
 impl VmSandbox {
+    fn vm(&self) -> Arc<Vm> {
+        Arc::clone(&self.vm.read().expect("lock"))
+    }
+
+    fn identity(&self) -> GuestIdentity<'_> {
+        GuestIdentity {
+            hostname: &self.id,
+            pids_max: self.pids,
+        }
+    }
+
+    /// Where a guest paused to disk is kept: its memory and device state (its disk stays
+    /// the sandbox's own scratch disk).
+    fn paused_files(&self) -> (PathBuf, PathBuf) {
+        let (_, memory, state) = template_files(&self.dir.join("paused"));
+        (memory, state)
+    }
+
+    /// Saves the paused guest `vm` to disk and ends its QEMU: a receiving QEMU takes its
+    /// RAM into a file and saves its devices, as for a snapshot, over the same scratch
+    /// disk (which QEMU hands over between the two as a migration's shared storage).
+    async fn save_to_disk(&self, vm: &Vm) -> Result<(), ApiError> {
+        let host = &self.host;
+        let dir = self.dir.join("paused");
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
+        let (memory, state) = self.paused_files();
+        for file in [&memory, &state] {
+            let _ = std::fs::remove_file(file);
+        }
+        let assets = host.assets().await?;
+        let files = TemplateFiles {
+            memory: &memory,
+            state: &state,
+            first_request: 0,
+        };
+        let receiver = Vm::start(
+            &self.hardware,
+            &assets,
+            Some(&self.disks),
+            Start::Receive(files),
+            &dir,
+            None,
+        )
+        .await
+        .map_err(vm_error)?;
+        let moved = async {
+            vm.send_state(&receiver, &dir.join("transfer")).await?;
+            receiver.save_template(&state).await
+        }
+        .await;
+        receiver.kill().await;
+        moved.map_err(vm_error)?;
+        // Its channel outlives it: the guest goes on over the next QEMU's.
+        vm.channel().suspend();
+        self.saved_to_disk.store(true, Ordering::SeqCst);
+        vm.kill().await;
+        Ok(())
+    }
+
+    /// Starts a QEMU for the guest saved by [`VmSandbox::save_to_disk`].
+    async fn restore_from_disk(&self, old: &Vm) -> Result<Vm, ApiError> {
+        let hold = old
+            .take_hold()
+            .await
+            .ok_or_else(|| ApiError::internal("a guest saved to disk without its channel held"))?;
+        let assets = self.host.assets().await?;
+        let (memory, state) = self.paused_files();
+        let files = TemplateFiles {
+            memory: &memory,
+            state: &state,
+            first_request: 0,
+        };
+        let resumed = qemu::Resumed {
+            channel: old.channel().clone(),
+            hold,
+        };
+        let vm = Vm::start(
+            &self.hardware,
+            &assets,
+            Some(&self.disks),
+            Start::Resume(self.identity(), files, resumed),
+            &self.dir,
+            None,
+        )
+        .await
+        .map_err(vm_error)?;
+        write_record(&self.dir, &vm)?;
+        // The new QEMU maps them: unlinked, they stay its until it exits, and the next
+        // pause writes new ones.
+        for file in [&memory, &state] {
+            let _ = std::fs::remove_file(file);
+        }
+        Ok(vm)
+    }
+
     /// Saves the paused guest as image `name`: its disk, then its memory and devices,
     /// moved into a receiving QEMU that keeps the RAM in a file and saves the rest as a
     /// boot template is saved (see [`dsec_vm::qemu`]). Guests restored from it map that
@@ -873,7 +999,9 @@ impl VmSandbox {
         .await
         .map_err(vm_error)?;
         let moved = async {
-            self.vm.send_state(&receiver, &dir.join("transfer")).await?;
+            self.vm()
+                .send_state(&receiver, &dir.join("transfer"))
+                .await?;
             receiver.save_template(&state).await
         }
         .await;
@@ -881,7 +1009,7 @@ impl VmSandbox {
         moved.map_err(vm_error)?;
         let record = SavedGuest {
             first_request: self
-                .vm
+                .vm()
                 .channel()
                 .next_id()
                 .wrapping_add(rand::random_range(1 << 16..1 << 24)),
@@ -953,7 +1081,7 @@ impl OutputStream for VmOutput {
 impl Sandbox for VmSandbox {
     async fn exec(&self, cmd: CommandSpec) -> Result<Box<dyn OutputStream>, ApiError> {
         for f in cmd.files {
-            write_served(self.vm.channel(), &f.path, f.mode, Upload::whole(f.data)).await?;
+            write_served(self.vm().channel(), &f.path, f.mode, Upload::whole(f.data)).await?;
         }
         let spec = ExecSpec {
             argv: cmd.argv,
@@ -964,55 +1092,87 @@ impl Sandbox for VmSandbox {
             run_as: cmd.run_as,
             ..ExecSpec::default()
         };
-        let handle = self.vm.channel().exec(&spec, &cmd.stdin, &[]).await?;
+        let handle = self.vm().channel().exec(&spec, &cmd.stdin, &[]).await?;
         Ok(Box::new(VmOutput { handle }))
     }
 
     async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Box<dyn FileRead>, ApiError> {
-        read_served(self.vm.channel(), path, max_bytes).await
+        read_served(self.vm().channel(), path, max_bytes).await
     }
 
     async fn spawn(&self, spec: ProcessSpec) -> Result<Spawned, ApiError> {
-        super::spawn_served(self.vm.channel(), spec).await
+        super::spawn_served(self.vm().channel(), spec).await
     }
 
     async fn write_file(&self, path: &str, mode: u32, data: Upload) -> Result<(), ApiError> {
-        write_served(self.vm.channel(), path, mode, data).await
+        write_served(self.vm().channel(), path, mode, data).await
     }
 
     async fn list_files(&self, path: &str, depth: u32) -> Result<Vec<FileInfo>, ApiError> {
-        list_served(self.vm.channel(), path, depth).await
+        list_served(self.vm().channel(), path, depth).await
     }
 
     async fn stat(&self, path: &str) -> Result<FileInfo, ApiError> {
-        Ok(file_info(self.vm.channel().stat(path).await?))
+        Ok(file_info(self.vm().channel().stat(path).await?))
     }
 
     async fn make_dir(&self, req: &MakeDir) -> Result<bool, ApiError> {
-        Ok(self.vm.channel().make_dir(req).await?)
+        Ok(self.vm().channel().make_dir(req).await?)
     }
 
     async fn move_path(&self, req: &MovePath) -> Result<(), ApiError> {
-        Ok(self.vm.channel().move_path(req).await?)
+        Ok(self.vm().channel().move_path(req).await?)
     }
 
     async fn remove_path(&self, req: &RemovePath) -> Result<(), ApiError> {
-        Ok(self.vm.channel().remove_path(req).await?)
+        Ok(self.vm().channel().remove_path(req).await?)
     }
 
     async fn watch(&self, path: &str, recursive: bool) -> Result<Box<dyn FileWatch>, ApiError> {
-        watch_served(self.vm.channel(), path, recursive).await
+        watch_served(self.vm().channel(), path, recursive).await
     }
 
     async fn pause(&self) -> Result<(), ApiError> {
-        self.vm.pause().await.map_err(vm_error)
+        let mut on_disk = self.on_disk.lock().await;
+        if *on_disk {
+            return Ok(());
+        }
+        let vm = self.vm();
+        vm.pause().await.map_err(vm_error)?;
+        if self.host.config.pause == PauseMode::Save {
+            // Paused in memory if it cannot be saved: still a pause.
+            match self.save_to_disk(&vm).await {
+                Ok(()) => *on_disk = true,
+                Err(e) => {
+                    tracing::warn!(sandbox = %self.id, error = %e, "cannot save a paused guest to disk; it stays paused in memory")
+                }
+            }
+        }
+        Ok(())
     }
 
     async fn resume(&self) -> Result<(), ApiError> {
-        self.vm.resume().await.map_err(vm_error)
+        let mut on_disk = self.on_disk.lock().await;
+        if !*on_disk {
+            return self.vm().resume().await.map_err(vm_error);
+        }
+        let vm = self.restore_from_disk(&self.vm()).await?;
+        *self.vm.write().expect("lock") = Arc::new(vm);
+        self.saved_to_disk.store(false, Ordering::SeqCst);
+        *on_disk = false;
+        Ok(())
     }
 
     async fn snapshot(&self, name: &str) -> Result<ImageInfo, ApiError> {
+        let mut on_disk = self.on_disk.lock().await;
+        if *on_disk {
+            // Saved from memory, not from its pause files: back in a QEMU, paused again.
+            let vm = self.restore_from_disk(&self.vm()).await?;
+            vm.pause().await.map_err(vm_error)?;
+            *self.vm.write().expect("lock") = Arc::new(vm);
+            self.saved_to_disk.store(false, Ordering::SeqCst);
+            *on_disk = false;
+        }
         let saved = format!("{:016x}", rand::random::<u64>());
         let _saving = SavedInUse::new(&self.host, &saved);
         let result = self.save_guest(&saved, name).await;
@@ -1023,7 +1183,7 @@ impl Sandbox for VmSandbox {
     }
 
     fn usage(&self) -> Usage {
-        let pid = self.vm.pid();
+        let pid = self.vm().pid();
         let cpu_ms = Stat::read(pid).map_or(0.0, |s| s.cpu_ms());
         Usage {
             // What this guest holds alone: the pages it wrote, QEMU's heap, the
@@ -1037,22 +1197,22 @@ impl Sandbox for VmSandbox {
     }
 
     fn is_alive(&self) -> bool {
-        self.vm.is_alive()
+        self.saved_to_disk.load(Ordering::SeqCst) || self.vm().is_alive()
     }
 
     async fn failure(&self) -> Failure {
         // The agent's channel closes as QEMU exits: give the exit a moment to be reaped.
-        let mut exited = self.vm.exited();
+        let mut exited = self.vm().exited();
         let _ =
             tokio::time::timeout(std::time::Duration::from_secs(1), exited.wait_for(|e| *e)).await;
-        let (cause, how) = match self.vm.exit_status() {
+        let (cause, how) = match self.vm().exit_status() {
             Some(status) => match status.signal() {
                 Some(signal) => ("signal", format!("QEMU was killed by signal {signal}")),
                 None => ("exit", format!("QEMU exited ({status})")),
             },
             None => ("unknown", "its guest agent's channel closed".to_owned()),
         };
-        let console = console_tail(self.vm.console());
+        let console = console_tail(self.vm().console());
         let detail = if console.is_empty() {
             how
         } else {
@@ -1066,7 +1226,7 @@ impl Sandbox for VmSandbox {
     }
 
     async fn stop(&self) {
-        self.vm.kill().await;
+        self.vm().kill().await;
         let dir = self.dir.clone();
         let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(dir)).await;
     }
