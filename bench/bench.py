@@ -130,6 +130,12 @@ def main() -> int:
     )
     ap.add_argument("--vm-idle-n", type=int, default=8, help="vm: idle VMs per backend (8)")
     ap.add_argument("--vm-fork-n", type=int, default=3, help="vm: fork(8) rounds per backend (3)")
+    ap.add_argument(
+        "--vm-many-n",
+        type=int,
+        default=100,
+        help="vm: idle microVMs held at once, then one exec in each (100; 0: skip)",
+    )
     ap.add_argument("--rootfs", help="use this busybox rootfs instead of building one")
     ap.add_argument(
         "--trajectory-sync",

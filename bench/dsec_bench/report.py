@@ -446,6 +446,19 @@ def vm_table(res: dict[str, Any]) -> list[str]:
         m=g("microvm_idle", "qemu_anon_mib_per_vm"),
         w=g("vm_idle", "qemu_anon_mib_per_vm"),
     )
+    n_many = g("microvm_many", "n")
+    if n_many:
+        single(
+            f"{n_many} idle microVMs held: host MiB per VM (MemAvailable Δ) / RssAnon MiB ᵍ",
+            m=f"{fmt(g('microvm_many', 'mib_per_sandbox'))} / "
+            f"{fmt(g('microvm_many', 'qemu_anon_mib_per_vm'))}",
+        )
+        single(
+            f"exec `true` in each of the {n_many} held, p50 / p99 ms (failed) ᵍ",
+            m=f"{fmt(g('microvm_many', 'exec_each', 'p50_ms'))} / "
+            f"{fmt(g('microvm_many', 'exec_each', 'p99_ms'))} "
+            f"({g('microvm_many', 'exec_each', 'failed')})",
+        )
     single(
         "idle container, cgroup memory usage MiB ᵉ",
         c=g("container_idle", "cgroup_usage_mib_per_sandbox"),
@@ -480,6 +493,11 @@ def vm_table(res: dict[str, Any]) -> list[str]:
         "receiving QEMU, device state) and restores each child from it, its RAM mapped "
         "copy-on-write; a container fork commits the writable layer. RssAnon: what each "
         "child's QEMU holds alone, read once all answered (target ≤ 40 MiB).  "
+    )
+    out.append(
+        f"ᵍ {g('microvm_many', 'n') or '-'} microVMs created one after another and held "
+        f'(create failures: {g("microvm_many", "failed")}), then one `run("true")` in each '
+        "while all run (target: held, exec works in each).  "
     )
     out.append(
         'ᵈ `run("true")` (`/bin/sh -c true`) in one running sandbox, sync Client, after 10 '

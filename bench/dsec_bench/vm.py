@@ -70,9 +70,10 @@ def _exec_series(d: Dsec, backend: str, n: int) -> dict[str, Any]:
         stop_sandbox(d, sb)
 
 
-def _idle_memory(d: Dsec, backend: str, count: int) -> dict[str, Any]:
+def _idle_memory(d: Dsec, backend: str, count: int, exec_each: bool = False) -> dict[str, Any]:
     """Host memory per idle sandbox: the MemAvailable drop after creating `count` (one
-    after another), divided by count; for VMs also the QEMUs' VmRSS and RssAnon."""
+    after another), divided by count; for VMs also the QEMUs' VmRSS and RssAnon. With
+    `exec_each`, then one run("true") in each while all are held."""
     before = settled_mem_available_kib()
     log(f"{backend}: creating {count} idle sandboxes")
     made: list[Any] = []
@@ -99,6 +100,20 @@ def _idle_memory(d: Dsec, backend: str, count: int) -> dict[str, Any]:
             "create_s": create_s,
             "mib_per_sandbox": (before - after) / k / 1024,
         }
+        if exec_each:
+            lat: list[float] = []
+            failed = 0
+            for sb in made:
+                t = time.perf_counter()
+                try:
+                    ok = sb.run("true").exit_code == 0
+                except Exception:
+                    ok = False
+                if ok:
+                    lat.append((time.perf_counter() - t) * 1e3)
+                else:
+                    failed += 1
+            res["exec_each"] = latency_stats(lat, failed)
         if backend in VM_BACKENDS:
             pids = [pid for sb in made for pid, _ in dsec_local.qemu_procs(sb.id)]
             rss = [dsec_local.proc_status_kib(pid, "VmRSS") or 0 for pid in pids]
@@ -220,6 +235,8 @@ def bench_vm(d: Dsec, args: argparse.Namespace, res_so_far: dict[str, Any]) -> d
         res["container_idle"] = _idle_memory(d, "container", args.vm_idle_n)
     for b in VM_BACKENDS:
         res[f"{b}_idle"] = _idle_memory(d, b, args.vm_idle_n)
+    if args.vm_many_n:
+        res["microvm_many"] = _idle_memory(d, "microvm", args.vm_many_n, exec_each=True)
 
     log("vm: a second server with --vm-boot cold")
     try:
