@@ -265,9 +265,16 @@ fn guest_cgroup() -> Result<GuestCgroup, String> {
             .map(OwnedFd::from)
             .map_err(|e| format!("{}: {e}", path.display()))
     };
+    let dir = |path: &Path| {
+        fs::File::open(path)
+            .map(OwnedFd::from)
+            .map_err(|e| format!("{}: {e}", path.display()))
+    };
     Ok(GuestCgroup {
         procs: open("cgroup.procs")?,
         pids_max: open("pids.max")?,
+        dir: dir(&commands)?,
+        scratch: dir(Path::new("/mnt/scratch"))?,
     })
 }
 

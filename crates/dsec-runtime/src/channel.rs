@@ -319,6 +319,12 @@ impl Channel {
         self.request_parts(kind, &[payload]).await
     }
 
+    /// What a VM guest's commands use now, as its agent reads it.
+    pub async fn guest_usage(&self) -> Result<proto::GuestUsage, RuntimeError> {
+        let answer = self.request(FrameKind::Usage, &[]).await?;
+        serde_json::from_slice(&answer).map_err(channel_err)
+    }
+
     /// [`request`](Self::request) with a payload in parts, sent one after the other.
     pub async fn request_parts(
         &self,

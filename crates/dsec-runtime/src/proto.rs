@@ -118,6 +118,9 @@ pub enum FrameKind {
     FileEvents = 36,
     /// edge → sandbox: end the watch of this id (its client went away). No answer.
     Unwatch = 37,
+    /// edge → VM guest agent: what the guest uses now; empty payload. Answer: JSON
+    /// [`GuestUsage`].
+    Usage = 40,
 }
 
 impl FrameKind {
@@ -153,6 +156,7 @@ impl FrameKind {
             35 => FrameKind::Watching,
             36 => FrameKind::FileEvents,
             37 => FrameKind::Unwatch,
+            40 => FrameKind::Usage,
             _ => return None,
         })
     }
@@ -532,6 +536,26 @@ pub struct Identity {
     /// The sandbox's process limit for its commands.
     #[serde(default)]
     pub pids_max: Option<u64>,
+}
+
+/// What a VM guest's commands use, as its agent reads it ([`FrameKind::Usage`]): the
+/// guest's own counts, which the host cannot see.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestUsage {
+    /// Memory charged to the commands' cgroup now.
+    pub memory_bytes: u64,
+    /// The most charged to it at once (`memory.peak`; 0 where the kernel lacks it).
+    pub memory_peak_bytes: u64,
+    /// Live processes and threads of the commands.
+    pub pids: u64,
+    /// Forks their pids limit refused since the guest booted.
+    pub pids_limit_hits: u64,
+    /// OOM kills since the guest booted.
+    pub oom_kills: u64,
+    /// Bytes used on the guest's scratch disk (its writable layer).
+    pub disk_bytes: u64,
+    /// Files and directories on it.
+    pub disk_inodes: u64,
 }
 
 /// A [`FrameKind::ReadFile`] request.

@@ -28,6 +28,10 @@ pub struct GuestCgroup {
     pub procs: OwnedFd,
     /// `pids.max`, opened for writing.
     pub pids_max: OwnedFd,
+    /// The cgroup's directory, whose counters [`FrameKind::Usage`] reads.
+    pub dir: OwnedFd,
+    /// The root of the scratch disk's filesystem (the writable layer), for its usage.
+    pub scratch: OwnedFd,
 }
 
 impl GuestCgroup {
@@ -131,6 +135,10 @@ pub fn serve_guest(
         commands_cgroup: Some(cgroup.procs),
         guest: true,
         identity_keeper: Some(identity_keeper),
+        usage: Some(UsageSource {
+            cgroup: cgroup.dir,
+            scratch: cgroup.scratch,
+        }),
     };
     Init::new(control, prepared, Vec::new(), inbuf).serve();
     Ok(())
@@ -223,6 +231,47 @@ impl IdentityKeeper {
         match reply[..n] {
             [0] => Ok(()),
             _ => Err(String::from_utf8_lossy(&reply[1..n]).into_owned()),
+        }
+    }
+}
+
+/// Where a guest's usage is read from (see [`GuestCgroup`]).
+pub(super) struct UsageSource {
+    cgroup: OwnedFd,
+    scratch: OwnedFd,
+}
+
+impl UsageSource {
+    /// What the guest's commands use now.
+    pub(super) fn read(&self) -> proto::GuestUsage {
+        let text = |name: &str| {
+            rustix::fs::openat(
+                &self.cgroup,
+                name,
+                rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+                rustix::fs::Mode::empty(),
+            )
+            .ok()
+            .and_then(|fd| std::io::read_to_string(std::fs::File::from(fd)).ok())
+            .unwrap_or_default()
+        };
+        let number = |name: &str| text(name).trim().parse().unwrap_or(0);
+        let pids_limit_hits = text("pids.events")
+            .lines()
+            .find_map(|l| l.strip_prefix("max "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        let disk = rustix::fs::fstatvfs(&self.scratch).ok();
+        proto::GuestUsage {
+            memory_bytes: number("memory.current"),
+            memory_peak_bytes: number("memory.peak"),
+            pids: number("pids.current"),
+            pids_limit_hits,
+            oom_kills: oom_kills().unwrap_or(0),
+            disk_bytes: disk
+                .as_ref()
+                .map_or(0, |st| st.f_blocks.saturating_sub(st.f_bfree) * st.f_frsize),
+            disk_inodes: disk.map_or(0, |st| st.f_files.saturating_sub(st.f_ffree)),
         }
     }
 }

@@ -102,6 +102,8 @@ struct Prepared {
     /// A VM guest's privileged helper that takes a new identity after the guest is
     /// restored from a snapshot of its running self (see [`agent::IdentityKeeper`]).
     identity_keeper: Option<agent::IdentityKeeper>,
+    /// A VM guest's counters, for the edge's [`proto::FrameKind::Usage`].
+    usage: Option<agent::UsageSource>,
 }
 
 /// Where commands get their capabilities, no_new_privs and seccomp filter from.
@@ -229,6 +231,7 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
         commands_cgroup,
         guest: false,
         identity_keeper: None,
+        usage: None,
     })
 }
 

@@ -354,6 +354,18 @@ impl Init {
                 }
                 None => {}
             },
+            FrameKind::Usage => match &self.prepared.usage {
+                Some(source) => {
+                    let usage = source.read();
+                    proto::encode_json(&mut self.outbuf, FrameKind::Done, frame.exec_id, &usage);
+                }
+                None => self.send_error(
+                    frame.exec_id,
+                    InitStage::Decode,
+                    None,
+                    "a container's usage is read by the edge, not asked".into(),
+                ),
+            },
             FrameKind::Identity => match &self.prepared.identity_keeper {
                 Some(keeper) => match keeper.take(&frame.payload) {
                     Ok(()) => proto::encode(&mut self.outbuf, FrameKind::Done, frame.exec_id, &[]),

@@ -822,6 +822,7 @@ impl Backend for VmBackend {
                 saved_to_disk: AtomicBool::new(false),
                 id: req.id.clone(),
                 pids: req.pids,
+                guest_usage: Arc::default(),
                 dir,
                 host: Arc::clone(host),
                 image: image.clone(),
@@ -850,6 +851,8 @@ struct VmSandbox {
     saved_to_disk: AtomicBool,
     id: String,
     pids: u64,
+    /// What the guest's agent last said its commands use.
+    guest_usage: Arc<GuestUsageCache>,
     dir: PathBuf,
     host: Arc<VmHost>,
     /// What it was started from (a snapshot of it stacks the same layers).
@@ -859,6 +862,46 @@ struct VmSandbox {
     disk_mb: u64,
     /// The saved guest it was restored from, if any.
     _restored_from: Option<SavedInUse>,
+}
+
+/// How old the guest's usage may be before a read asks the guest again.
+const GUEST_USAGE_AGE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The guest's last usage report, refreshed in the background: usage is read without
+/// waiting (the sampler and `info()` ask often), and a guest is asked at most once per
+/// [`GUEST_USAGE_AGE`], only while someone reads it.
+#[derive(Default)]
+struct GuestUsageCache {
+    last: Mutex<Option<(std::time::Instant, dsec_runtime::proto::GuestUsage)>>,
+    asking: AtomicBool,
+}
+
+impl GuestUsageCache {
+    /// The last report (none yet: `None`), asking `channel` for a new one if it is old.
+    fn latest(
+        self: &Arc<Self>,
+        channel: &dsec_runtime::channel::Channel,
+    ) -> Option<dsec_runtime::proto::GuestUsage> {
+        let last = self.last.lock().expect("lock").clone();
+        let stale = last
+            .as_ref()
+            .is_none_or(|(at, _)| at.elapsed() >= GUEST_USAGE_AGE);
+        if stale && !self.asking.swap(true, Ordering::AcqRel) {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let (cache, channel) = (Arc::clone(self), channel.clone());
+                runtime.spawn(async move {
+                    if let Ok(usage) = channel.guest_usage().await {
+                        *cache.last.lock().expect("lock") =
+                            Some((std::time::Instant::now(), usage));
+                    }
+                    cache.asking.store(false, Ordering::Release);
+                });
+            } else {
+                self.asking.store(false, Ordering::Release);
+            }
+        }
+        last.map(|(_, usage)| usage)
+    }
 }
 
 impl VmSandbox {
@@ -1183,15 +1226,24 @@ impl Sandbox for VmSandbox {
     }
 
     fn usage(&self) -> Usage {
-        let pid = self.vm().pid();
+        let vm = self.vm();
+        let pid = vm.pid();
         let cpu_ms = Stat::read(pid).map_or(0.0, |s| s.cpu_ms());
+        let guest = self.guest_usage.latest(vm.channel());
+        let g = guest.clone().unwrap_or_default();
         Usage {
             // What this guest holds alone: the pages it wrote, QEMU's heap, the
             // translator's code. The template's pages it only reads, and QEMU's binary,
             // are shared with other guests (VmRSS would count them in each).
             memory_bytes: procfs::status_bytes(pid, "RssAnon").unwrap_or(0),
-            pids: 0,
             cpu_ms,
+            // The rest as the guest counts it.
+            pids: g.pids,
+            memory_peak_bytes: g.memory_peak_bytes,
+            pids_limit_hits: g.pids_limit_hits,
+            oom_kills: g.oom_kills,
+            disk_bytes: guest.as_ref().map(|g| g.disk_bytes),
+            disk_inodes: guest.as_ref().map(|g| g.disk_inodes),
             ..Usage::default()
         }
     }
