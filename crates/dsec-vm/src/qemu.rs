@@ -47,6 +47,9 @@ const RESTORE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long saving or loading a boot template's device state may take.
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// A migration bandwidth (bytes/s) no local copy reaches.
+const UNLIMITED_BANDWIDTH: u64 = 1 << 40;
+
 /// How long a pause waits for the guest to read what was sent to it.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -748,6 +751,14 @@ impl Vm {
                     .execute("migrate-set-capabilities", ignore_shared(false))
                     .await?;
             }
+            // A copy between two processes of this host: QEMU's default cap on migration
+            // bandwidth (128 MiB/s) would be most of the time a snapshot takes.
+            self.qmp
+                .execute(
+                    "migrate-set-parameters",
+                    serde_json::json!({ "max-bandwidth": UNLIMITED_BANDWIDTH }),
+                )
+                .await?;
             let fifo = shell_quoted(through);
             receiver
                 .qmp
