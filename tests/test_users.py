@@ -6,7 +6,10 @@ capability."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 
 import dsec
@@ -109,15 +112,8 @@ def test_root_given_is_the_default(usb: dsec.Sandbox) -> None:
 def test_unknown_and_malformed_users_are_invalid_arguments(usb: dsec.Sandbox) -> None:
     with pytest.raises(dsec.InvalidArgument, match=r'"bob" not found in the sandbox.s /etc/passwd'):
         usb.run("true", user="bob")
-    # A stream reports it as it reports a missing working directory: raised where the
-    # backend knows before the stream starts (docker), else as its last event.
-    try:
-        events = list(usb.stream("true", user="bob"))
-    except dsec.InvalidArgument as e:
-        assert '"bob" not found' in str(e)
-    else:
-        assert [ev.kind for ev in events] == ["stderr"], events
-        assert events[0].data.startswith('dsec: user "bob" not found'), events
+    with pytest.raises(dsec.InvalidArgument, match=r'"bob" not found in the sandbox.s /etc/passwd'):
+        list(usb.stream("true", user="bob"))
     with pytest.raises(dsec.InvalidArgument, match="bob"):
         usb.spawn("true", user="bob")
     for bad in ("a b", "-x", "1:x", ""):
@@ -126,6 +122,44 @@ def test_unknown_and_malformed_users_are_invalid_arguments(usb: dsec.Sandbox) ->
     # A user added later is found at once: the lookup is made for each command.
     usb.run("echo 'bob:x:1001:1001::/:/bin/sh' >> /etc/passwd")
     assert lines(usb.run("id -u", user="bob")) == ["1001"]
+
+
+def test_a_stream_as_an_unknown_user_ends_with_the_error(usb: dsec.Sandbox, server: Server) -> None:
+    """Over HTTP the stream's last line is the error `/exec` answers with, in place of the
+    exit event; the SDK raises it, sync and async, before any event."""
+    body = json.dumps({"cmd": "echo out", "user": "nosuchuser"}).encode()
+    req = urllib.request.Request(
+        f"{server.url}/v1/sandboxes/{usb.id}/exec/stream",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            events = [json.loads(line) for line in resp.read().splitlines() if line.strip()]
+    except urllib.error.HTTPError as e:  # a backend that knows before the stream starts
+        assert e.code == 400
+        events = [json.loads(e.read())]
+    assert [ev.get("kind") for ev in events[:-1]] == [], events
+    error = events[-1]["error"]
+    assert error["kind"] == "invalid_argument", events
+    assert error["message"].startswith('user "nosuchuser" not found'), events
+    with pytest.raises(dsec.InvalidArgument, match='"nosuchuser" not found') as raised:
+        usb.run("true", user="nosuchuser")
+    with pytest.raises(dsec.InvalidArgument) as streamed:
+        list(usb.stream("echo out", user="nosuchuser"))
+    assert str(streamed.value) == str(raised.value)
+
+    async def astream() -> None:
+        async with server.async_client() as client:
+            asb = await client.get(usb.id)
+            async for _ in asb.stream("echo out", user="nosuchuser"):
+                pass
+
+    with pytest.raises(dsec.InvalidArgument, match='"nosuchuser" not found'):
+        asyncio.run(astream())
+    # The sandbox goes on: the same stream as a user it has ends with its exit.
+    kinds = [ev.kind for ev in usb.stream("echo out", user="alice")]
+    assert kinds[-1] == "exit", kinds
 
 
 def test_fncall_refuses_users(backend: str, sb: dsec.Sandbox) -> None:

@@ -478,6 +478,13 @@ pub enum StreamEvent {
         #[serde(default)]
         replayed: bool,
     },
+    /// The command could not be run or followed to its end (a user the sandbox does not
+    /// have, a sandbox that failed under it): the error `/exec` would answer; last, in
+    /// place of `exit`.
+    Error {
+        /// The error.
+        error: ErrorDetail,
+    },
 }
 
 /// What a [`FileInfo`] describes.

@@ -611,12 +611,11 @@ async fn exec_stream(
                     return Some((tail, (None, dec)));
                 }
                 Err(e) => {
-                    return Some((
-                        vec![StreamEvent::Stderr {
-                            data: format!("dsec: {}\n", e.message),
-                        }],
-                        (None, dec),
-                    ))
+                    let error = ErrorDetail {
+                        kind: e.kind,
+                        message: e.message,
+                    };
+                    return Some((vec![StreamEvent::Error { error }], (None, dec)));
                 }
             };
             Some((vec![event], (Some(stream), dec)))
