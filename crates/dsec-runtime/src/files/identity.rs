@@ -70,13 +70,13 @@ impl Drop for Assumed {
 /// The thread's fsuid: setfsuid(2) with an invalid id changes nothing and returns it.
 fn current_fsuid() -> libc::uid_t {
     // SAFETY: setfsuid(2) takes an integer; -1 is never a valid id, so nothing changes.
-    unsafe { libc::setfsuid(libc::uid_t::MAX) as libc::uid_t }
+    unsafe { libc::setfsuid(libc::uid_t::MAX) }.cast_unsigned()
 }
 
 /// The thread's fsgid, likewise.
 fn current_fsgid() -> libc::gid_t {
     // SAFETY: as in `current_fsuid`.
-    unsafe { libc::setfsgid(libc::gid_t::MAX) as libc::gid_t }
+    unsafe { libc::setfsgid(libc::gid_t::MAX) }.cast_unsigned()
 }
 
 /// The thread's supplementary groups.
@@ -138,7 +138,7 @@ mod tests {
             };
             {
                 let _as = assume(Some(&alice)).unwrap();
-                assert_eq!(groups().unwrap(), vec![4322, 50]);
+                assert_eq!(groups().unwrap(), vec![50, 4322]); // the kernel sorts them
                 std::fs::write(dir.path().join("mine"), b"x").unwrap();
                 let denied = std::fs::write(closed.join("theirs"), b"x").unwrap_err();
                 assert_eq!(denied.raw_os_error(), Some(libc::EACCES));
