@@ -455,6 +455,14 @@ async fn file_user(entry: &Entry, user: Option<&str>) -> Result<Option<AsUser>, 
     }))
 }
 
+/// A file event's `data`, with the `user` the operation ran as unless that was root.
+fn with_user(mut data: serde_json::Value, user: Option<&str>) -> serde_json::Value {
+    if let (Some(user), Some(fields)) = (not_root(user), data.as_object_mut()) {
+        fields.insert("user".to_owned(), user.into());
+    }
+    data
+}
+
 fn decode_b64(field: &str, data: &str) -> Result<Vec<u8>, ApiError> {
     base64::engine::general_purpose::STANDARD
         .decode(data)
@@ -1275,7 +1283,7 @@ impl Edge {
             if written.is_ok() {
                 entry.emit(
                     kind::FILE_WRITE,
-                    serde_json::json!({"path": path, "size": declared, "mode": mode & 0o7777, "by": "files", "user": not_root(user)}),
+                    with_user(serde_json::json!({"path": path, "size": declared, "mode": mode & 0o7777, "by": "files"}), user),
                 );
             }
             written
@@ -1338,8 +1346,10 @@ impl Edge {
             let result = as_user(who, entry.sandbox.make_dir(&req)).await;
             let made = entry.or_failed(result).await?;
             if made {
-                let data =
-                    serde_json::json!({"path": req.path, "mode": req.mode, "user": not_root(user)});
+                let data = with_user(
+                    serde_json::json!({"path": req.path, "mode": req.mode}),
+                    user,
+                );
                 entry.emit(kind::FILE_MKDIR, data);
             }
             Ok(made)
@@ -1360,8 +1370,10 @@ impl Edge {
             let who = file_user(&entry, user).await?;
             let result = as_user(who, entry.sandbox.move_path(&req)).await;
             entry.or_failed(result).await?;
-            let data =
-                serde_json::json!({"src": req.src, "dst": req.dst, "overwrite": req.overwrite, "user": not_root(user)});
+            let data = with_user(
+                serde_json::json!({"src": req.src, "dst": req.dst, "overwrite": req.overwrite}),
+                user,
+            );
             entry.emit(kind::FILE_MOVE, data);
             Ok(())
         }
@@ -1399,7 +1411,10 @@ impl Edge {
             let who = file_user(&entry, user).await?;
             let result = as_user(who, entry.sandbox.remove_path(&req)).await;
             entry.or_failed(result).await?;
-            let data = serde_json::json!({"path": req.path, "recursive": req.recursive, "user": not_root(user)});
+            let data = with_user(
+                serde_json::json!({"path": req.path, "recursive": req.recursive}),
+                user,
+            );
             entry.emit(kind::FILE_REMOVE, data);
             Ok(())
         }
