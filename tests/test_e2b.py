@@ -281,9 +281,23 @@ def test_commands_and_paths_as_another_user(sandbox: Sandbox) -> None:
     sandbox.files.write("notes.txt", "hi", user="user")
     assert sandbox.commands.run("cat /home/user/notes.txt", user="user").stdout == "hi"
     assert [e.name for e in sandbox.files.list(".", user="user")].count("notes.txt") == 1
+    # Files and directories made as the user are the user's; what it may not do fails.
+    sandbox.files.make_dir("sub", user="user")
+    sandbox.files.rename("notes.txt", "sub/n.txt", user="user")
+    owners = sandbox.commands.run("stat -c %U /home/user/sub /home/user/sub/n.txt", user="root")
+    assert owners.stdout.split() == ["user", "user"]
     sandbox.commands.run("echo secret > /root/s; chmod 600 /root/s", user="root")
     with pytest.raises(CommandExitException):
         sandbox.commands.run("cat /root/s", user="user")
+    for refused in (
+        lambda: sandbox.files.read("/root/s", user="user"),
+        lambda: sandbox.files.write("/root/t", "x", user="user"),
+        lambda: sandbox.files.make_dir("/root/d", user="user"),
+        lambda: sandbox.files.remove("/root/s", user="user"),
+    ):
+        with pytest.raises(SandboxException, match="permission denied"):
+            refused()
+    assert sandbox.files.read("/root/s", user="root") == "secret\n"
     # A background process runs as the user too.
     handle = sandbox.commands.run("sleep 0.2; id -un", background=True, user="user")
     assert handle.wait().stdout == "user\n"

@@ -6,7 +6,10 @@ capability."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 
 import dsec
@@ -109,15 +112,8 @@ def test_root_given_is_the_default(usb: dsec.Sandbox) -> None:
 def test_unknown_and_malformed_users_are_invalid_arguments(usb: dsec.Sandbox) -> None:
     with pytest.raises(dsec.InvalidArgument, match=r'"bob" not found in the sandbox.s /etc/passwd'):
         usb.run("true", user="bob")
-    # A stream reports it as it reports a missing working directory: raised where the
-    # backend knows before the stream starts (docker), else as its last event.
-    try:
-        events = list(usb.stream("true", user="bob"))
-    except dsec.InvalidArgument as e:
-        assert '"bob" not found' in str(e)
-    else:
-        assert [ev.kind for ev in events] == ["stderr"], events
-        assert events[0].data.startswith('dsec: user "bob" not found'), events
+    with pytest.raises(dsec.InvalidArgument, match=r'"bob" not found in the sandbox.s /etc/passwd'):
+        list(usb.stream("true", user="bob"))
     with pytest.raises(dsec.InvalidArgument, match="bob"):
         usb.spawn("true", user="bob")
     for bad in ("a b", "-x", "1:x", ""):
@@ -126,6 +122,102 @@ def test_unknown_and_malformed_users_are_invalid_arguments(usb: dsec.Sandbox) ->
     # A user added later is found at once: the lookup is made for each command.
     usb.run("echo 'bob:x:1001:1001::/:/bin/sh' >> /etc/passwd")
     assert lines(usb.run("id -u", user="bob")) == ["1001"]
+
+
+def test_a_stream_as_an_unknown_user_ends_with_the_error(usb: dsec.Sandbox, server: Server) -> None:
+    """Over HTTP the stream's last line is the error `/exec` answers with, in place of the
+    exit event; the SDK raises it, sync and async, before any event."""
+    body = json.dumps({"cmd": "echo out", "user": "nosuchuser"}).encode()
+    req = urllib.request.Request(
+        f"{server.url}/v1/sandboxes/{usb.id}/exec/stream",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            events = [json.loads(line) for line in resp.read().splitlines() if line.strip()]
+    except urllib.error.HTTPError as e:  # a backend that knows before the stream starts
+        assert e.code == 400
+        events = [json.loads(e.read())]
+    assert [ev.get("kind") for ev in events[:-1]] == [], events
+    error = events[-1]["error"]
+    assert error["kind"] == "invalid_argument", events
+    assert error["message"].startswith('user "nosuchuser" not found'), events
+    with pytest.raises(dsec.InvalidArgument, match='"nosuchuser" not found') as raised:
+        usb.run("true", user="nosuchuser")
+    with pytest.raises(dsec.InvalidArgument) as streamed:
+        list(usb.stream("echo out", user="nosuchuser"))
+    assert str(streamed.value) == str(raised.value)
+
+    async def astream() -> None:
+        async with server.async_client() as client:
+            asb = await client.get(usb.id)
+            async for _ in asb.stream("echo out", user="nosuchuser"):
+                pass
+
+    with pytest.raises(dsec.InvalidArgument, match='"nosuchuser" not found'):
+        asyncio.run(astream())
+    # The sandbox goes on: the same stream as a user it has ends with its exit.
+    kinds = [ev.kind for ev in usb.stream("echo out", user="alice")]
+    assert kinds[-1] == "exit", kinds
+
+
+def test_file_operations_run_as_the_user(backend: str, usb: dsec.Sandbox) -> None:
+    """What a file operation as a user makes is the user's; what the user may not do is
+    refused with dsec.PermissionDenied and changes nothing, where root may do it."""
+    if backend == "docker":
+        with pytest.raises(dsec.InvalidArgument, match="not supported on docker"):
+            usb.write_file("/home/alice/a.txt", "hi", user="alice")
+        assert usb.read_file("/etc/hostname", user="root")  # root, named, is the default
+        return
+    usb.write_file("/home/alice/a/b.txt", "hi", user="alice")
+    for path in ("/home/alice/a", "/home/alice/a/b.txt"):  # parents made as the user too
+        st = usb.stat(path, user="alice")
+        assert (st.uid, st.gid) == (1000, 1000), (path, st)
+    assert usb.mkdir("/home/alice/d/e", user="alice") is True
+    assert (usb.stat("/home/alice/d").uid, usb.stat("/home/alice/d/e").gid) == (1000, 1000)
+    usb.move("/home/alice/a/b.txt", "/home/alice/d/c.txt", user="alice")
+    assert usb.read_file("/home/alice/d/c.txt", user="alice") == b"hi"
+    assert [f.name for f in usb.list_files("/home/alice/d", user="1000")] == ["c.txt", "e"]
+    # A command as alice sees the same owner.
+    assert lines(usb.run("stat -c %u:%g /home/alice/d/c.txt", user="alice")) == ["1000:1000"]
+    usb.remove("/home/alice/d", recursive=True, user="alice")
+    assert usb.run("test -e /home/alice/d").exit_code == 1
+    # Groups count: a directory of staff (gid 50) that only the group may write.
+    assert usb.run("mkdir -p /srv && mkdir -m 770 /srv/staff && chgrp 50 /srv/staff").exit_code == 0
+    usb.write_file("/srv/staff/f", "x", user="alice")
+    assert usb.stat("/srv/staff/f").uid == 1000
+    with pytest.raises(dsec.PermissionDenied):
+        usb.write_file("/srv/staff/g", "x", user="1000:1000")  # that group only
+    # What alice may not do, each refused precisely; root does them all.
+    assert usb.run("mkdir -m 700 /root/closed && echo in > /root/closed/f").exit_code == 0
+    refused = {
+        "read": lambda u: usb.read_file("/root/secret", user=u),
+        "write": lambda u: usb.write_file("/root/new", "x", user=u),
+        "overwrite": lambda u: usb.write_file("/root/secret", "x", user=u),
+        "mkdir": lambda u: usb.mkdir("/root/dir", user=u),
+        "list": lambda u: usb.list_files("/root/closed", user=u),
+        "stat": lambda u: usb.stat("/root/closed/f", user=u),
+        "move": lambda u: usb.move("/root/secret", "/home/alice/secret", user=u),
+        "remove": lambda u: usb.remove("/root/closed/f", user=u),
+    }
+    for what, op in refused.items():
+        with pytest.raises(dsec.PermissionDenied, match="permission denied") as e:
+            op("alice")
+        assert e.value.status == 403, what
+    # Nothing was changed by the refusals.
+    assert usb.read_file("/root/secret") == b"secret\n"
+    gone = "test -e /root/new || test -e /root/dir || test -e /home/alice/secret"
+    assert usb.run(gone).exit_code == 1
+    assert usb.read_file("/root/closed/f") == b"in\n"
+    for op in refused.values():
+        op(None)
+    assert usb.stat("/root/new").uid == 0
+    # An unknown user is the same error as for a command.
+    with pytest.raises(dsec.InvalidArgument, match=r'"bob" not found in the sandbox.s /etc/passwd'):
+        usb.write_file("/tmp/x", "x", user="bob")
+    with pytest.raises(dsec.InvalidArgument, match="malformed"):
+        usb.stat("/tmp", user="a b")
 
 
 def test_fncall_refuses_users(backend: str, sb: dsec.Sandbox) -> None:

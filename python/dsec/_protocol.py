@@ -762,57 +762,73 @@ def exit_code_of(info: ProcessInfo, deadline: float | None, now: float) -> int |
     return info.exit_code
 
 
-def write_file_call(id: str, path: str, data: Data, mode: int | None) -> Call[None]:
+def _as(params: list[tuple[str, str]], user: str | None) -> list[tuple[str, str]]:
+    """``params`` with the user a file operation runs as, when one is named."""
+    return params if user is None else [*params, ("user", user)]
+
+
+def write_file_call(
+    id: str, path: str, data: Data, mode: int | None, user: str | None = None
+) -> Call[None]:
     params = [("path", path)]
     if mode is not None:
         params.append(("mode", str(int(mode))))
+    params = _as(params, user)
     return Call("PUT", _sb(id, "/files"), parse_none, params=params, content=to_bytes(data))
 
 
-def read_file_call(id: str, path: str) -> Call[bytes]:
+def read_file_call(id: str, path: str, user: str | None = None) -> Call[bytes]:
     return Call(
         "GET",
         _sb(id, "/files"),
         parse_bytes,
-        params=[("path", path)],
+        params=_as([("path", path)], user),
         accept="application/octet-stream",
     )
 
 
-def list_files_call(id: str, path: str, depth: int = 1) -> Call[list[FileInfo]]:
+def list_files_call(
+    id: str, path: str, depth: int = 1, user: str | None = None
+) -> Call[list[FileInfo]]:
     params = [("path", path)]
     if depth != 1:
         params.append(("depth", str(int(depth))))
-    return Call("GET", _sb(id, "/files/list"), parse_files, params=params)
+    return Call("GET", _sb(id, "/files/list"), parse_files, params=_as(params, user))
 
 
 def _file_info(resp: _http.Response) -> FileInfo:
     return FileInfo.from_json(_obj(resp))
 
 
-def stat_call(id: str, path: str) -> Call[FileInfo]:
-    return Call("GET", _sb(id, "/files/stat"), _file_info, params=[("path", path)])
+def stat_call(id: str, path: str, user: str | None = None) -> Call[FileInfo]:
+    return Call("GET", _sb(id, "/files/stat"), _file_info, params=_as([("path", path)], user))
 
 
 def _created(resp: _http.Response) -> bool:
     return bool(_obj(resp).get("created"))
 
 
-def mkdir_call(id: str, path: str, parents: bool, exist_ok: bool, mode: int | None) -> Call[bool]:
+def mkdir_call(
+    id: str, path: str, parents: bool, exist_ok: bool, mode: int | None, user: str | None = None
+) -> Call[bool]:
     body: dict[str, Any] = {"path": path, "parents": parents, "exist_ok": exist_ok}
     if mode is not None:
         body["mode"] = int(mode)
+    if user is not None:
+        body["user"] = user
     return Call("POST", _sb(id, "/files/mkdir"), _created, json=body)
 
 
-def move_call(id: str, src: str, dst: str, overwrite: bool) -> Call[None]:
-    body = {"src": src, "dst": dst, "overwrite": overwrite}
+def move_call(id: str, src: str, dst: str, overwrite: bool, user: str | None = None) -> Call[None]:
+    body: dict[str, Any] = {"src": src, "dst": dst, "overwrite": overwrite}
+    if user is not None:
+        body["user"] = user
     return Call("POST", _sb(id, "/files/move"), parse_none, json=body)
 
 
-def remove_call(id: str, path: str, recursive: bool) -> Call[None]:
+def remove_call(id: str, path: str, recursive: bool, user: str | None = None) -> Call[None]:
     params = [("path", path), ("recursive", "true" if recursive else "false")]
-    return Call("DELETE", _sb(id, "/files"), parse_none, params=params)
+    return Call("DELETE", _sb(id, "/files"), parse_none, params=_as(params, user))
 
 
 def set_network_call(id: str, network: Network) -> Call[None]:

@@ -435,32 +435,44 @@ class AsyncSandbox(p.SandboxBase):
     async def processes(self) -> builtins.list[ProcessInfo]:
         return await self.client._do(p.processes_call(self.id))
 
-    async def write_file(self, path: str, data: Data, mode: int | None = None) -> None:
-        await self.client._do(p.write_file_call(self.id, path, data, mode))
+    async def write_file(
+        self, path: str, data: Data, mode: int | None = None, *, user: str | None = None
+    ) -> None:
+        await self.client._do(p.write_file_call(self.id, path, data, mode, user))
 
-    async def read_file(self, path: str) -> bytes:
-        return await self.client._do(p.read_file_call(self.id, path))
+    async def read_file(self, path: str, *, user: str | None = None) -> bytes:
+        return await self.client._do(p.read_file_call(self.id, path, user))
 
-    async def list_files(self, path: str, depth: int = 1) -> list[FileInfo]:
-        return await self.client._do(p.list_files_call(self.id, path, depth))
+    async def list_files(
+        self, path: str, depth: int = 1, *, user: str | None = None
+    ) -> list[FileInfo]:
+        return await self.client._do(p.list_files_call(self.id, path, depth, user))
 
-    async def stat(self, path: str) -> FileInfo:
-        return await self.client._do(p.stat_call(self.id, path))
+    async def stat(self, path: str, *, user: str | None = None) -> FileInfo:
+        return await self.client._do(p.stat_call(self.id, path, user))
 
     async def mkdir(
-        self, path: str, *, parents: bool = True, exist_ok: bool = True, mode: int | None = None
+        self,
+        path: str,
+        *,
+        parents: bool = True,
+        exist_ok: bool = True,
+        mode: int | None = None,
+        user: str | None = None,
     ) -> bool:
-        return await self.client._do(p.mkdir_call(self.id, path, parents, exist_ok, mode))
+        return await self.client._do(p.mkdir_call(self.id, path, parents, exist_ok, mode, user))
 
-    async def move(self, src: str, dst: str, *, overwrite: bool = False) -> None:
-        await self.client._do(p.move_call(self.id, src, dst, overwrite))
+    async def move(
+        self, src: str, dst: str, *, overwrite: bool = False, user: str | None = None
+    ) -> None:
+        await self.client._do(p.move_call(self.id, src, dst, overwrite, user))
 
     async def watch(self, path: str, recursive: bool = False) -> AsyncIterator[WatchEvent]:
         """``async for ev in await sb.watch(path)``: armed once awaited."""
         return await self.client._armed(p.watch_call(self.id, path, recursive), p.parse_watch_event)
 
-    async def remove(self, path: str, *, recursive: bool = False) -> None:
-        await self.client._do(p.remove_call(self.id, path, recursive))
+    async def remove(self, path: str, *, recursive: bool = False, user: str | None = None) -> None:
+        await self.client._do(p.remove_call(self.id, path, recursive, user))
 
     async def set_network(self, network: Network) -> None:
         await self.client._do(p.set_network_call(self.id, network))

@@ -402,32 +402,42 @@ class Sandbox(p.SandboxBase):
         """Spawned processes: those running, and the last ones that ended."""
         return self.client._do(p.processes_call(self.id))
 
-    def write_file(self, path: str, data: Data, mode: int | None = None) -> None:
-        """Write ``data`` (str is UTF-8 encoded) to ``path``, creating parent directories."""
-        self.client._do(p.write_file_call(self.id, path, data, mode))
+    def write_file(
+        self, path: str, data: Data, mode: int | None = None, *, user: str | None = None
+    ) -> None:
+        """Write ``data`` (str is UTF-8 encoded) to ``path``, creating parent directories.
+        Every file operation takes ``user=`` as ``run`` does: done as that user, what it
+        makes is the user's, and what the user may not do raises ``dsec.PermissionDenied``."""
+        self.client._do(p.write_file_call(self.id, path, data, mode, user))
 
-    def read_file(self, path: str) -> bytes:
-        return self.client._do(p.read_file_call(self.id, path))
+    def read_file(self, path: str, *, user: str | None = None) -> bytes:
+        return self.client._do(p.read_file_call(self.id, path, user))
 
-    def list_files(self, path: str, depth: int = 1) -> list[FileInfo]:
+    def list_files(self, path: str, depth: int = 1, *, user: str | None = None) -> list[FileInfo]:
         """The entries of a directory, ``depth`` levels deep (1: its own entries), sorted
         by ``path`` (relative to the listed directory). Links are listed, not followed."""
-        return self.client._do(p.list_files_call(self.id, path, depth))
+        return self.client._do(p.list_files_call(self.id, path, depth, user))
 
-    def stat(self, path: str) -> FileInfo:
+    def stat(self, path: str, *, user: str | None = None) -> FileInfo:
         """The status of ``path``; a symbolic link is reported (``kind="symlink"``,
         ``link``), not followed."""
-        return self.client._do(p.stat_call(self.id, path))
+        return self.client._do(p.stat_call(self.id, path, user))
 
     def mkdir(
-        self, path: str, *, parents: bool = True, exist_ok: bool = True, mode: int | None = None
+        self,
+        path: str,
+        *,
+        parents: bool = True,
+        exist_ok: bool = True,
+        mode: int | None = None,
+        user: str | None = None,
     ) -> bool:
         """Make a directory (``mode`` default 0o755); whether it was made."""
-        return self.client._do(p.mkdir_call(self.id, path, parents, exist_ok, mode))
+        return self.client._do(p.mkdir_call(self.id, path, parents, exist_ok, mode, user))
 
-    def move(self, src: str, dst: str, *, overwrite: bool = False) -> None:
+    def move(self, src: str, dst: str, *, overwrite: bool = False, user: str | None = None) -> None:
         """Rename ``src`` to ``dst`` (whose parent must exist) within the sandbox."""
-        self.client._do(p.move_call(self.id, src, dst, overwrite))
+        self.client._do(p.move_call(self.id, src, dst, overwrite, user))
 
     def watch(self, path: str, recursive: bool = False) -> Iterator[WatchEvent]:
         """Changes in the directory ``path`` (with ``recursive``, below it too, including
@@ -437,9 +447,9 @@ class Sandbox(p.SandboxBase):
         (volumes, a tmpfs) are not seen."""
         return self.client._armed(p.watch_call(self.id, path, recursive), p.parse_watch_event)
 
-    def remove(self, path: str, *, recursive: bool = False) -> None:
+    def remove(self, path: str, *, recursive: bool = False, user: str | None = None) -> None:
         """Remove a file, a link (itself) or a directory (not empty: ``recursive``)."""
-        self.client._do(p.remove_call(self.id, path, recursive))
+        self.client._do(p.remove_call(self.id, path, recursive, user))
 
     def set_network(self, network: Network) -> None:
         """Change the egress policy: False, True or ``{"allow": [...]}``."""

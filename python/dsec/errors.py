@@ -14,6 +14,7 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "PayloadTooLarge",
+    "PermissionDenied",
     "RequestTimeout",
     "SandboxFailed",
     "TrajectoryDiverged",
@@ -57,6 +58,10 @@ class Unauthorized(DsecError):
 
 class NotFound(DsecError):
     """No such sandbox, image, file or route (HTTP 404)."""
+
+
+class PermissionDenied(DsecError):
+    """The user a file operation runs as (``user=``) may not do it in the sandbox (HTTP 403)."""
 
 
 class Conflict(DsecError):
@@ -110,6 +115,7 @@ class BatchError(DsecError):
 
 
 _BY_KIND: dict[str, type[DsecError]] = {
+    "permission_denied": PermissionDenied,
     "invalid_argument": InvalidArgument,
     "payload_too_large": PayloadTooLarge,
     "unauthorized": Unauthorized,

@@ -478,6 +478,13 @@ pub enum StreamEvent {
         #[serde(default)]
         replayed: bool,
     },
+    /// The command could not be run or followed to its end (a user the sandbox does not
+    /// have, a sandbox that failed under it): the error `/exec` would answer; last, in
+    /// place of `exit`.
+    Error {
+        /// The error.
+        error: ErrorDetail,
+    },
 }
 
 /// What a [`FileInfo`] describes.
@@ -543,6 +550,9 @@ pub struct MakeDirRequest {
     /// Permission bits (default 0755).
     #[serde(default)]
     pub mode: Option<u32>,
+    /// Make it as this user of the sandbox (as a command's `user`; default root).
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 /// The answer of `POST /v1/sandboxes/{id}/files/mkdir`.
@@ -563,6 +573,9 @@ pub struct MoveRequest {
     /// Replace an existing `dst` (a file or link, or an empty directory by a directory).
     #[serde(default)]
     pub overwrite: bool,
+    /// Move it as this user of the sandbox (as a command's `user`; default root).
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 fn yes() -> bool {
@@ -688,6 +701,9 @@ pub enum ErrorKind {
     SandboxFailed,
     /// A project's quota would be exceeded by the create (409).
     QuotaExceeded,
+    /// The user a file operation runs as may not do it (403): what the same operation by a
+    /// command as that user would get (`EACCES`, `EPERM`).
+    PermissionDenied,
     /// A bug or a host failure (500).
     Internal,
 }
@@ -698,6 +714,7 @@ impl ErrorKind {
         match self {
             ErrorKind::InvalidArgument => 400,
             ErrorKind::Unauthorized => 401,
+            ErrorKind::PermissionDenied => 403,
             ErrorKind::NotFound => 404,
             ErrorKind::Conflict
             | ErrorKind::TrajectoryDiverged
@@ -722,6 +739,7 @@ impl ErrorKind {
             ErrorKind::Capacity => "capacity",
             ErrorKind::SandboxFailed => "sandbox_failed",
             ErrorKind::QuotaExceeded => "quota_exceeded",
+            ErrorKind::PermissionDenied => "permission_denied",
             ErrorKind::Internal => "internal",
         }
     }

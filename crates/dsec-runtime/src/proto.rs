@@ -558,6 +558,30 @@ pub struct GuestUsage {
     pub disk_inodes: u64,
 }
 
+/// The ids a file operation runs with, as the edge looked them up in the sandbox's own
+/// `/etc/passwd` and `/etc/group` (see [`crate::users`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AsUser {
+    /// User id: what the kernel checks permissions as, and the owner of what is made.
+    pub uid: u32,
+    /// Primary group id: the group of what is made.
+    pub gid: u32,
+    /// Every group the user is in, the primary one first.
+    pub groups: Vec<u32>,
+}
+
+/// A file request (`ReadFile`, `WriteFile`, `ListDir`, `Stat`, `MakeDir`, `MovePath`,
+/// `RemovePath`) and the user it runs as; `None`: as the serving process, root.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AsUserRequest<T> {
+    /// The request.
+    #[serde(flatten)]
+    pub req: T,
+    /// The user it runs as.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<AsUser>,
+}
+
 /// A [`FrameKind::ReadFile`] request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OpenRead {

@@ -611,12 +611,11 @@ async fn exec_stream(
                     return Some((tail, (None, dec)));
                 }
                 Err(e) => {
-                    return Some((
-                        vec![StreamEvent::Stderr {
-                            data: format!("dsec: {}\n", e.message),
-                        }],
-                        (None, dec),
-                    ))
+                    let error = ErrorDetail {
+                        kind: e.kind,
+                        message: e.message,
+                    };
+                    return Some((vec![StreamEvent::Error { error }], (None, dec)));
                 }
             };
             Some((vec![event], (Some(stream), dec)))
@@ -681,6 +680,8 @@ struct PathQuery {
     path: String,
     /// Permission bits for a written file (decimal, e.g. 420 for 0644).
     mode: Option<u32>,
+    /// Do it as this user of the sandbox (as a command's `user`; default root).
+    user: Option<String>,
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -689,6 +690,8 @@ struct ListQuery {
     path: String,
     /// Levels listed (default 1: the directory's own entries).
     depth: Option<u32>,
+    /// Do it as this user of the sandbox (as a command's `user`; default root).
+    user: Option<String>,
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -697,6 +700,8 @@ struct RemoveQuery {
     path: String,
     /// Remove a directory with everything in it (default false).
     recursive: Option<bool>,
+    /// Do it as this user of the sandbox (as a command's `user`; default root).
+    user: Option<String>,
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -715,6 +720,8 @@ const WATCH_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(5);
 struct StatQuery {
     /// Absolute path inside the sandbox.
     path: String,
+    /// Do it as this user of the sandbox (as a command's `user`; default root).
+    user: Option<String>,
 }
 
 fn path_query<Q>(
@@ -735,7 +742,10 @@ async fn read_file(
     query: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let q = path_query(query)?;
-    let mut file = state.edge.read_file(&id, &q.path).await?;
+    let mut file = state
+        .edge
+        .read_file(&id, &q.path, q.user.as_deref())
+        .await?;
     // The first chunk comes with the open. A file it holds whole is sent with its length;
     // a larger one is streamed chunked, each chunk asked of the sandbox when the client
     // took the last (the sandbox may be rewriting the file: its size is no promise).
@@ -770,7 +780,13 @@ async fn write_file(
     let upload = Upload::new(body.into_data_stream(), declared);
     match state
         .edge
-        .write_file(&id, &q.path, upload, q.mode.unwrap_or(0o644))
+        .write_file(
+            &id,
+            &q.path,
+            upload,
+            q.mode.unwrap_or(0o644),
+            q.user.as_deref(),
+        )
         .await
     {
         Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
@@ -798,7 +814,12 @@ async fn list_files(
 ) -> Result<Json<Vec<FileInfo>>, ApiError> {
     let q = path_query(query)?;
     let depth = q.depth.unwrap_or(1);
-    Ok(Json(state.edge.list_files(&id, &q.path, depth).await?))
+    Ok(Json(
+        state
+            .edge
+            .list_files(&id, &q.path, depth, q.user.as_deref())
+            .await?,
+    ))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files/stat", params(StatQuery),
@@ -810,7 +831,9 @@ async fn stat_path(
     query: Result<Query<StatQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<FileInfo>, ApiError> {
     let q = path_query(query)?;
-    Ok(Json(state.edge.stat(&id, &q.path).await?))
+    Ok(Json(
+        state.edge.stat(&id, &q.path, q.user.as_deref()).await?,
+    ))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/files/mkdir", request_body = MakeDirRequest,
@@ -821,13 +844,14 @@ async fn make_dir(
     Visible(id): Visible,
     ApiJson(req): ApiJson<MakeDirRequest>,
 ) -> Result<Json<MakeDirResponse>, ApiError> {
+    let user = req.user;
     let req = crate::backend::MakeDir {
         path: req.path,
         mode: req.mode.unwrap_or(0o755) & 0o7777,
         parents: req.parents,
         exist_ok: req.exist_ok,
     };
-    let created = state.edge.make_dir(&id, req).await?;
+    let created = state.edge.make_dir(&id, req, user.as_deref()).await?;
     Ok(Json(MakeDirResponse { created }))
 }
 
@@ -839,12 +863,13 @@ async fn move_path(
     Visible(id): Visible,
     ApiJson(req): ApiJson<MoveRequest>,
 ) -> Result<StatusCode, ApiError> {
+    let user = req.user;
     let req = crate::backend::MovePath {
         src: req.src,
         dst: req.dst,
         overwrite: req.overwrite,
     };
-    state.edge.move_path(&id, req).await?;
+    state.edge.move_path(&id, req, user.as_deref()).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -901,7 +926,7 @@ async fn remove_path(
         path: q.path,
         recursive: q.recursive.unwrap_or(false),
     };
-    state.edge.remove_path(&id, req).await?;
+    state.edge.remove_path(&id, req, q.user.as_deref()).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

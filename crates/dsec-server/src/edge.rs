@@ -16,7 +16,8 @@ use dsec_api::{
     PruneResult, SandboxInfo, SandboxState, StoreInfo,
 };
 use dsec_image::{ImageError, ImageStore};
-use dsec_runtime::proto::RunAs;
+use dsec_runtime::files::client::as_user;
+use dsec_runtime::proto::{AsUser, RunAs};
 use dsec_runtime::users::UserSpec;
 use dsec_trajectory::{
     digest, FileDigest, ForkOf, SandboxLog, SandboxRecord, StepRequest, TrajectoryLog,
@@ -423,7 +424,7 @@ fn command_env(sandbox: &[String], command: &[String], as_user: bool) -> Vec<Str
 /// looks it up). `cwd_given`: the request named a working directory, so the command does
 /// not start in the user's home.
 fn run_as(user: Option<&str>, cwd_given: bool) -> Result<Option<RunAs>, ApiError> {
-    let Some(user) = user.filter(|u| !matches!(*u, "root" | "0" | "0:0")) else {
+    let Some(user) = not_root(user) else {
         return Ok(None);
     };
     UserSpec::parse(user).map_err(|e| ApiError::invalid(e.to_string()))?;
@@ -431,6 +432,35 @@ fn run_as(user: Option<&str>, cwd_given: bool) -> Result<Option<RunAs>, ApiError
         user: user.to_owned(),
         home_cwd: !cwd_given,
     }))
+}
+
+/// `user` unless it names root (`"root"`, `"0"`, `"0:0"`), which is the default.
+fn not_root(user: Option<&str>) -> Option<&str> {
+    user.filter(|u| !matches!(*u, "root" | "0" | "0:0"))
+}
+
+/// Who a file operation runs as: `None` for root, named or by default; otherwise the
+/// ids `user` has in the sandbox's own `/etc/passwd` and `/etc/group`, looked up for each
+/// operation as for a command (`InvalidArgument` for a user the sandbox does not have).
+async fn file_user(entry: &Entry, user: Option<&str>) -> Result<Option<AsUser>, ApiError> {
+    let Some(user) = not_root(user) else {
+        return Ok(None);
+    };
+    let account = crate::backend::account(&*entry.sandbox, user).await;
+    let account = entry.or_failed(account).await?;
+    Ok(Some(AsUser {
+        uid: account.uid,
+        gid: account.gid,
+        groups: account.groups,
+    }))
+}
+
+/// A file event's `data`, with the `user` the operation ran as unless that was root.
+fn with_user(mut data: serde_json::Value, user: Option<&str>) -> serde_json::Value {
+    if let (Some(user), Some(fields)) = (not_root(user), data.as_object_mut()) {
+        fields.insert("user".to_owned(), user.into());
+    }
+    data
 }
 
 fn decode_b64(field: &str, data: &str) -> Result<Vec<u8>, ApiError> {
@@ -1209,14 +1239,20 @@ impl Edge {
     }
 
     /// Opens a file of a sandbox for reading: its chunks, as the caller takes them.
-    pub async fn read_file(&self, id: &str, path: &str) -> Result<Box<dyn FileRead>, ApiError> {
+    pub async fn read_file(
+        &self,
+        id: &str,
+        path: &str,
+        user: Option<&str>,
+    ) -> Result<Box<dyn FileRead>, ApiError> {
         let span = file_span(id, path, "read");
         async {
             let (entry, slot) = self.file_transfer(id, path).await?;
-            let result = entry
+            let user = file_user(&entry, user).await?;
+            let read = entry
                 .sandbox
-                .read_file(path, self.config.files.max_read_bytes)
-                .await;
+                .read_file(path, self.config.files.max_read_bytes);
+            let result = as_user(user, read).await;
             let inner = entry.or_failed(result).await?;
             let transfer = Transfer {
                 inner,
@@ -1238,6 +1274,7 @@ impl Edge {
         path: &str,
         mut data: Upload,
         mode: u32,
+        user: Option<&str>,
     ) -> Result<(), ApiError> {
         check_absolute("path", path)?;
         let limit = self.config.files.max_write_bytes;
@@ -1249,12 +1286,13 @@ impl Edge {
         let declared = data.declared_len();
         async {
             let (entry, _slot) = self.file_transfer(id, path).await?;
-            let result = entry.sandbox.write_file(path, mode & 0o7777, data).await;
+            let who = file_user(&entry, user).await?;
+            let result = as_user(who, entry.sandbox.write_file(path, mode & 0o7777, data)).await;
             let written = entry.or_failed(result).await;
             if written.is_ok() {
                 entry.emit(
                     kind::FILE_WRITE,
-                    serde_json::json!({"path": path, "size": declared, "mode": mode & 0o7777, "by": "files"}),
+                    with_user(serde_json::json!({"path": path, "size": declared, "mode": mode & 0o7777, "by": "files"}), user),
                 );
             }
             written
@@ -1269,6 +1307,7 @@ impl Edge {
         id: &str,
         path: &str,
         depth: u32,
+        user: Option<&str>,
     ) -> Result<Vec<FileInfo>, ApiError> {
         if depth == 0 {
             return Err(ApiError::invalid(
@@ -1277,7 +1316,8 @@ impl Edge {
         }
         async {
             let (entry, _slot) = self.file_transfer(id, path).await?;
-            let result = entry.sandbox.list_files(path, depth).await;
+            let user = file_user(&entry, user).await?;
+            let result = as_user(user, entry.sandbox.list_files(path, depth)).await;
             entry.or_failed(result).await
         }
         .instrument(file_span(id, path, "list"))
@@ -1286,10 +1326,16 @@ impl Edge {
 
     /// The status of a path in a sandbox, a symbolic link in its last component not
     /// followed.
-    pub async fn stat(&self, id: &str, path: &str) -> Result<FileInfo, ApiError> {
+    pub async fn stat(
+        &self,
+        id: &str,
+        path: &str,
+        user: Option<&str>,
+    ) -> Result<FileInfo, ApiError> {
         async {
             let (entry, _slot) = self.file_transfer(id, path).await?;
-            let result = entry.sandbox.stat(path).await;
+            let user = file_user(&entry, user).await?;
+            let result = as_user(user, entry.sandbox.stat(path)).await;
             entry.or_failed(result).await
         }
         .instrument(file_span(id, path, "stat"))
@@ -1297,13 +1343,22 @@ impl Edge {
     }
 
     /// Makes a directory in a sandbox; whether it was made.
-    pub async fn make_dir(&self, id: &str, req: MakeDir) -> Result<bool, ApiError> {
+    pub async fn make_dir(
+        &self,
+        id: &str,
+        req: MakeDir,
+        user: Option<&str>,
+    ) -> Result<bool, ApiError> {
         async {
             let (entry, _slot) = self.file_transfer(id, &req.path).await?;
-            let result = entry.sandbox.make_dir(&req).await;
+            let who = file_user(&entry, user).await?;
+            let result = as_user(who, entry.sandbox.make_dir(&req)).await;
             let made = entry.or_failed(result).await?;
             if made {
-                let data = serde_json::json!({"path": req.path, "mode": req.mode});
+                let data = with_user(
+                    serde_json::json!({"path": req.path, "mode": req.mode}),
+                    user,
+                );
                 entry.emit(kind::FILE_MKDIR, data);
             }
             Ok(made)
@@ -1313,13 +1368,21 @@ impl Edge {
     }
 
     /// Renames a path within a sandbox.
-    pub async fn move_path(&self, id: &str, req: MovePath) -> Result<(), ApiError> {
+    pub async fn move_path(
+        &self,
+        id: &str,
+        req: MovePath,
+        user: Option<&str>,
+    ) -> Result<(), ApiError> {
         async {
             let (entry, _slot) = self.file_transfer(id, &req.src).await?;
-            let result = entry.sandbox.move_path(&req).await;
+            let who = file_user(&entry, user).await?;
+            let result = as_user(who, entry.sandbox.move_path(&req)).await;
             entry.or_failed(result).await?;
-            let data =
-                serde_json::json!({"src": req.src, "dst": req.dst, "overwrite": req.overwrite});
+            let data = with_user(
+                serde_json::json!({"src": req.src, "dst": req.dst, "overwrite": req.overwrite}),
+                user,
+            );
             entry.emit(kind::FILE_MOVE, data);
             Ok(())
         }
@@ -1346,12 +1409,21 @@ impl Edge {
     }
 
     /// Removes a file, a link or a directory of a sandbox.
-    pub async fn remove_path(&self, id: &str, req: RemovePath) -> Result<(), ApiError> {
+    pub async fn remove_path(
+        &self,
+        id: &str,
+        req: RemovePath,
+        user: Option<&str>,
+    ) -> Result<(), ApiError> {
         async {
             let (entry, _slot) = self.file_transfer(id, &req.path).await?;
-            let result = entry.sandbox.remove_path(&req).await;
+            let who = file_user(&entry, user).await?;
+            let result = as_user(who, entry.sandbox.remove_path(&req)).await;
             entry.or_failed(result).await?;
-            let data = serde_json::json!({"path": req.path, "recursive": req.recursive});
+            let data = with_user(
+                serde_json::json!({"path": req.path, "recursive": req.recursive}),
+                user,
+            );
             entry.emit(kind::FILE_REMOVE, data);
             Ok(())
         }

@@ -132,6 +132,7 @@ impl From<FileError> for ApiError {
             FileError::NotFound { .. } => ErrorKind::NotFound,
             FileError::Exists { .. } | FileError::TooManyWatches { .. } => ErrorKind::Conflict,
             FileError::Io { .. } => ErrorKind::Internal,
+            FileError::PermissionDenied { .. } => ErrorKind::PermissionDenied,
             FileError::Busy { .. } => ErrorKind::Unavailable,
             FileError::TooLarge {
                 op: FileOp::Write, ..

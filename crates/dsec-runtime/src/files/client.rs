@@ -19,7 +19,9 @@ impl Channel {
             path: path.to_owned(),
             max_bytes,
         };
-        let answer = self.request(FrameKind::ReadFile, &json(&req)).await?;
+        let answer = self
+            .request(FrameKind::ReadFile, &as_user_json(req))
+            .await?;
         let (opened, first): (proto::Opened, Vec<u8>) = split(answer)?;
         Ok(FileReader {
             channel: self.clone(),
@@ -39,10 +41,13 @@ impl Channel {
         data: &[&[u8]],
         last: bool,
     ) -> Result<FileWriter, RuntimeError> {
-        let header = proto::json_header(&proto::OpenWrite {
-            path: path.to_owned(),
-            mode,
-            last,
+        let header = proto::json_header(&proto::AsUserRequest {
+            req: proto::OpenWrite {
+                path: path.to_owned(),
+                mode,
+                last,
+            },
+            user: current_user(),
         });
         let answer = self
             .request_parts(FrameKind::WriteFile, &with_header(&header, data))
@@ -68,7 +73,7 @@ impl Channel {
             max_entries,
             depth,
         };
-        let answer = self.request(FrameKind::ListDir, &json(&req)).await?;
+        let answer = self.request(FrameKind::ListDir, &as_user_json(req)).await?;
         serde_json::from_slice(&answer).map_err(channel_err)
     }
 
@@ -77,26 +82,26 @@ impl Channel {
         let req = proto::PathRequest {
             path: path.to_owned(),
         };
-        let answer = self.request(FrameKind::Stat, &json(&req)).await?;
+        let answer = self.request(FrameKind::Stat, &as_user_json(req)).await?;
         serde_json::from_slice(&answer).map_err(channel_err)
     }
 
     /// Makes a directory (see [`proto::MakeDir`]); whether it was made.
     pub async fn make_dir(&self, req: &proto::MakeDir) -> Result<bool, RuntimeError> {
-        let answer = self.request(FrameKind::MakeDir, &json(req)).await?;
+        let answer = self.request(FrameKind::MakeDir, &as_user_json(req)).await?;
         serde_json::from_slice(&answer).map_err(channel_err)
     }
 
     /// Renames a path within the sandbox (see [`proto::MovePath`]).
     pub async fn move_path(&self, req: &proto::MovePath) -> Result<(), RuntimeError> {
-        self.request(FrameKind::MovePath, &json(req))
+        self.request(FrameKind::MovePath, &as_user_json(req))
             .await
             .map(drop)
     }
 
     /// Removes a path (see [`proto::RemovePath`]).
     pub async fn remove_path(&self, req: &proto::RemovePath) -> Result<(), RuntimeError> {
-        self.request(FrameKind::RemovePath, &json(req))
+        self.request(FrameKind::RemovePath, &as_user_json(req))
             .await
             .map(drop)
     }
@@ -200,6 +205,35 @@ fn with_header<'a>(header: &'a [u8], data: &[&'a [u8]]) -> Vec<&'a [u8]> {
     parts.push(header);
     parts.extend_from_slice(data);
     parts
+}
+
+tokio::task_local! {
+    /// The user the file requests made within [`as_user`] run as.
+    static AS_USER: Option<proto::AsUser>;
+}
+
+/// Runs `operation` with every file request it makes of a sandbox (open, list, stat,
+/// mkdir, move, remove) asked as `user`; `None`: as root. A scope rather than a parameter
+/// so that it reaches every backend's file operations unchanged, from the edge that
+/// resolved the user down to the request this client sends.
+pub async fn as_user<F: std::future::Future>(
+    user: Option<proto::AsUser>,
+    operation: F,
+) -> F::Output {
+    AS_USER.scope(user, operation).await
+}
+
+/// The user file requests made here run as (see [`as_user`]); `None` outside its scope.
+pub fn current_user() -> Option<proto::AsUser> {
+    AS_USER.try_with(Clone::clone).ok().flatten()
+}
+
+/// A file request as the current user, encoded.
+fn as_user_json<T: serde::Serialize>(req: T) -> Vec<u8> {
+    json(&proto::AsUserRequest {
+        req,
+        user: current_user(),
+    })
 }
 
 fn json<T: serde::Serialize>(value: &T) -> Vec<u8> {

@@ -32,6 +32,7 @@
 //! - watches ([`watch`]) open the directory as a listing does and watch that inode.
 
 pub mod client;
+mod identity;
 pub mod service;
 pub mod watch;
 
@@ -206,6 +207,15 @@ pub enum FileError {
         /// The limit.
         limit: usize,
     },
+    /// The user the operation runs as may not do it (`EACCES`, `EPERM`).
+    #[error(
+        "permission denied on {path:?}: the user the request runs as may not do this \
+         (the sandbox's file modes and owners decide, as for a command as that user)"
+    )]
+    PermissionDenied {
+        /// The path as given.
+        path: String,
+    },
     /// The writable layer is full.
     #[error("no space left in the sandbox's writable layer writing {path:?}")]
     NoSpace {
@@ -279,6 +289,7 @@ impl FileError {
                 link: None,
             },
             Some(libc::ENOSPC) | Some(libc::EDQUOT) => FileError::NoSpace { path },
+            Some(libc::EACCES) | Some(libc::EPERM) => FileError::PermissionDenied { path },
             Some(libc::EISDIR) => FileError::WrongType {
                 path,
                 reason: "is a directory".into(),
@@ -321,6 +332,7 @@ impl FileError {
             | FileError::Busy { path, .. }
             | FileError::TooManyWatches { path, .. }
             | FileError::NoSpace { path }
+            | FileError::PermissionDenied { path }
             | FileError::Io { path, .. } => path,
         }
     }

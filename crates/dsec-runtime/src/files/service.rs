@@ -12,9 +12,10 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
+use super::identity::{self, Assumed};
 use super::watch::Watches;
 use super::{FileError, FileOp, SandboxRoot};
-use crate::proto::{self, Frame, FrameKind, InitError};
+use crate::proto::{self, AsUserRequest, Frame, FrameKind, InitError};
 
 /// Transfers open at once in one sandbox. The edge allows fewer in flight per sandbox;
 /// the margin covers closes still on their way.
@@ -64,15 +65,18 @@ impl FileService {
     /// `Some(Err(..))` for [`FrameKind::Error`], `None` when no answer is due.
     pub fn serve(&mut self, frame: &Frame) -> Option<Result<Vec<u8>, InitError>> {
         let answer = match frame.kind {
-            FrameKind::ReadFile => frame.json().map_err(decode).and_then(|r| self.open_read(r)),
-            FrameKind::WriteFile => proto::decode_with_header(frame)
-                .map_err(decode)
-                .and_then(|(h, data)| self.open_write(h, data)),
-            FrameKind::ListDir => frame.json().map_err(decode).and_then(|r| self.list(r)),
-            FrameKind::Stat => frame.json().map_err(decode).and_then(|r| self.stat(r)),
-            FrameKind::MakeDir => frame.json().map_err(decode).and_then(|r| self.mkdir(r)),
-            FrameKind::MovePath => frame.json().map_err(decode).and_then(|r| self.rename(r)),
-            FrameKind::RemovePath => frame.json().map_err(decode).and_then(|r| self.remove(r)),
+            FrameKind::ReadFile => as_user(frame, |r| self.open_read(r)),
+            FrameKind::WriteFile => proto::decode_with_header(frame).map_err(decode).and_then(
+                |(h, data): (AsUserRequest<proto::OpenWrite>, _)| {
+                    let _as = assume(h.user.as_ref(), &h.req.path)?;
+                    self.open_write(h.req, data)
+                },
+            ),
+            FrameKind::ListDir => as_user(frame, |r| self.list(r)),
+            FrameKind::Stat => as_user(frame, |r| self.stat(r)),
+            FrameKind::MakeDir => as_user(frame, |r| self.mkdir(r)),
+            FrameKind::MovePath => as_user(frame, |r| self.rename(r)),
+            FrameKind::RemovePath => as_user(frame, |r| self.remove(r)),
             FrameKind::ReadChunk => frame.json().map_err(decode).and_then(|t| self.read(t)),
             FrameKind::WriteChunk => proto::decode_with_header(frame)
                 .map_err(decode)
@@ -272,6 +276,46 @@ fn fill(buf: &mut [u8], open: &mut Open) -> Result<(usize, bool), FileError> {
         })?;
     Ok((got, end))
 }
+
+/// Decodes a file request and serves it with `serve`, as the user it names (see
+/// [`super::identity`]).
+fn as_user<T: for<'de> serde::Deserialize<'de> + Named>(
+    frame: &Frame,
+    serve: impl FnOnce(T) -> Result<Vec<u8>, InitError>,
+) -> Result<Vec<u8>, InitError> {
+    let r: AsUserRequest<T> = frame.json().map_err(decode)?;
+    let _as = assume(r.user.as_ref(), r.req.path())?;
+    serve(r.req)
+}
+
+/// Takes `user`'s ids for an operation on `path`.
+fn assume(user: Option<&proto::AsUser>, path: &str) -> Result<Option<Assumed>, InitError> {
+    identity::assume(user).map_err(|e| {
+        failed(FileError::Io {
+            path: path.to_owned(),
+            errno: e.raw_os_error(),
+            message: e.to_string(),
+        })
+    })
+}
+
+/// The path a file request is about, for the messages.
+trait Named {
+    fn path(&self) -> &str;
+}
+
+macro_rules! named {
+    ($($t:ty => $field:ident),*) => {
+        $(impl Named for $t {
+            fn path(&self) -> &str {
+                &self.$field
+            }
+        })*
+    };
+}
+
+named!(proto::OpenRead => path, proto::ListDir => path, proto::PathRequest => path,
+    proto::MakeDir => path, proto::MovePath => src, proto::RemovePath => path);
 
 fn failed(e: FileError) -> InitError {
     let errno = match &e {

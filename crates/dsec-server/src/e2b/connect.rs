@@ -164,6 +164,7 @@ impl From<ApiError> for ConnectError {
         let code = match e.kind {
             ErrorKind::InvalidArgument => Code::InvalidArgument,
             ErrorKind::Unauthorized => Code::Unauthenticated,
+            ErrorKind::PermissionDenied => Code::PermissionDenied,
             ErrorKind::NotFound => Code::NotFound,
             ErrorKind::Conflict | ErrorKind::TrajectoryDiverged | ErrorKind::SandboxFailed => {
                 Code::FailedPrecondition

@@ -200,6 +200,11 @@ impl EnvdUser {
             home: "/root".to_owned(),
         }
     }
+
+    /// The `user` dsec's file operations run as: `None` for root.
+    pub(super) fn files_as(&self) -> Option<&str> {
+        Some(self.name.as_str()).filter(|n| *n != "root")
+    }
 }
 
 /// The user a request names (`Authorization: Basic base64("<user>:")` or `username=`);
@@ -699,7 +704,10 @@ fn child_path(dir: &str, rel: &str) -> String {
 
 /// The entry of an absolute path, through dsec's stat.
 async fn stat_entry(e2b: &E2b, call: &Call, path: &str) -> Result<EntryInfo, ConnectError> {
-    let mut file = e2b.edge().stat(&call.sandbox.info.id, path).await?;
+    let mut file = e2b
+        .edge()
+        .stat(&call.sandbox.info.id, path, call.user.files_as())
+        .await?;
     if file.name.is_empty() {
         file.name = "/".to_owned();
     }
@@ -716,11 +724,16 @@ async fn make_dir(e2b: &E2b, call: &Call, req: PathRequest) -> Result<EntryRespo
         parents: true,
         exist_ok: false,
     };
-    match e2b.edge().make_dir(&call.sandbox.info.id, mkdir).await {
+    let as_user = call.user.files_as();
+    match e2b
+        .edge()
+        .make_dir(&call.sandbox.info.id, mkdir, as_user)
+        .await
+    {
         Ok(_) => {}
         Err(e) if e.kind == dsec_api::ErrorKind::Conflict => {
             let is_dir = matches!(
-                e2b.edge().stat(&call.sandbox.info.id, &path).await,
+                e2b.edge().stat(&call.sandbox.info.id, &path, as_user).await,
                 Ok(f) if f.is_dir
             );
             let code = if is_dir {
@@ -754,14 +767,14 @@ async fn move_path(
             parents: true,
             exist_ok: true,
         };
-        e2b.edge().make_dir(id, mkdir).await?;
+        e2b.edge().make_dir(id, mkdir, call.user.files_as()).await?;
     }
     let mv = crate::backend::MovePath {
         src,
         dst: dst.clone(),
         overwrite: true,
     };
-    e2b.edge().move_path(id, mv).await?;
+    e2b.edge().move_path(id, mv, call.user.files_as()).await?;
     Ok(EntryResponse {
         entry: stat_entry(e2b, call, &dst).await?,
     })
@@ -778,7 +791,9 @@ async fn remove(
         path,
         recursive: true,
     };
-    e2b.edge().remove_path(&call.sandbox.info.id, rm).await?;
+    e2b.edge()
+        .remove_path(&call.sandbox.info.id, rm, call.user.files_as())
+        .await?;
     Ok(serde_json::json!({}))
 }
 
@@ -791,7 +806,12 @@ async fn list_dir(
     let dir = resolve_path(&req.path, &call.user)?;
     let files = e2b
         .edge()
-        .list_files(&call.sandbox.info.id, &dir, req.depth.max(1))
+        .list_files(
+            &call.sandbox.info.id,
+            &dir,
+            req.depth.max(1),
+            call.user.files_as(),
+        )
         .await?;
     let entries = files
         .into_iter()
@@ -935,7 +955,11 @@ async fn read_file(
         Ok(p) => p,
         Err(e) => return http_error(StatusCode::BAD_REQUEST, e.message),
     };
-    let file = match e2b.edge().read_file(&sandbox.info.id, &path).await {
+    let file = match e2b
+        .edge()
+        .read_file(&sandbox.info.id, &path, user.files_as())
+        .await
+    {
         Ok(f) => f,
         Err(e) => return api_http_error(e),
     };
@@ -1055,7 +1079,7 @@ async fn write_files(
     for (path, upload) in files {
         if let Err(e) = e2b
             .edge()
-            .write_file(&sandbox.info.id, &path, upload, 0o644)
+            .write_file(&sandbox.info.id, &path, upload, 0o644, user.files_as())
             .await
         {
             return closing(api_http_error(e));

@@ -185,6 +185,18 @@ fn not_found(path: &str) -> ApiError {
 
 struct DockerSandbox(Arc<Inner>);
 
+/// Docker's archive API, which the file operations use, acts as root: an operation as a
+/// user (see `dsec_runtime::files::client::as_user`) is refused rather than done as root.
+fn as_root_only() -> Result<(), ApiError> {
+    if dsec_runtime::files::client::current_user().is_some() {
+        return Err(ApiError::invalid(
+            "user= on file operations is not supported on docker sandboxes (Docker's archive \
+             API acts as root): run a command as the user instead (run(..., user=))",
+        ));
+    }
+    Ok(())
+}
+
 #[async_trait]
 impl Sandbox for DockerSandbox {
     async fn exec(&self, mut cmd: CommandSpec) -> Result<Box<dyn OutputStream>, ApiError> {
@@ -261,6 +273,7 @@ impl Sandbox for DockerSandbox {
     }
 
     async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Box<dyn FileRead>, ApiError> {
+        as_root_only()?;
         let inner = &self.0;
         let resolved = inner.resolve(path).await?;
         resolved.check(path, FileOp::Read)?;
@@ -299,6 +312,7 @@ impl Sandbox for DockerSandbox {
     }
 
     async fn write_file(&self, path: &str, mode: u32, data: Upload) -> Result<(), ApiError> {
+        as_root_only()?;
         let inner = &self.0;
         let resolved = inner.resolve(path).await?;
         resolved.check(path, FileOp::Write)?;
@@ -367,6 +381,7 @@ impl Sandbox for DockerSandbox {
     }
 
     async fn list_files(&self, path: &str, depth: u32) -> Result<Vec<FileInfo>, ApiError> {
+        as_root_only()?;
         let inner = &self.0;
         let resolved = inner.resolve_dir(path, FileOp::List).await?;
         // The archive of a directory is its whole subtree; only the headers are read.
@@ -390,18 +405,22 @@ impl Sandbox for DockerSandbox {
     }
 
     async fn stat(&self, path: &str) -> Result<FileInfo, ApiError> {
+        as_root_only()?;
         self.0.stat_path(path).await
     }
 
     async fn make_dir(&self, req: &MakeDir) -> Result<bool, ApiError> {
+        as_root_only()?;
         self.0.make_dir(req).await
     }
 
     async fn move_path(&self, req: &MovePath) -> Result<(), ApiError> {
+        as_root_only()?;
         self.0.move_path(req).await
     }
 
     async fn remove_path(&self, req: &RemovePath) -> Result<(), ApiError> {
+        as_root_only()?;
         self.0.remove_path(req).await
     }
 
