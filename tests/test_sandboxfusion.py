@@ -582,3 +582,77 @@ def test_java_puts_jars_from_files_on_its_class_path(grader: Grader) -> None:
     )
     r = grader.run_code(code=code, language="java", compile_timeout=120)
     assert r["run_result"]["stdout"] == "[1, 2]\n", r
+
+
+# ------------------------------------------------------------------ tokens
+
+
+def test_tokens_on_both_listeners_with_quotas(grader: Grader, tmp_path: Path) -> None:
+    """With a --token-file, /run_code takes dsec's tokens on both listeners: Bearer, or a
+    URL's credentials (``http://dsec:TOKEN@host/run_code``, what veRL's ``requests``
+    sends unmodified); a project's requests hold its quotas while they run."""
+    grader.need_image()
+    admin = "admin-token-of-the-sandboxfusion-test"
+    token_file = tmp_path / "token"
+    token_file.write_text(admin + "\n")
+    server = grader.server
+    server.stop(timeout=120)
+    server.token_file = token_file
+    try:
+        server.start(timeout=300)
+        host = grader.url.removeprefix("http://")
+        body: dict[str, Any] = {"code": "print(123)", "language": "python"}
+        for url in (grader.url, server.url):
+            r = httpx.post(f"{url}/run_code", json=body, timeout=60)
+            assert r.status_code == 401, r.text
+            r = httpx.post(
+                f"{url}/run_code", json=body, timeout=60, headers={"Authorization": "Bearer x"}
+            )
+            assert r.status_code == 401, r.text
+        with server.client(token=admin) as c:
+            token = c.create_project("sf", max_sandboxes=1, max_memory_mb=1024)["token"]
+            try:
+                out = sf_post(f"http://dsec:{admin}@{host}/run_code", body)
+                assert out["run_result"]["stdout"] == "123\n", out
+                out = sf_post(f"http://dsec:{token}@{host}/run_code", body)
+                assert out["run_result"]["stdout"] == "123\n", out
+                r = httpx.post(
+                    f"{server.url}/run_code",
+                    json=body,
+                    timeout=60,
+                    headers={"Authorization": f"Bearer {token}"},
+                )
+                assert r.json()["run_result"]["stdout"] == "123\n", r.text
+
+                # Past a quota: SandboxFusion's error, naming the quota.
+                out = sf_post(
+                    f"http://dsec:{token}@{host}/run_code", {**body, "memory_limit_MB": 2048}
+                )
+                assert out["status"] == "SandboxError", out
+                assert "max_memory_mb" in out["message"], out
+
+                # A request in flight holds one of the project's sandboxes.
+                slow = {**body, "code": "import time; time.sleep(4); print(1)"}
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    running = pool.submit(sf_post, f"http://dsec:{token}@{host}/run_code", slow)
+                    deadline = time.monotonic() + 10
+                    while c.projects()[0]["usage"]["sandboxes"] != 1:
+                        assert time.monotonic() < deadline, c.projects()
+                        time.sleep(0.05)
+                    out = sf_post(f"http://dsec:{token}@{host}/run_code", body)
+                    assert "max_sandboxes" in out["message"], out
+                    assert running.result()["run_result"]["stdout"] == "1\n"
+                assert c.projects()[0]["usage"]["sandboxes"] == 0
+            finally:
+                c.delete_project("sf")
+    finally:
+        server.stop(timeout=120)
+        server.token_file = None
+        server.start(timeout=300)
+
+
+def sf_post(url: str, body: dict[str, Any]) -> Any:
+    """What veRL's scorer does: ``requests.post`` to a URL (credentials and all)."""
+    import requests
+
+    return requests.post(url, json=body, timeout=60).json()

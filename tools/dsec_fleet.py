@@ -189,7 +189,9 @@ class Apiserver(Server):
         super().cleanup()
 
     def edges(self) -> list[dict[str, Any]]:
-        r = httpx.get(self.url + "/v1/fleet/edges", timeout=5, trust_env=False)
+        token = self.token_file.read_text().strip() if self.token_file else None
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        r = httpx.get(self.url + "/v1/fleet/edges", timeout=5, trust_env=False, headers=headers)
         r.raise_for_status()
         edges: list[dict[str, Any]] = r.json()
         return edges

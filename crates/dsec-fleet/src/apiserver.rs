@@ -1,7 +1,9 @@
 //! `dsec apiserver`: the `/v1` API the SDK speaks, and SandboxFusion's `/run_code`, for a
 //! whole fleet. Stateless: it keeps only the edge table (watched from etcd) and forwards
 //! every request to the edge that owns the sandbox, named by the sandbox id. Authentication
-//! happens here.
+//! happens here: the apiserver's own token is the admin's, and the tokens of the projects
+//! kept in etcd ([`crate::projects`]) are forwarded as the edge's admin token acting for
+//! the project ([`ACTING_FOR`]), so every edge scopes them as its own project tokens.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,11 +18,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use dsec_api::{
-    BackendKind, CreateManyRequest, CreateManyResponse, ErrorBody, ErrorKind, SandboxInfo,
+    BackendKind, CreateManyRequest, CreateManyResponse, CreateProjectRequest, ErrorBody, ErrorKind,
+    ProjectInfo, ProjectToken, ProjectUsage, Quotas, SandboxInfo, SandboxState,
 };
-use dsec_server::api::{check_bearer, idempotency_key, ApiJson, IDEMPOTENCY_KEY};
+use dsec_server::api::{check_bearer, idempotency_key, presented_token, ApiJson, IDEMPOTENCY_KEY};
 use dsec_server::edge::{batch_item, batch_item_key, check_batch};
 use dsec_server::error::ApiError;
+use dsec_server::projects::{Caller, ACTING_FOR};
 use dsec_trajectory::TrajectoryLog;
 use futures::future::join_all;
 use futures::StreamExt;
@@ -28,6 +32,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::membership::{EdgeRecord, EdgeTable, Member};
 use crate::placement::{place, NoPlacement};
+use crate::projects::FleetProjects;
 
 /// Everything `dsec apiserver` is configured with.
 #[derive(Clone, Debug)]
@@ -56,15 +61,17 @@ pub struct Fleet {
     choices: usize,
     metrics: Option<PrometheusHandle>,
     log: Option<TrajectoryLog>,
+    projects: Option<Arc<FleetProjects>>,
 }
 
 /// Headers a forwarded request keeps; everything else (hop-by-hop, the client's token)
-/// stays here.
-const FORWARDED_HEADERS: [header::HeaderName; 4] = [
+/// stays here. [`ACTING_FOR`] is the apiserver's own, set by [`authenticate`].
+const FORWARDED_HEADERS: [header::HeaderName; 5] = [
     header::CONTENT_TYPE,
     header::CONTENT_LENGTH,
     header::ACCEPT,
     header::HeaderName::from_static(IDEMPOTENCY_KEY),
+    header::HeaderName::from_static(ACTING_FOR),
 ];
 
 /// Headers of an edge's answer passed back to the client.
@@ -95,7 +102,69 @@ impl Fleet {
             choices: config.choices.max(1),
             metrics,
             log: None,
+            projects: None,
         }
+    }
+
+    /// Takes the tokens of `projects` besides its own.
+    pub fn with_projects(mut self, projects: Arc<FleetProjects>) -> Fleet {
+        self.projects = Some(projects);
+        self
+    }
+
+    /// Who sent `headers`: the admin (this apiserver's token, or none required), a
+    /// project (one of its tokens), or nobody known (`Unauthorized`).
+    fn caller(&self, headers: &HeaderMap) -> Result<Caller, ApiError> {
+        let refused = match check_bearer(self.token.as_deref(), headers) {
+            Ok(()) => return Ok(Caller::Admin),
+            Err(e) => e,
+        };
+        self.projects
+            .as_ref()
+            .zip(presented_token(headers))
+            .and_then(|(projects, token)| projects.authenticate(&token))
+            .ok_or(refused)
+    }
+
+    /// The projects, where this apiserver can keep them.
+    fn projects(&self) -> Result<&FleetProjects, ApiError> {
+        match (&self.token, &self.projects) {
+            (Some(_), Some(projects)) => Ok(projects),
+            (None, _) => Err(ApiError::conflict(
+                "projects need the apiserver to require a token: restart dsec apiserver \
+                 with --token-file (that token becomes the admin's)",
+            )),
+            (Some(_), None) => Err(ApiError::unavailable(
+                "this apiserver keeps no projects: it watches no etcd",
+            )),
+        }
+    }
+
+    /// What each project's sandboxes hold now, over every edge that answers.
+    async fn usage(&self) -> Result<std::collections::HashMap<String, ProjectUsage>, ApiError> {
+        let answer = list(State(self.clone()), RawQuery(None), HeaderMap::new()).await?;
+        let body = axum::body::to_bytes(answer.into_body(), usize::MAX)
+            .await
+            .map_err(|e| ApiError::internal(format!("reading the edges' lists: {e}")))?;
+        let sandboxes: Vec<SandboxInfo> = serde_json::from_slice(&body).map_err(|e| {
+            ApiError::internal(format!("the edges' lists do not parse as sandboxes: {e}"))
+        })?;
+        let mut usage = std::collections::HashMap::<String, ProjectUsage>::new();
+        for s in sandboxes {
+            let Some(project) = s.project else { continue };
+            if matches!(s.state, SandboxState::Stopped | SandboxState::Failed) {
+                continue;
+            }
+            let u = usage.entry(project).or_default();
+            u.sandboxes += 1;
+            u.cpus += s.limits.cpus.unwrap_or_default();
+            u.memory_mb += s
+                .limits
+                .memory_mb
+                .and_then(|m| u64::try_from(m).ok())
+                .unwrap_or_default();
+        }
+        Ok(usage)
     }
 
     /// Serves the logs of sandboxes whose edge is gone from `log` (read only).
@@ -225,6 +294,9 @@ pub fn router(fleet: Fleet, max_upload_bytes: usize) -> Router {
         .route("/run_code", post(call))
         .route("/v1/ping", get(from_any))
         .route("/v1/fleet/edges", get(edges))
+        .route("/v1/projects", post(create_project).get(list_projects))
+        .route("/v1/projects/{name}", axum::routing::delete(delete_project))
+        .route("/v1/projects/{name}/tokens", post(add_token))
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
         .fallback(|| async { ApiError::not_found("no such API route") })
@@ -234,16 +306,114 @@ pub fn router(fleet: Fleet, max_upload_bytes: usize) -> Router {
         .with_state(fleet)
 }
 
-async fn authenticate(
-    State(fleet): State<Fleet>,
-    headers: HeaderMap,
-    request: Request,
-    next: Next,
-) -> Response {
-    if let Err(e) = check_bearer(fleet.token.as_deref(), &headers) {
-        return e.into_response();
+/// Tells who sent a request (the [`Caller`] handlers extract) and, for a project, names it
+/// to the edges in [`ACTING_FOR`] (a client's own such header is dropped); `401` for an
+/// unknown token, and for a project on the fleet's admin routes.
+async fn authenticate(State(fleet): State<Fleet>, mut request: Request, next: Next) -> Response {
+    let caller = match fleet.caller(request.headers()) {
+        Ok(caller) => caller,
+        Err(e) => return e.into_response(),
+    };
+    let path = request.uri().path();
+    if (!path.starts_with("/v1/") && path != "/run_code") || path == "/v1/fleet/edges" {
+        if let Err(e) = caller.require_admin(path) {
+            return e.into_response();
+        }
     }
+    let headers = request.headers_mut();
+    headers.remove(ACTING_FOR);
+    if let Some(acting) = caller.acting_for() {
+        match HeaderValue::from_str(&acting) {
+            Ok(v) => {
+                headers.insert(ACTING_FOR, v);
+            }
+            Err(e) => return ApiError::internal(format!("{ACTING_FOR}: {e}")).into_response(),
+        }
+    }
+    request.extensions_mut().insert(caller);
     next.run(request).await
+}
+
+async fn create_project(
+    State(fleet): State<Fleet>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreateProjectRequest>,
+) -> Result<(StatusCode, Json<ProjectToken>), ApiError> {
+    caller.require_admin("creating a project")?;
+    let quotas = Quotas {
+        max_sandboxes: req.max_sandboxes,
+        max_cpus: req.max_cpus,
+        max_memory_mb: req.max_memory_mb,
+    };
+    let token = fleet.projects()?.create(&req.name, quotas).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(ProjectToken {
+            name: req.name,
+            token,
+            quotas,
+        }),
+    ))
+}
+
+/// The admin gets every project, a project's token its own; usage is summed over the
+/// edges.
+async fn list_projects(
+    State(fleet): State<Fleet>,
+    caller: Caller,
+) -> Result<Json<Vec<ProjectInfo>>, ApiError> {
+    let Some(projects) = &fleet.projects else {
+        return Ok(Json(Vec::new()));
+    };
+    let mut usage = fleet.usage().await?;
+    Ok(Json(
+        projects
+            .list()
+            .into_iter()
+            .filter(|(name, _)| caller.sees(Some(name)))
+            .map(|(name, project)| ProjectInfo {
+                usage: usage.remove(&name).unwrap_or_default(),
+                tokens: project.tokens(),
+                quotas: project.quotas,
+                name,
+            })
+            .collect(),
+    ))
+}
+
+async fn delete_project(
+    State(fleet): State<Fleet>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    caller.require_admin("deleting a project")?;
+    let projects = fleet.projects()?;
+    let n = fleet.usage().await?.get(&name).map_or(0, |u| u.sandboxes);
+    if n > 0 {
+        return Err(ApiError::conflict(format!(
+            "project {name:?} still has {n} sandbox(es) in the fleet: stop them first (its \
+             token can list them), then delete it"
+        )));
+    }
+    projects.delete(&name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn add_token(
+    State(fleet): State<Fleet>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> Result<(StatusCode, Json<ProjectToken>), ApiError> {
+    caller.require_admin("adding a project token")?;
+    let (token, quotas) = fleet.projects()?.add_token(&name).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(ProjectToken {
+            name,
+            token,
+            quotas,
+        }),
+    ))
 }
 
 async fn healthz(State(fleet): State<Fleet>) -> Json<serde_json::Value> {
@@ -330,13 +500,19 @@ struct LogQuery {
 /// log, when this apiserver reads it (`--trajectory-db`) — a log outlives its edge.
 async fn sandbox_log(
     State(fleet): State<Fleet>,
+    caller: Caller,
     Path(id): Path<String>,
     query: Result<Query<LogQuery>, QueryRejection>,
     request: Request,
 ) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
     let gone = crate::edge_of(&id).is_some_and(|edge| fleet.member(edge, &id).is_err());
-    let Some(log) = fleet.log.as_ref().filter(|_| gone) else {
+    // A stopped sandbox's log is the admin's, as on an edge.
+    let Some(log) = fleet
+        .log
+        .as_ref()
+        .filter(|_| gone && caller == Caller::Admin)
+    else {
         return by_id(State(fleet), request).await;
     };
     let found = log.sandbox_log(&id, query.trajectory_id).await?;

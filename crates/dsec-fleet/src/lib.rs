@@ -5,6 +5,7 @@
 //! - [`placement`]: power-of-k choices over the live edges that offer a backend.
 //! - [`apiserver`]: the `/v1` API, authenticated, each request forwarded to the edge its
 //!   sandbox id names (streams as streams), creates placed and retried past vetoes.
+//! - [`projects`]: the projects and their token hashes in etcd, shared by every apiserver.
 //!
 //! `dsec serve` (crates/dsec-server) stays the one-process default and knows none of this.
 #![warn(missing_docs)]
@@ -12,6 +13,7 @@
 pub mod apiserver;
 pub mod membership;
 pub mod placement;
+pub mod projects;
 
 pub use membership::{EdgeMembership, EdgeRecord, EdgeTable, FleetError};
 

@@ -163,14 +163,21 @@ pub fn router(state: AppState, max_upload_bytes: usize) -> Router {
         .with_state(state)
 }
 
-async fn authenticate(State(state): State<AppState>, mut request: Request, next: Next) -> Response {
+/// Tells who sent a request (the [`Caller`] its handlers extract), or answers `401`. On
+/// the main listener and on SandboxFusion's own.
+pub(crate) async fn authenticate(
+    State(state): State<AppState>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     let caller = match caller(&state, request.headers()) {
         Ok(caller) => caller,
         Err(e) => return e.into_response(),
     };
-    if !request.uri().path().starts_with("/v1/") {
-        // SandboxFusion, /metrics and /openapi.json are not scoped to a project.
-        if let Err(e) = caller.require_admin(request.uri().path()) {
+    let path = request.uri().path();
+    if !path.starts_with("/v1/") && path != "/run_code" {
+        // /metrics and /openapi.json are not scoped to a project.
+        if let Err(e) = caller.require_admin(path) {
             return e.into_response();
         }
     }
@@ -179,14 +186,20 @@ async fn authenticate(State(state): State<AppState>, mut request: Request, next:
 }
 
 /// Who sent `headers`: the admin (the server's token, or none required), a project (one
-/// of its tokens), or nobody known (`Unauthorized`).
+/// of its tokens, or the admin acting for it), or nobody known (`Unauthorized`).
 fn caller(state: &AppState, headers: &HeaderMap) -> Result<Caller, ApiError> {
     let refused = match check_bearer(state.token.as_deref(), headers) {
-        Ok(()) => return Ok(Caller::Admin),
+        // The admin may act for a project: a fleet apiserver forwarding its request.
+        Ok(()) => {
+            return match headers.get(crate::projects::ACTING_FOR) {
+                None => Ok(Caller::Admin),
+                Some(v) => Caller::from_acting_for(v.to_str().unwrap_or_default()),
+            }
+        }
         Err(e) => e,
     };
-    bearer(headers)
-        .and_then(|token| state.projects.authenticate(token))
+    presented_token(headers)
+        .and_then(|token| state.projects.authenticate(&token))
         .ok_or(refused)
 }
 
@@ -244,11 +257,23 @@ impl axum::extract::FromRequestParts<AppState> for VisibleProcess {
     }
 }
 
-fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+/// The token a request presents: `Authorization: Bearer TOKEN`, or Basic credentials
+/// whose password is the token. Basic is what an HTTP client sends for a URL such as
+/// `http://dsec:TOKEN@host/run_code`, so clients configured by a URL alone
+/// (SandboxFusion's) can authenticate unmodified.
+pub fn presented_token(headers: &HeaderMap) -> Option<std::borrow::Cow<'_, str>> {
+    use base64::Engine;
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    if let Some(token) = value.strip_prefix("Bearer ") {
+        return Some(token.into());
+    }
+    let encoded = value.strip_prefix("Basic ")?;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded.trim())
+        .ok()?;
+    let pair = String::from_utf8(decoded).ok()?;
+    let (_, password) = pair.split_once(':')?;
+    Some(password.to_owned().into())
 }
 
 /// Refuses a request whose bearer token is not `token` (none required: every request
@@ -257,7 +282,7 @@ pub fn check_bearer(token: Option<&str>, headers: &HeaderMap) -> Result<(), ApiE
     let Some(token) = token else {
         return Ok(());
     };
-    let given = bearer(headers).unwrap_or_default();
+    let given = presented_token(headers).unwrap_or_default();
     if constant_time_eq(given.as_bytes(), token.as_bytes()) {
         Ok(())
     } else {
@@ -1160,5 +1185,26 @@ mod tests {
         assert!(constant_time_eq(b"abc", b"abc"));
         assert!(!constant_time_eq(b"abc", b"abd"));
         assert!(!constant_time_eq(b"abc", b"ab"));
+    }
+
+    #[test]
+    fn tokens_come_as_bearer_or_as_a_urls_password() {
+        let with = |value: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::AUTHORIZATION, value.parse().unwrap());
+            presented_token(&headers).map(|t| t.into_owned())
+        };
+        assert_eq!(with("Bearer t0k").as_deref(), Some("t0k"));
+        // `http://dsec:t0k@host/` as requests and aiohttp send it.
+        assert_eq!(with("Basic ZHNlYzp0MGs=").as_deref(), Some("t0k"));
+        // A password may hold colons; the user name may not (RFC 7617).
+        assert_eq!(with("Basic dTphOmI=").as_deref(), Some("a:b"));
+        assert_eq!(with("Basic not-base64!"), None);
+        assert_eq!(with("Digest x"), None);
+        assert_eq!(presented_token(&HeaderMap::new()), None);
+        let mut headers = HeaderMap::new();
+        headers.insert(header::AUTHORIZATION, "Basic ZHNlYzp0MGs=".parse().unwrap());
+        assert!(check_bearer(Some("t0k"), &headers).is_ok());
+        assert!(check_bearer(Some("other"), &headers).is_err());
     }
 }

@@ -664,6 +664,23 @@ impl Edge {
         Ok((cpus, unsigned(mem), unsigned(pids), unsigned(disk)))
     }
 
+    /// Reserves one sandbox of `cpus` and `memory_mb` against `caller`'s project quotas
+    /// (the admin has none), held until the returned hold drops.
+    pub fn reserve_quota(
+        &self,
+        caller: &Caller,
+        cpus: f64,
+        memory_mb: u64,
+    ) -> Result<Option<QuotaHold>, ApiError> {
+        match caller {
+            Caller::Admin => Ok(None),
+            Caller::Project { name, quotas } => self
+                .project_usage
+                .reserve(name, quotas, cpus, memory_mb)
+                .map(Some),
+        }
+    }
+
     /// Creates a sandbox for `caller`'s project.
     pub async fn create(
         &self,
@@ -712,12 +729,7 @@ impl Edge {
             }
         }
         let sandbox_env = env_pairs(&req.env, "environment")?;
-        let quota = match caller {
-            Caller::Admin => None,
-            Caller::Project { name, quotas } => {
-                Some(self.project_usage.reserve(name, quotas, cpus, memory_mb)?)
-            }
-        };
+        let quota = self.reserve_quota(caller, cpus, memory_mb)?;
         let id = format!(
             "{}-{:012x}",
             self.config.name,

@@ -484,21 +484,21 @@ pub async fn run_with(
         metrics,
         token: config.token.as_deref().map(Arc::from),
         projects: Arc::clone(&projects),
-        sandboxfusion: Arc::clone(&sandboxfusion),
+        sandboxfusion,
     };
-    let app = api::router(state, config.max_upload_bytes);
+    let app = api::router(state.clone(), config.max_upload_bytes);
     let listener = bind(config.listen).await?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let sandboxfusion_server = match config.sandboxfusion.listen {
         Some(addr) => {
             let listener = bind(addr).await?;
-            if !addr.ip().is_loopback() {
-                tracing::warn!(listen = %addr, "/run_code takes no credentials (as SandboxFusion): anyone who reaches this address can run programs in graders");
+            if !addr.ip().is_loopback() && config.token.is_none() {
+                tracing::warn!(listen = %addr, "/run_code takes no credentials without --token-file (as SandboxFusion): anyone who reaches this address can run programs in graders");
             }
             tracing::info!(listen = %addr, image = %config.sandboxfusion.image, "SandboxFusion /run_code serving");
             Some(sandboxfusion::serve(
                 listener,
-                sandboxfusion,
+                state,
                 config.max_upload_bytes,
                 stopped.clone(),
             ))

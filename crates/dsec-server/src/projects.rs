@@ -52,6 +52,35 @@ impl Caller {
         }
     }
 
+    /// The [`ACTING_FOR`] header value an apiserver forwards a project's request with
+    /// (`None`: the admin's, forwarded as is).
+    pub fn acting_for(&self) -> Option<String> {
+        match self {
+            Caller::Admin => None,
+            Caller::Project { name, quotas } => Some(
+                serde_json::to_string(&ActingFor {
+                    name: name.to_string(),
+                    quotas: *quotas,
+                })
+                .expect("a project serializes"),
+            ),
+        }
+    }
+
+    /// The project an [`ACTING_FOR`] header names.
+    pub fn from_acting_for(value: &str) -> Result<Caller, ApiError> {
+        let acting: ActingFor = serde_json::from_str(value).map_err(|e| {
+            ApiError::invalid(format!(
+                "header {ACTING_FOR} must be {{\"name\": ..., \"quotas\": {{...}}}}: {e}"
+            ))
+        })?;
+        check_name(&acting.name)?;
+        Ok(Caller::Project {
+            name: Arc::from(acting.name),
+            quotas: acting.quotas,
+        })
+    }
+
     /// Refuses a project token on an admin's route.
     pub fn require_admin(&self, what: &str) -> Result<(), ApiError> {
         match self {
@@ -64,11 +93,86 @@ impl Caller {
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Project {
+/// The header a fleet apiserver forwards a project's request to an edge with: the
+/// project's name and quotas, as JSON. The apiserver authenticates project tokens (the
+/// projects live in etcd, shared by every apiserver) and reaches edges with their admin
+/// token; an edge heeds the header only from its admin, so a project cannot pose as
+/// another, and then serves the request as that project's.
+pub const ACTING_FOR: &str = "x-dsec-project";
+
+#[derive(Serialize, Deserialize)]
+struct ActingFor {
+    name: String,
     quotas: Quotas,
+}
+
+/// What is kept of one project: in `projects.json`, or in a fleet's etcd.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Project {
+    /// What its sandboxes may hold together.
+    pub quotas: Quotas,
     /// Hex SHA-256 of each of its tokens.
-    token_hashes: Vec<String>,
+    pub token_hashes: Vec<String>,
+}
+
+impl Project {
+    /// A new project with one new token, returned beside it.
+    pub fn new(name: &str, quotas: Quotas) -> Result<(Project, String), ApiError> {
+        check_name(name)?;
+        check_quotas(&quotas)?;
+        let token = new_token();
+        let project = Project {
+            quotas,
+            token_hashes: vec![hash(&token)],
+        };
+        Ok((project, token))
+    }
+
+    /// Adds a new token, returned.
+    pub fn add_token(&mut self) -> String {
+        let token = new_token();
+        self.token_hashes.push(hash(&token));
+        token
+    }
+
+    /// How many tokens it has.
+    pub fn tokens(&self) -> u64 {
+        u64::try_from(self.token_hashes.len()).unwrap_or(u64::MAX)
+    }
+}
+
+/// The project of `projects` whose token `token` is, if any. Every stored hash is
+/// compared, in constant time, so timing tells nothing about which matched.
+pub fn authenticate<'a>(
+    projects: impl IntoIterator<Item = (&'a String, &'a Project)>,
+    token: &str,
+) -> Option<Caller> {
+    let given = hash(token);
+    let mut found = None;
+    for (name, project) in projects {
+        for stored in &project.token_hashes {
+            if crate::api::constant_time_eq(stored.as_bytes(), given.as_bytes()) {
+                found = Some(Caller::Project {
+                    name: Arc::from(name.as_str()),
+                    quotas: project.quotas,
+                });
+            }
+        }
+    }
+    found
+}
+
+/// The error for a project that does not exist.
+pub fn unknown(name: &str) -> ApiError {
+    ApiError::not_found(format!("project {name:?} not found"))
+}
+
+/// The error for a project name that exists.
+pub fn exists(name: &str) -> ApiError {
+    ApiError::conflict(format!(
+        "project {name:?} already exists: delete it first, or add a token with \
+         POST /v1/projects/{name}/tokens"
+    ))
 }
 
 /// The projects, persisted in `projects.json`.
@@ -142,45 +246,20 @@ impl Projects {
             .map_err(|e| ApiError::internal(format!("cannot write {}: {e}", self.path.display())))
     }
 
-    /// The project whose token `token` is, if any. Every stored hash is compared, in
-    /// constant time, so timing tells nothing about which matched.
+    /// The project whose token `token` is, if any (see [`authenticate`]).
     pub fn authenticate(&self, token: &str) -> Option<Caller> {
-        let given = hash(token);
-        let projects = self.projects.lock().expect("lock");
-        let mut found = None;
-        for (name, project) in projects.iter() {
-            for stored in &project.token_hashes {
-                if crate::api::constant_time_eq(stored.as_bytes(), given.as_bytes()) {
-                    found = Some(Caller::Project {
-                        name: Arc::from(name.as_str()),
-                        quotas: project.quotas,
-                    });
-                }
-            }
-        }
-        found
+        authenticate(self.projects.lock().expect("lock").iter(), token)
     }
 
     /// Makes project `name`, returning its first token.
     pub fn create(&self, name: &str, quotas: Quotas) -> Result<String, ApiError> {
-        check_name(name)?;
-        check_quotas(&quotas)?;
-        let token = new_token();
+        let (project, token) = Project::new(name, quotas)?;
         let mut projects = self.projects.lock().expect("lock");
         if projects.contains_key(name) {
-            return Err(ApiError::conflict(format!(
-                "project {name:?} already exists: delete it first, or add a token with \
-                 POST /v1/projects/{name}/tokens"
-            )));
+            return Err(exists(name));
         }
         let mut next = projects.clone();
-        next.insert(
-            name.to_owned(),
-            Project {
-                quotas,
-                token_hashes: vec![hash(&token)],
-            },
-        );
+        next.insert(name.to_owned(), project);
         self.save(&next)?;
         *projects = next;
         Ok(token)
@@ -188,11 +267,10 @@ impl Projects {
 
     /// Adds a token to project `name`.
     pub fn add_token(&self, name: &str) -> Result<(String, Quotas), ApiError> {
-        let token = new_token();
         let mut projects = self.projects.lock().expect("lock");
         let mut next = projects.clone();
         let project = next.get_mut(name).ok_or_else(|| unknown(name))?;
-        project.token_hashes.push(hash(&token));
+        let token = project.add_token();
         let quotas = project.quotas;
         self.save(&next)?;
         *projects = next;
@@ -214,16 +292,9 @@ impl Projects {
         let projects = self.projects.lock().expect("lock");
         projects
             .iter()
-            .map(|(n, p)| {
-                let tokens = u64::try_from(p.token_hashes.len()).unwrap_or(u64::MAX);
-                (n.clone(), p.quotas, tokens)
-            })
+            .map(|(n, p)| (n.clone(), p.quotas, p.tokens()))
             .collect()
     }
-}
-
-fn unknown(name: &str) -> ApiError {
-    ApiError::not_found(format!("project {name:?} not found"))
 }
 
 /// `dsecp_` and 256 random bits in hex.
@@ -348,6 +419,24 @@ mod tests {
         let caller = reopened.authenticate(&token).unwrap();
         assert_eq!(caller.project().map(|p| &**p), Some("a"));
         assert_eq!(reopened.authenticate("dsecp_wrong"), None);
+    }
+
+    #[test]
+    fn an_apiserver_names_the_project_it_acts_for() {
+        let caller = Caller::Project {
+            name: Arc::from("team-a"),
+            quotas: Quotas {
+                max_sandboxes: Some(2),
+                ..Quotas::default()
+            },
+        };
+        let header = caller.acting_for().unwrap();
+        assert_eq!(Caller::from_acting_for(&header).unwrap(), caller);
+        assert_eq!(Caller::Admin.acting_for(), None);
+        let bad = Caller::from_acting_for(r#"{"name": "Bad Name", "quotas": {}}"#);
+        assert!(bad.unwrap_err().message.contains("project name must be"));
+        let garbled = Caller::from_acting_for("team-a").unwrap_err();
+        assert!(garbled.message.contains(ACTING_FOR), "{}", garbled.message);
     }
 
     #[test]

@@ -762,8 +762,10 @@ fn apiserver(args: ApiserverArgs) -> Result<()> {
         let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
             .install_recorder()
             .context("installing the metrics recorder")?;
-        let table = dsec_fleet::EdgeTable::watch(args.etcd).await?;
-        let mut fleet = dsec_fleet::apiserver::Fleet::new(table, &config, Some(metrics));
+        let table = dsec_fleet::EdgeTable::watch(args.etcd.clone()).await?;
+        let projects = dsec_fleet::projects::FleetProjects::watch(args.etcd).await?;
+        let mut fleet = dsec_fleet::apiserver::Fleet::new(table, &config, Some(metrics))
+            .with_projects(projects);
         if let Some(db) = &config.trajectory_db {
             fleet = fleet.with_log(dsec_trajectory::TrajectoryLog::read_only(db).await?);
         }

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{FromRef, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -38,9 +38,11 @@ use axum::{Json, Router};
 use base64::Engine;
 use dsec_image::{Image, ImageStore};
 
+use crate::api::AppState;
 use crate::backend::fncall::{FnCallBackend, Step, StepCall, StepOutcome};
 use crate::backend::{FileWrite, SandboxRequest};
-use crate::edge::EdgeConfig;
+use crate::edge::{Edge, EdgeConfig};
+use crate::projects::Caller;
 use languages::{ImageFacts, Language, Refusal};
 use request::{CommandRunResult, CommandRunStatus, RunCodeRequest, RunCodeResponse};
 
@@ -150,11 +152,12 @@ impl SandboxFusion {
             .unwrap_or(&self.config.image)
     }
 
-    /// Runs one request; every failure of dsec's side is a SandboxError saying why.
-    async fn run(&self, req: RunCodeRequest) -> RunCodeResponse {
+    /// Runs one request for `caller`, whose project quotas hold the worker while it runs;
+    /// every failure of dsec's side (a quota included) is a SandboxError saying why.
+    async fn run(&self, req: RunCodeRequest, caller: &Caller, edge: &Edge) -> RunCodeResponse {
         let language = req.language;
         let started = Instant::now();
-        let response = match self.try_run(req).await {
+        let response = match self.try_run(req, caller, edge).await {
             Ok(response) => response,
             Err(message) => RunCodeResponse::sandbox_error(message, self.pod.clone()),
         };
@@ -167,7 +170,12 @@ impl SandboxFusion {
         response
     }
 
-    async fn try_run(&self, req: RunCodeRequest) -> Result<RunCodeResponse, String> {
+    async fn try_run(
+        &self,
+        req: RunCodeRequest,
+        caller: &Caller,
+        edge: &Edge,
+    ) -> Result<RunCodeResponse, String> {
         let image_name = self.image_name(req.language).to_owned();
         let image = self.images.get(&image_name).map_err(|e| {
             format!(
@@ -224,6 +232,9 @@ impl SandboxFusion {
             }
             Some(mb) => mb,
         };
+        let _quota = edge
+            .reserve_quota(caller, self.cpus, memory_mb)
+            .map_err(|e| e.message)?;
         let cwd = req.language.workdir();
         let mut files = restored_files(&cwd, &req.files)?;
         let compiled = plan.compile.is_some();
@@ -462,7 +473,8 @@ fn decode(bytes: Vec<u8>) -> String {
 }
 
 async fn run_code(
-    State(sf): State<Arc<SandboxFusion>>,
+    State(state): State<AppState>,
+    caller: Caller,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let body = match body {
@@ -473,7 +485,7 @@ async fn run_code(
         }
     };
     match request::parse(&body) {
-        Ok(req) => Json(sf.run(req).await).into_response(),
+        Ok(req) => Json(state.sandboxfusion.run(req, &caller, &state.edge).await).into_response(),
         Err(detail) => (
             StatusCode::UNPROCESSABLE_ENTITY,
             Json(serde_json::json!({ "detail": detail })),
@@ -487,34 +499,30 @@ async fn ping() -> Json<&'static str> {
     Json("pong")
 }
 
-/// `POST /run_code` and `GET /v1/ping`, for any router whose state holds the service.
-pub fn routes<S>() -> Router<S>
-where
-    S: Clone + Send + Sync + 'static,
-    Arc<SandboxFusion>: FromRef<S>,
-{
+/// `POST /run_code` and `GET /v1/ping`, behind the caller's authentication.
+pub fn routes() -> Router<AppState> {
     Router::new()
         .route("/run_code", post(run_code))
         .route("/v1/ping", get(ping))
 }
 
-impl FromRef<crate::api::AppState> for Arc<SandboxFusion> {
-    fn from_ref(state: &crate::api::AppState) -> Self {
-        Arc::clone(&state.sandboxfusion)
-    }
-}
-
-/// Serves `/run_code` on a listener of its own until `stop` turns true. SandboxFusion's
-/// clients send no credentials, so this listener asks for none (as SandboxFusion).
+/// Serves `/run_code` on a listener of its own until `stop` turns true. It takes the
+/// tokens the main listener takes (see [`crate::api::presented_token`]: a client given
+/// only a URL authenticates with `http://dsec:TOKEN@host:port/run_code`), and asks for
+/// none when the server has no `--token-file` (as SandboxFusion).
 pub fn serve(
     listener: tokio::net::TcpListener,
-    service: Arc<SandboxFusion>,
+    state: AppState,
     max_upload_bytes: usize,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<std::io::Result<()>> {
     let app = routes()
-        .with_state(service)
-        .layer(axum::extract::DefaultBodyLimit::max(max_upload_bytes));
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            crate::api::authenticate,
+        ))
+        .layer(axum::extract::DefaultBodyLimit::max(max_upload_bytes))
+        .with_state(state);
     tokio::spawn(async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(async move {
