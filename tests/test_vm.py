@@ -114,7 +114,11 @@ def test_fork_of_a_running_guest_carries_its_memory_and_takes_fresh_identities(
             # The parent's process runs on in the child, from where it was.
             assert kid.run(f"kill -0 {ticker.pid}").exit_code == 0
             first = int(kid.run("cat /tmp/n").stdout)
-            assert wait_until(lambda k=kid, f=first: int(k.run("cat /tmp/n").stdout) > f, 10)
+
+            def counted_on(k: dsec.Sandbox = kid, f: int = first) -> bool:
+                return int(k.run("cat /tmp/n").stdout) > f
+
+            assert wait_until(counted_on, 10)
             r = kid.run(
                 "hostname; head -c 16 /dev/urandom | od -An -tx1;"
                 " cat /proc/sys/kernel/random/boot_id; date +%s"
