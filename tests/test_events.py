@@ -200,15 +200,22 @@ def test_live_usage(client: dsec.Client, sb: dsec.Sandbox, backend: str) -> None
     vm = backend in ("microvm", "vm")
     sb.run("dd if=/dev/zero of=/blob bs=1M count=8 2>/dev/null; sync")
     sb.run("(sleep 30 >/dev/null 2>&1 &)")
-    # A guest's own counts come from its agent, asked in the background as usage is read.
-    assert wait_until(lambda: (sb.info().usage.pids or 0) >= 1, 10)
+    disk = backend == "container" or vm
+
+    def settled() -> bool:
+        u = sb.info().usage
+        return (u.pids or 0) >= 1 and (not disk or (u.disk_bytes or 0) >= 8 << 20)
+
+    # A guest's own counts come from its agent, asked in the background as usage is read
+    # (the first reports may predate the writes).
+    assert wait_until(settled, 15)
     u = sb.info().usage
     assert u.memory_bytes and u.memory_bytes > 0
     assert u.cpu_ms is not None and u.cpu_ms > 0
     assert u.memory_peak_bytes is not None and u.memory_peak_bytes > 0
     if not vm:  # a VM's memory_bytes is QEMU's on the host, its peak the guest's commands'
         assert u.memory_peak_bytes >= u.memory_bytes
-    if backend == "container" or vm:
+    if disk:
         assert u.disk_bytes is not None and u.disk_bytes >= 8 << 20
         assert u.disk_inodes
 

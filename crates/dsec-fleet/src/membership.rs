@@ -2,6 +2,7 @@
 //! load, leave) and the apiserver's (watch the prefix into memory).
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -69,6 +70,53 @@ fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// A local copy of what etcd holds under a prefix, kept current by a watch.
+pub(crate) trait Mirror: Send + Sync + 'static {
+    /// What is copied, for the log.
+    const WHAT: &'static str;
+    /// Reads the whole prefix into the copy; returns the revision to watch from.
+    fn load(&self, client: &mut Client) -> impl Future<Output = Result<i64, FleetError>> + Send;
+    /// Applies the prefix's changes after `revision` until the watch ends.
+    fn follow(
+        &self,
+        client: Client,
+        revision: i64,
+    ) -> impl Future<Output = Result<(), FleetError>> + Send;
+}
+
+/// Keeps `mirror` current in the background from `revision` on, reconnecting to
+/// `endpoints` and reloading it whenever the watch breaks (meanwhile the copy it has is
+/// what is used).
+pub(crate) fn follow_forever<M: Mirror>(
+    mirror: Arc<M>,
+    endpoints: Vec<String>,
+    client: Client,
+    revision: i64,
+) {
+    tokio::spawn(async move {
+        let mut next = Some((client, revision));
+        loop {
+            if let Some((client, revision)) = next.take() {
+                if let Err(e) = mirror.follow(client, revision).await {
+                    tracing::warn!(error = %e, "etcd: the watch on {} broke; reconnecting", M::WHAT);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let reconnected = async {
+                let mut client = connect(&endpoints).await?;
+                let revision = mirror.load(&mut client).await?;
+                Ok::<_, FleetError>((client, revision))
+            };
+            match reconnected.await {
+                Ok(c) => next = Some(c),
+                Err(e) => {
+                    tracing::warn!(error = %e, "etcd: still unreachable; using the copy of {} kept so far", M::WHAT)
+                }
+            }
+        }
+    });
 }
 
 /// Connects to etcd and checks that it answers, so that a wrong URL fails at start.
@@ -443,33 +491,14 @@ impl EdgeTable {
             ..Default::default()
         });
         let revision = table.load(&mut client).await?;
-        let watching = Arc::clone(&table);
-        tokio::spawn(async move {
-            let mut next = Some((client, revision));
-            loop {
-                if let Some((client, revision)) = next.take() {
-                    if let Err(e) = watching.follow(client, revision).await {
-                        tracing::warn!(error = %e, "etcd: the watch on the edges broke; reconnecting");
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                let reconnected = async {
-                    let mut client = connect(&endpoints).await?;
-                    let revision = watching.load(&mut client).await?;
-                    Ok::<_, FleetError>((client, revision))
-                };
-                match reconnected.await {
-                    Ok(c) => next = Some(c),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "etcd: still unreachable; serving the cached membership")
-                    }
-                }
-            }
-        });
+        follow_forever(Arc::clone(&table), endpoints, client, revision);
         Ok(table)
     }
+}
 
-    /// Reads every record; returns the revision to watch from.
+impl Mirror for EdgeTable {
+    const WHAT: &'static str = "the edges";
+
     async fn load(&self, client: &mut Client) -> Result<i64, FleetError> {
         let resp = client
             .get(EDGE_PREFIX, Some(GetOptions::new().with_prefix()))

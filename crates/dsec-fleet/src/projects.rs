@@ -13,14 +13,13 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
 
 use dsec_api::Quotas;
 use dsec_server::error::ApiError;
 use dsec_server::projects::{self, Caller, Project};
 use etcd_client::{Client, Compare, CompareOp, EventType, GetOptions, Txn, TxnOp, WatchOptions};
 
-use crate::membership::{connect, FleetError};
+use crate::membership::{connect, follow_forever, FleetError, Mirror};
 
 /// The etcd prefix projects are kept under.
 pub const PROJECT_PREFIX: &str = "/dsec/projects/";
@@ -49,75 +48,8 @@ impl FleetProjects {
             projects: RwLock::default(),
         });
         let revision = fleet.load(&mut client).await?;
-        let watching = Arc::clone(&fleet);
-        tokio::spawn(async move {
-            let mut next = Some((client, revision));
-            loop {
-                if let Some((client, revision)) = next.take() {
-                    if let Err(e) = watching.follow(client, revision).await {
-                        tracing::warn!(error = %e, "etcd: the watch on the projects broke; reconnecting");
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                let reconnected = async {
-                    let mut client = connect(&endpoints).await?;
-                    let revision = watching.load(&mut client).await?;
-                    Ok::<_, FleetError>((client, revision))
-                };
-                match reconnected.await {
-                    Ok(c) => next = Some(c),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "etcd: still unreachable; checking tokens against the cached projects")
-                    }
-                }
-            }
-        });
+        follow_forever(Arc::clone(&fleet), endpoints, client, revision);
         Ok(fleet)
-    }
-
-    /// Reads every project; returns the revision to watch from.
-    async fn load(&self, client: &mut Client) -> Result<i64, FleetError> {
-        let resp = client
-            .get(PROJECT_PREFIX, Some(GetOptions::new().with_prefix()))
-            .await?;
-        let mut all = BTreeMap::new();
-        for kv in resp.kvs() {
-            if let Some((name, project)) = parse(kv.key(), kv.value()) {
-                all.insert(name, project);
-            }
-        }
-        *self.projects.write().expect("lock") = all;
-        Ok(resp.header().map_or(0, |h| h.revision()))
-    }
-
-    async fn follow(&self, mut client: Client, revision: i64) -> Result<(), FleetError> {
-        let options = WatchOptions::new()
-            .with_prefix()
-            .with_start_revision(revision + 1);
-        let (_watcher, mut stream) = client.watch(PROJECT_PREFIX, Some(options)).await?;
-        while let Some(resp) = stream.message().await? {
-            if resp.canceled() {
-                break;
-            }
-            let mut projects = self.projects.write().expect("lock");
-            for event in resp.events() {
-                let Some(kv) = event.kv() else { continue };
-                match event.event_type() {
-                    EventType::Put => {
-                        if let Some((name, project)) = parse(kv.key(), kv.value()) {
-                            projects.insert(name, project);
-                        }
-                    }
-                    EventType::Delete => {
-                        let key = String::from_utf8_lossy(kv.key());
-                        if let Some(name) = key.strip_prefix(PROJECT_PREFIX) {
-                            projects.remove(name);
-                        }
-                    }
-                }
-            }
-        }
-        Ok(())
     }
 
     /// The project whose token `token` is, if any.
@@ -212,5 +144,53 @@ fn parse(key: &[u8], value: &[u8]) -> Option<(String, Project)> {
             tracing::warn!(key = %key, error = %e, "ignoring a project record that does not parse");
             None
         }
+    }
+}
+
+impl Mirror for FleetProjects {
+    const WHAT: &'static str = "the projects";
+
+    async fn load(&self, client: &mut Client) -> Result<i64, FleetError> {
+        let resp = client
+            .get(PROJECT_PREFIX, Some(GetOptions::new().with_prefix()))
+            .await?;
+        let mut all = BTreeMap::new();
+        for kv in resp.kvs() {
+            if let Some((name, project)) = parse(kv.key(), kv.value()) {
+                all.insert(name, project);
+            }
+        }
+        *self.projects.write().expect("lock") = all;
+        Ok(resp.header().map_or(0, |h| h.revision()))
+    }
+
+    async fn follow(&self, mut client: Client, revision: i64) -> Result<(), FleetError> {
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        let (_watcher, mut stream) = client.watch(PROJECT_PREFIX, Some(options)).await?;
+        while let Some(resp) = stream.message().await? {
+            if resp.canceled() {
+                break;
+            }
+            let mut projects = self.projects.write().expect("lock");
+            for event in resp.events() {
+                let Some(kv) = event.kv() else { continue };
+                match event.event_type() {
+                    EventType::Put => {
+                        if let Some((name, project)) = parse(kv.key(), kv.value()) {
+                            projects.insert(name, project);
+                        }
+                    }
+                    EventType::Delete => {
+                        let key = String::from_utf8_lossy(kv.key());
+                        if let Some(name) = key.strip_prefix(PROJECT_PREFIX) {
+                            projects.remove(name);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }

@@ -927,7 +927,6 @@ impl VmSandbox {
     /// RAM into a file and saves its devices, as for a snapshot, over the same scratch
     /// disk (which QEMU hands over between the two as a migration's shared storage).
     async fn save_to_disk(&self, vm: &Vm) -> Result<(), ApiError> {
-        let host = &self.host;
         let dir = self.dir.join("paused");
         std::fs::create_dir_all(&dir)
             .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
@@ -935,34 +934,49 @@ impl VmSandbox {
         for file in [&memory, &state] {
             let _ = std::fs::remove_file(file);
         }
-        let assets = host.assets().await?;
+        self.save_through_receiver(vm, &self.disks, &dir, &memory, &state)
+            .await?;
+        // Its channel outlives it: the guest goes on over the next QEMU's.
+        vm.channel().suspend();
+        self.saved_to_disk.store(true, Ordering::SeqCst);
+        vm.kill().await;
+        Ok(())
+    }
+
+    /// Moves the paused guest `vm` into a receiving QEMU over `disks` that keeps its RAM
+    /// in `memory` (mapped shared), then has it save the devices to `state` as a boot
+    /// template is saved; the receiver's logs go in `dir`. `vm` stays paused.
+    async fn save_through_receiver(
+        &self,
+        vm: &Vm,
+        disks: &Disks,
+        dir: &Path,
+        memory: &Path,
+        state: &Path,
+    ) -> Result<(), ApiError> {
+        let assets = self.host.assets().await?;
         let files = TemplateFiles {
-            memory: &memory,
-            state: &state,
+            memory,
+            state,
             first_request: 0,
         };
         let receiver = Vm::start(
             &self.hardware,
             &assets,
-            Some(&self.disks),
+            Some(disks),
             Start::Receive(files),
-            &dir,
+            dir,
             None,
         )
         .await
         .map_err(vm_error)?;
         let moved = async {
             vm.send_state(&receiver, &dir.join("transfer")).await?;
-            receiver.save_template(&state).await
+            receiver.save_template(state).await
         }
         .await;
         receiver.kill().await;
-        moved.map_err(vm_error)?;
-        // Its channel outlives it: the guest goes on over the next QEMU's.
-        vm.channel().suspend();
-        self.saved_to_disk.store(true, Ordering::SeqCst);
-        vm.kill().await;
-        Ok(())
+        moved.map_err(vm_error)
     }
 
     /// Starts a QEMU for the guest saved by [`VmSandbox::save_to_disk`].
@@ -1021,35 +1035,12 @@ impl VmSandbox {
             .await
             .map_err(blocking_error)?
             .map_err(vm_error)?;
-        let assets = host.assets().await?;
         let disks = Disks {
             scratch: scratch.clone(),
             ..self.disks.clone()
         };
-        let files = TemplateFiles {
-            memory: &memory,
-            state: &state,
-            first_request: 0,
-        };
-        let receiver = Vm::start(
-            &self.hardware,
-            &assets,
-            Some(&disks),
-            Start::Receive(files),
-            &dir,
-            None,
-        )
-        .await
-        .map_err(vm_error)?;
-        let moved = async {
-            self.vm()
-                .send_state(&receiver, &dir.join("transfer"))
-                .await?;
-            receiver.save_template(&state).await
-        }
-        .await;
-        receiver.kill().await;
-        moved.map_err(vm_error)?;
+        self.save_through_receiver(&self.vm(), &disks, &dir, &memory, &state)
+            .await?;
         let record = SavedGuest {
             first_request: self
                 .vm()
