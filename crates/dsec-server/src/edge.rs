@@ -689,6 +689,17 @@ impl Edge {
     ) -> Result<SandboxInfo, ApiError> {
         let _in_flight = fleet::InFlight::enter(&self.creating);
         if let Ok(image) = self.images.get(&req.image) {
+            // A fork's children, made from the saved guest by its own backend, need no check.
+            if let Some(guest) = &image.guest {
+                let (kind, _) = self.backends.get(&req.backend)?;
+                if guest.backend != kind.name() {
+                    return Err(ApiError::invalid(format!(
+                        "image {} is a snapshot of a running {} guest (its memory and disk, \
+                         not layers): create it with backend=\"{}\"",
+                        req.image, guest.backend, guest.backend
+                    )));
+                }
+            }
             if !shown(caller, &image_info(&self.images, image)) {
                 return Err(ImageError::NotFound { name: req.image }.into());
             }
@@ -705,15 +716,6 @@ impl Edge {
     ) -> Result<SandboxInfo, ApiError> {
         let request = req.clone();
         let (kind, backend) = self.backends.get(&req.backend)?;
-        if let Some(guest) = self.images.get(&req.image).ok().and_then(|i| i.guest) {
-            if guest.backend != kind.name() {
-                return Err(ApiError::invalid(format!(
-                    "image {} is a snapshot of a running {} guest (its memory and disk, not \
-                     layers): create it with backend=\"{}\"",
-                    req.image, guest.backend, guest.backend
-                )));
-            }
-        }
         let (cpus, memory_mb, pids, disk_mb) = self.validate(&req)?;
         let ttl_s = check_duration("ttl_s", req.ttl_s)?;
         let idle_ttl_s = check_duration("idle_ttl_s", req.idle_ttl_s)?;

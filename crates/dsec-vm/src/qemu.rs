@@ -47,6 +47,10 @@ const RESTORE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long saving or loading a boot template's device state may take.
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Bytes a restored guest's stream may hold before the answer to its identity request
+/// before the older ones are dropped ([`identify_restored`]).
+const MAX_STALE_BUFFER: usize = 1 << 20;
+
 /// A migration bandwidth (bytes/s) no local copy reaches.
 const UNLIMITED_BANDWIDTH: u64 = 1 << 40;
 
@@ -476,6 +480,14 @@ async fn identify_restored(
                     return Err(format!("the guest refused its identity: {}", err.message));
                 }
             }
+        }
+        if buf.len() > MAX_STALE_BUFFER {
+            if found.is_some() {
+                return Err("the guest's answer to its identity is too large".into());
+            }
+            // Only the answer's header matters: what the guest sent before it can go,
+            // so a guest that floods and never answers costs no memory (up to the timeout).
+            buf.drain(..buf.len() - (proto::HEADER_LEN - 1));
         }
         let mut chunk = [0u8; 16 << 10];
         match stream.read(&mut chunk).await.map_err(gone)? {

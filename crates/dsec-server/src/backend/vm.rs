@@ -669,6 +669,13 @@ impl VmBackend {
                 disk_mb
             )));
         }
+        // A name this backend made (hex), never a path: the record may come from a registry.
+        if guest.saved.is_empty() || !guest.saved.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(ApiError::invalid(format!(
+                "image {name} names no saved guest of this server ({:?})",
+                guest.saved
+            )));
+        }
         let dir = saved_dir(&self.host.dir, &guest.saved);
         match read_saved(&dir) {
             Some(saved) => Ok((dir, saved)),
@@ -1190,10 +1197,12 @@ impl Sandbox for VmSandbox {
         if !*on_disk {
             return self.vm().resume().await.map_err(vm_error);
         }
-        let vm = self.restore_from_disk(&self.vm()).await?;
-        *self.vm.write().expect("lock") = Arc::new(vm);
+        let vm = self.restore_from_disk(&self.vm()).await;
+        // Restored or not, it is no longer a saved guest: one that cannot come back has
+        // failed (its old QEMU is gone), and the reaper says so.
         self.saved_to_disk.store(false, Ordering::SeqCst);
         *on_disk = false;
+        *self.vm.write().expect("lock") = Arc::new(vm?);
         Ok(())
     }
 
@@ -1201,11 +1210,12 @@ impl Sandbox for VmSandbox {
         let mut on_disk = self.on_disk.lock().await;
         if *on_disk {
             // Saved from memory, not from its pause files: back in a QEMU, paused again.
-            let vm = self.restore_from_disk(&self.vm()).await?;
-            vm.pause().await.map_err(vm_error)?;
-            *self.vm.write().expect("lock") = Arc::new(vm);
+            let vm = self.restore_from_disk(&self.vm()).await;
             self.saved_to_disk.store(false, Ordering::SeqCst);
             *on_disk = false;
+            let vm = Arc::new(vm?);
+            *self.vm.write().expect("lock") = Arc::clone(&vm);
+            vm.pause().await.map_err(vm_error)?;
         }
         let saved = format!("{:016x}", rand::random::<u64>());
         let _saving = SavedInUse::new(&self.host, &saved);
