@@ -317,24 +317,28 @@ class SandboxInfo:
 
 @dataclass(frozen=True)
 class Image:
-    """A dsec image. ``raw`` keeps the whole JSON object."""
+    """A dsec image: ``project`` owns it (``None``: the admin's, shared). ``raw`` keeps the
+    whole JSON object."""
 
     name: str
     id: str
     size: int
     layers: list[str] = field(default_factory=list)
     created_at: float | None = None
+    project: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Image:
         layers = d.get("layers")
+        project = d.get("project")
         return cls(
             name=str(d.get("name", "")),
             id=str(d.get("id", "")),
             size=_opt_int(d.get("size")) or 0,
             layers=[str(x) for x in layers] if isinstance(layers, list) else [],
             created_at=_opt_float(d.get("created_at")),
+            project=str(project) if project is not None else None,
             raw=d,
         )
 

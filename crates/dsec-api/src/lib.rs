@@ -614,6 +614,10 @@ pub struct ImageInfo {
     /// removed automatically once no sandbox of it is left.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fork_of: Option<String>,
+    /// The project that owns it (its name is under `<project>/`); absent: the admin's,
+    /// which every project may use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
 }
 
 /// `GET /v1/store`: what the image store holds.

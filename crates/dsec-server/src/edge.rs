@@ -496,7 +496,12 @@ fn network_policy(
 /// admin sees it (the fork's children are made from it inside the edge); every other image
 /// is the admin's, shared by all projects.
 fn shown(caller: &Caller, image: &ImageInfo) -> bool {
-    *caller == Caller::Admin || image.fork_of.is_none()
+    match (caller.project(), &image.project) {
+        (None, _) => true,
+        (Some(p), Some(owner)) => **p == **owner,
+        // The admin's images are shared, but a fork's is the forked sandbox's filesystem.
+        (Some(_), None) => image.fork_of.is_none(),
+    }
 }
 
 /// The error for a sandbox id this edge does not have (or the caller may not see).
@@ -688,10 +693,17 @@ impl Edge {
         caller: &Caller,
     ) -> Result<SandboxInfo, ApiError> {
         let _in_flight = fleet::InFlight::enter(&self.creating);
+        let (kind, _) = self.backends.get(&req.backend)?;
+        let mut req = req;
+        // Docker's images are its own references, not the store's.
+        if kind != BackendKind::Docker {
+            if let Some(own) = self.own_image(&req.image, caller).await {
+                req.image = own;
+            }
+        }
         if let Ok(image) = self.images.get(&req.image) {
             // A fork's children, made from the saved guest by its own backend, need no check.
             if let Some(guest) = &image.guest {
-                let (kind, _) = self.backends.get(&req.backend)?;
                 if guest.backend != kind.name() {
                     return Err(ApiError::invalid(format!(
                         "image {} is a snapshot of a running {} guest (its memory and disk, \
@@ -928,7 +940,12 @@ impl Edge {
     /// Stores a sandbox's filesystem as image `name` (default `<id>-snap-<random>`). The
     /// sandbox is frozen for the copy, a running command included: the image is one
     /// consistent point in time, and only the writable layer is copied.
-    pub async fn snapshot(&self, id: &str, name: Option<String>) -> Result<ImageInfo, ApiError> {
+    pub async fn snapshot(
+        &self,
+        id: &str,
+        name: Option<String>,
+        caller: &Caller,
+    ) -> Result<ImageInfo, ApiError> {
         let entry = self.entry(id)?;
         let running = match entry.state() {
             SandboxState::Running => true,
@@ -939,7 +956,10 @@ impl Edge {
         if running {
             entry.sandbox.pause().await?;
         }
-        let image = entry.sandbox.snapshot(&name).await;
+        let image = entry
+            .sandbox
+            .snapshot(&name, caller.project().map(|p| &**p))
+            .await;
         if running {
             entry.sandbox.resume().await?;
         }
@@ -962,13 +982,13 @@ impl Edge {
         let position = parent.position.hold().await;
         let name = format!("{id}-fork-{:08x}", rand::rng().random::<u32>());
         let _forking = Forking::start(&self.forking, &name);
-        let image = self.snapshot(id, Some(name)).await?;
+        let image = self.snapshot(id, Some(name), caller).await?;
         let fork = dsec_image::Fork {
             edge: self.images.edge().to_owned(),
             parent: id.to_owned(),
         };
         if let Err(e) = self.images.mark_fork(&image.name, fork) {
-            let _ = self.delete_image(&image.name).await;
+            let _ = self.remove_image(&image.name).await;
             return Err(e.into());
         }
         let fork_of = match (&parent.request.trajectory_id, &position) {
@@ -1001,7 +1021,7 @@ impl Edge {
                 let _ = self.stop(&c.id).await;
             }
             // No child uses the fork's image now: it must not outlive the failed fork.
-            let _ = self.delete_image(&image.name).await;
+            let _ = self.remove_image(&image.name).await;
             return Err(e);
         }
         Ok(children)
@@ -1520,18 +1540,34 @@ impl Edge {
         }
     }
 
-    /// Imports an image, telling `progress` about each layer.
+    /// Imports an image for `caller` (a project's is its own, named under `<project>/`),
+    /// telling `progress` about each layer.
     pub async fn import_image(
         &self,
         source: &str,
         name: Option<&str>,
+        caller: &Caller,
         progress: Arc<dyn Fn(dsec_image::ImportProgress) + Send + Sync>,
     ) -> Result<ImageInfo, ApiError> {
-        let image = self.images.import_with(source, name, progress).await?;
+        let project = caller.project().map(|p| &**p);
+        let image = self
+            .images
+            .import_with(source, name, project, progress)
+            .await?;
         Ok(image_info(&self.images, image))
     }
 
-    /// All images.
+    /// The name of `caller`'s own image that `name` means, if it has one: a project's
+    /// own image shadows the admin's of the same name, for that project only.
+    async fn own_image(&self, name: &str, caller: &Caller) -> Option<String> {
+        let own = dsec_image::owned_name(Some(caller.project()?), name);
+        match self.images.resolve(&own).await {
+            Ok(image) if image.project.as_deref() == caller.project().map(|p| &**p) => Some(own),
+            _ => None,
+        }
+    }
+
+    /// All images `caller` may see.
     pub fn images(&self, caller: &Caller) -> Result<Vec<ImageInfo>, ApiError> {
         let images = self.images.list()?;
         Ok(images
@@ -1541,9 +1577,13 @@ impl Edge {
             .collect())
     }
 
-    /// One image.
-    pub fn image(&self, name: &str, caller: &Caller) -> Result<ImageInfo, ApiError> {
-        let info = image_info(&self.images, self.images.get(name)?);
+    /// One image, as `caller` means `name` (its own first).
+    pub async fn image(&self, name: &str, caller: &Caller) -> Result<ImageInfo, ApiError> {
+        let name = self
+            .own_image(name, caller)
+            .await
+            .unwrap_or_else(|| name.to_owned());
+        let info = image_info(&self.images, self.images.get(&name)?);
         if shown(caller, &info) {
             Ok(info)
         } else {
@@ -1554,8 +1594,28 @@ impl Edge {
         }
     }
 
-    /// Deletes an image; layers that live sandboxes use stay until those stop.
-    pub async fn delete_image(&self, name: &str) -> Result<(), ApiError> {
+    /// Deletes an image `caller` owns (the admin: any image); layers that live sandboxes
+    /// use stay until those stop.
+    pub async fn delete_image(&self, name: &str, caller: &Caller) -> Result<(), ApiError> {
+        let info = self.image(name, caller).await?;
+        if info.project.is_none() {
+            caller.require_admin("deleting an image of the admin's")?;
+        }
+        self.remove_image(&info.name).await
+    }
+
+    /// Deletes every image of a project that is gone (nobody else may use them).
+    pub async fn delete_project_images(&self, project: &str) -> Result<(), ApiError> {
+        for image in self.images.list()? {
+            if image.project.as_deref() == Some(project) {
+                self.remove_image(&image.name).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes image `name` from the store.
+    async fn remove_image(&self, name: &str) -> Result<(), ApiError> {
         let (images, name) = (self.images.clone(), name.to_owned());
         tokio::task::spawn_blocking(move || images.remove(&name))
             .await

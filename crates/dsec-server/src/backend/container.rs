@@ -338,11 +338,11 @@ impl Sandbox for ContainerSandbox {
         self.set_frozen(false).await
     }
 
-    async fn snapshot(&self, name: &str) -> Result<ImageInfo, ApiError> {
+    async fn snapshot(&self, name: &str, project: Option<&str>) -> Result<ImageInfo, ApiError> {
         let upper = self.container.upper_dir()?;
         let image = self
             .images
-            .commit_upper(&self.image, &upper.path(), name)
+            .commit_upper(&self.image, &upper.path(), name, project)
             .await?;
         Ok(super::image_info(&self.images, image))
     }
