@@ -470,8 +470,10 @@ pub async fn run_with(
         Arc::clone(&events),
     ));
     tokio::spawn(Arc::clone(&edge).reaper());
-    tokio::spawn(Arc::clone(&edge).usage_sampler());
-    tokio::spawn(watcher::Watcher::new(config.watcher.rules()).run(Arc::clone(&edge)));
+    if config.events.enabled {
+        tokio::spawn(Arc::clone(&edge).usage_sampler());
+        tokio::spawn(watcher::Watcher::new(config.watcher.rules()).run(Arc::clone(&edge)));
+    }
     tokio::spawn(Arc::clone(&edge).image_collector());
     let projects = Arc::new(
         projects::Projects::open(&config.state_dir).map_err(|source| ServeError::StateDir {
