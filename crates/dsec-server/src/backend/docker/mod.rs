@@ -134,11 +134,12 @@ impl Backend for DockerBackend {
                     })
                 )));
             }
-            Ok(i32::try_from(state.pid.unwrap_or_default()).unwrap_or_default())
+            let pid = i32::try_from(state.pid.unwrap_or_default()).unwrap_or_default();
+            Ok((pid, inspect.graph_driver))
         }
         .await;
-        let pid = started?;
-        let local = LocalView::find(&id, pid);
+        let (pid, driver) = started?;
+        let local = LocalView::find(&id, pid, driver.as_ref());
         if local.is_none() {
             tracing::warn!(
                 sandbox = %req.id,
@@ -451,6 +452,14 @@ impl Sandbox for DockerSandbox {
 
     fn cpu_ns(&self) -> Option<u64> {
         self.0.local.as_ref()?.cpu_ns()
+    }
+
+    fn replaced_image_files(&self, dirs: &[&str]) -> Vec<String> {
+        self.0
+            .local
+            .as_ref()
+            .map(|l| l.replaced_image_files(dirs))
+            .unwrap_or_default()
     }
 
     fn is_alive(&self) -> bool {
