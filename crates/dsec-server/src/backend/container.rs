@@ -388,7 +388,8 @@ impl Sandbox for ContainerSandbox {
         let Ok(upper) = self.container.upper_dir() else {
             return Vec::new();
         };
-        super::layers::replaced_image_files(upper.as_fd(), &self.layers.dirs, dirs)
+        let lowers = dsec_runtime::layers::open_layers(&self.layers.dirs);
+        dsec_runtime::layers::replaced_image_files(upper.as_fd(), &lowers, dirs)
     }
 
     fn is_alive(&self) -> bool {

@@ -10,7 +10,6 @@ pub mod container;
 pub mod docker;
 pub mod files;
 pub mod fncall;
-mod layers;
 pub mod vm;
 
 use std::collections::HashSet;

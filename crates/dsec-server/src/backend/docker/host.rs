@@ -374,7 +374,7 @@ impl LocalView {
     }
 
     /// The image's files under `dirs` that the container overwrote or removed (see
-    /// [`crate::backend::layers::replaced_image_files`]).
+    /// [`dsec_runtime::layers::replaced_image_files`]).
     pub(super) fn replaced_image_files(&self, dirs: &[&str]) -> Vec<String> {
         let Some(layers) = &self.layers else {
             return Vec::new();
@@ -385,7 +385,8 @@ impl LocalView {
             Mode::empty(),
         ) {
             Ok(upper) => {
-                crate::backend::layers::replaced_image_files(upper.as_fd(), &layers.lowers, dirs)
+                let lowers = dsec_runtime::layers::open_layers(&layers.lowers);
+                dsec_runtime::layers::replaced_image_files(upper.as_fd(), &lowers, dirs)
             }
             Err(_) => Vec::new(),
         }

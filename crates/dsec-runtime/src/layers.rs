@@ -1,33 +1,45 @@
-//! What a sandbox changed of its image, read from its overlay's writable layer on the
-//! host: the container backend's own layer, and a local Docker daemon's `overlay2` one.
+//! What a sandbox changed of its image, read from its overlay's writable layer: by the
+//! edge for a container (its own layer, or a local Docker daemon's `overlay2` one) and by
+//! a VM guest's agent for its own root.
 
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
 
+/// Directories of an image's own programs and libraries: writes there replace them (the
+/// Watcher's `binary-overwrite`).
+pub const IMAGE_BINARY_DIRS: [&str; 8] = [
+    "/bin/",
+    "/sbin/",
+    "/usr/bin/",
+    "/usr/sbin/",
+    "/lib/",
+    "/lib64/",
+    "/usr/lib/",
+    "/usr/local/bin/",
+];
+
 /// The image's files under `dirs` (absolute directories, e.g. `/usr/bin/`) that the
-/// writable layer `upper` over the image layers `lowers` overwrote or removed, as
-/// absolute paths (a whole directory hidden: `/usr/bin/`).
+/// writable layer `upper` over the image layers `lowers` (their roots) overwrote or
+/// removed, as absolute paths (a whole directory hidden: `/usr/bin/`).
 ///
 /// An overlay's upper directory holds exactly what the sandbox changed (removals as
 /// whiteouts); those of its entries that an image layer also has are replaced. The
 /// sandbox writes that directory: it is walked without following any link (a planted
 /// `usr -> /` would otherwise list the host's own directories), and only so far per call,
 /// since the sandbox chooses how many entries there are.
-pub(crate) fn replaced_image_files(
+pub fn replaced_image_files(
     upper: BorrowedFd<'_>,
-    lowers: &[PathBuf],
+    lowers: &[impl AsFd],
     dirs: &[&str],
 ) -> Vec<String> {
     let in_image = |path: &Path| {
-        lowers.iter().any(|layer| {
-            rustix::fs::open(layer, OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).is_ok_and(
-                |root| rustix::fs::statat(&root, path, AtFlags::SYMLINK_NOFOLLOW).is_ok(),
-            )
-        })
+        lowers
+            .iter()
+            .any(|root| rustix::fs::statat(root, path, AtFlags::SYMLINK_NOFOLLOW).is_ok())
     };
     let mut replaced = Vec::new();
     for dir in dirs {
@@ -49,6 +61,22 @@ pub(crate) fn replaced_image_files(
         }
     }
     replaced
+}
+
+/// The roots of `layers` (directories), opened for [`replaced_image_files`]; one that
+/// cannot be opened is left out.
+pub fn open_layers(layers: &[impl AsRef<Path>]) -> Vec<rustix::fd::OwnedFd> {
+    layers
+        .iter()
+        .filter_map(|l| {
+            rustix::fs::open(
+                l.as_ref(),
+                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .ok()
+        })
+        .collect()
 }
 
 /// The most entries of one directory of a writable layer read per sample.
