@@ -3,9 +3,10 @@
 E2B_API_KEY) and in the SDK's debug mode (E2B_DEBUG=true, one sandbox for every call).
 
 Commands are dsec's spawned processes (stdin, PTYs, list, kill, connect, surviving a
-disconnect), as root or as a user of the image. What dsec's E2B API does not do yet (file
-metadata, templates, volumes) is asserted to answer at once with E2B's error shape and a message
-that says so.
+disconnect), as root or as a user of the image. Files carry E2B's metadata as user.e2b.*
+extended attributes, and watch events their entries. What dsec's E2B API does not do yet
+(templates, volumes) is asserted to answer at once with E2B's error shape and a message that
+says so.
 
 The "base" template here is the suite's Debian test image (bash, python3; made once by
 scripts/make-debian-rootfs.sh into $DSEC_TEST_DEBIAN_ROOTFS, shared with test_network.py):
@@ -17,7 +18,9 @@ the suite. $DSEC_TEST_E2B_ROOTFS names another root filesystem to import as "bas
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shlex
 import subprocess
 import time
 from collections.abc import Iterator
@@ -55,8 +58,6 @@ from e2b.sandbox.filesystem.filesystem import WriteEntry  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 DEBIAN_ROOTFS = Path(os.environ.get("DSEC_TEST_DEBIAN_ROOTFS", "/var/tmp/dsec-test-debian-rootfs"))
 API_KEY = "e2b_" + "0" * 40
-#: What every answer for a feature dsec lacks says.
-NOT_YET = "does not have yet"
 
 
 @pytest.fixture(scope="module")
@@ -420,12 +421,120 @@ def test_files_watch_dir_polls_dsec_s_watch(sandbox: Sandbox) -> None:
         sandbox.files.watch_dir("/tmp/no/such/dir")
 
 
+def test_files_watch_events_carry_their_entry(sandbox: Sandbox) -> None:
+    """include_entry (envd 0.6.3): each event has its path's EntryInfo, except a path
+    removed or moved away; metadata is in it."""
+    sandbox.files.make_dir("/tmp/we")
+    handle = sandbox.files.watch_dir("/tmp/we", include_entry=True)
+    sandbox.files.write("/tmp/we/a.txt", "abc", metadata={"tag": "w"})
+    sandbox.files.remove("/tmp/we/a.txt")
+    events: list[Any] = []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        events += handle.get_new_events()
+        if any(ev.type == e2b.FilesystemEventType.REMOVE for ev in events):
+            break
+        time.sleep(0.2)
+    handle.stop()
+    created = [ev for ev in events if ev.type == e2b.FilesystemEventType.CREATE]
+    removed = [ev for ev in events if ev.type == e2b.FilesystemEventType.REMOVE]
+    assert created and removed, events
+    assert all(ev.entry is None for ev in removed)
+    # The entry is the path's as the event was handled: there, or already gone.
+    told = [ev.entry for ev in events if ev.entry is not None]
+    assert told, events
+    assert all(e.path == "/tmp/we/a.txt" and e.type == e2b.FileType.FILE for e in told)
+    # Without include_entry, no entry.
+    plain = sandbox.files.watch_dir("/tmp/we")
+    sandbox.files.write("/tmp/we/b.txt", "b")
+    deadline = time.monotonic() + 20
+    got: list[Any] = []
+    while not got and time.monotonic() < deadline:
+        got = plain.get_new_events()
+        time.sleep(0.2)
+    plain.stop()
+    assert got and all(ev.entry is None for ev in got)
+
+
+def _xattrs(sandbox: Sandbox, path: str) -> dict[str, str]:
+    """The extended attributes of `path`, as a command in the sandbox reads them."""
+    code = (
+        "import os, json, sys; p = sys.argv[1]; "
+        "print(json.dumps({k: os.getxattr(p, k).decode() for k in os.listxattr(p)}))"
+    )
+    return json.loads(sandbox.commands.run(f"python3 -c {shlex.quote(code)} {path}").stdout)
+
+
+def test_files_metadata_is_user_e2b_xattrs(sandbox: Sandbox) -> None:
+    """X-Metadata-* uploads (envd 0.6.2) become user.e2b.* extended attributes, read back
+    by Stat, ListDir and the upload's reply; a rewrite replaces the whole set."""
+    info = sandbox.files.write("/tmp/meta/a.txt", "x", metadata={"owner": "ann", "run": "7"})
+    assert info.metadata == {"owner": "ann", "run": "7"}
+    assert _xattrs(sandbox, "/tmp/meta/a.txt") == {"user.e2b.owner": "ann", "user.e2b.run": "7"}
+    assert sandbox.files.get_info("/tmp/meta/a.txt").metadata == {"owner": "ann", "run": "7"}
+    listed = {e.name: e for e in sandbox.files.list("/tmp/meta")}
+    assert listed["a.txt"].metadata == {"owner": "ann", "run": "7"}
+    # Set in the sandbox by hand, it reads back too (attributes outside user.e2b. do not).
+    sandbox.commands.run(
+        "python3 -c \"import os; os.setxattr('/tmp/meta/a.txt', 'user.e2b.hand', b'made');"
+        " os.setxattr('/tmp/meta/a.txt', 'user.other', b'no')\""
+    )
+    assert sandbox.files.get_info("/tmp/meta/a.txt").metadata == {
+        "owner": "ann",
+        "run": "7",
+        "hand": "made",
+    }
+    # A rewrite replaces the set; one without metadata clears it.
+    sandbox.files.write("/tmp/meta/a.txt", "y", metadata={"run": "8"}, use_octet_stream=True)
+    assert sandbox.files.get_info("/tmp/meta/a.txt").metadata == {"run": "8"}
+    plain = sandbox.files.write("/tmp/meta/a.txt", "z")
+    assert plain.metadata is None
+    assert sandbox.files.get_info("/tmp/meta/a.txt").metadata is None
+    # A move keeps it; several files get the same set.
+    sandbox.files.write_files(
+        [WriteEntry(path="/tmp/meta/m1", data="1"), WriteEntry(path="/tmp/meta/m2", data="2")],
+        metadata={"batch": "b"},
+    )
+    moved = sandbox.files.rename("/tmp/meta/m1", "/tmp/meta/moved")
+    assert moved.metadata == {"batch": "b"}
+    assert sandbox.files.get_info("/tmp/meta/m2").metadata == {"batch": "b"}
+    # Directories carry it too when set in the sandbox.
+    sandbox.commands.run("python3 -c \"import os; os.setxattr('/tmp/meta', 'user.e2b.d', b'1')\"")
+    assert sandbox.files.get_info("/tmp/meta").metadata == {"d": "1"}
+
+
+def test_files_metadata_limits_are_envds(e2b_env: E2bServer, sandbox: Sandbox) -> None:
+    """What envd refuses with 400 (checked before anything is written), sent raw: the
+    SDK checks some of it itself."""
+    url = f"{e2b_env.sandbox_url}/files"
+    token = sandbox._envd_access_token or ""
+    headers = {"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": token}
+    for bad, why in (
+        ({"X-Metadata-k": "caf\u00e9".encode()}, "printable"),
+        ({"X-Metadata-k": b"a\tb"}, "printable"),
+        ({"X-Metadata-" + "k" * 247: "v"}, "bytes"),
+        ({"X-Metadata-k": "v" * 4096}, "4096"),
+    ):
+        r = httpx.post(
+            url,
+            params={"path": "/tmp/lim.txt"},
+            headers={**headers, **bad},
+            content=b"x",
+            timeout=30,
+        )
+        assert r.status_code == 400, r.text
+        assert why in r.json()["message"], r.text
+    assert not sandbox.files.exists("/tmp/lim.txt")
+    headers["Content-Type"] = "application/octet-stream"
+    headers["X-Metadata-Mixed-Case"] = "v"
+    ok = httpx.post(url, params={"path": "/tmp/lim.txt"}, content=b"x", headers=headers, timeout=30)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()[0]["metadata"] == {"mixed-case": "v"}
+
+
 def test_files_errors(sandbox: Sandbox) -> None:
     with pytest.raises(e2b.NotFoundException):
         sandbox.files.read("/tmp/no/such/file")
-    for case in (lambda: sandbox.files.write("/tmp/m.txt", "x", metadata={"k": "v"}),):
-        with pytest.raises(SandboxException, match=NOT_YET):
-            case()
 
 
 # ------------------------------------------------------------------ lifecycle

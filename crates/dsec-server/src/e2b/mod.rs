@@ -34,12 +34,14 @@ use crate::projects::{Caller, Projects};
 
 /// The envd version dsec reports to the SDK, which enables its features by version
 /// (`e2b/envd/versions.py`). 0.6.4 turns on every gate the SDK knows, so the SDK sends
-/// each request as it would to E2B and dsec answers it. Served: recursive watch (0.1.4),
-/// the stdin flag (0.3.0) and closing stdin (0.5.2) on dsec's process table,
-/// octet-stream uploads (0.5.7); refused with a message saying what dsec lacks: file
-/// metadata (0.6.2); watch events carry no entry (0.6.3), which the SDK reads as none. A
-/// lower version would make the SDK act as user `user` by default (< 0.4.0) or blame the
-/// template for what it does not send (TemplateException).
+/// each request as it would to E2B and dsec answers it: recursive watch (0.1.4), the
+/// stdin flag (0.3.0) and closing stdin (0.5.2) on dsec's process table, octet-stream
+/// uploads (0.5.7), file metadata as `user.e2b.*` extended attributes (0.6.2; refused
+/// with a reason where the backend or filesystem cannot keep them), the entry in watch
+/// events (0.6.3); network mounts (0.6.4) are never watched, since dsec's files API
+/// serves no network filesystem. A lower version would make the SDK act as user `user`
+/// by default (< 0.4.0) or blame the template for what it does not send
+/// (TemplateException).
 pub const ENVD_VERSION: &str = "0.6.4";
 
 /// The sandbox id the SDK uses in debug mode (`E2B_DEBUG=true`), where it makes no
