@@ -27,9 +27,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import dsec
 import httpx
 import pytest
 from dsec_testlib import (
+    BACKENDS,
+    VM_BACKENDS,
     Server,
     assert_no_leftovers,
     free_port,
@@ -530,6 +533,44 @@ def test_files_metadata_limits_are_envds(e2b_env: E2bServer, sandbox: Sandbox) -
     ok = httpx.post(url, params={"path": "/tmp/lim.txt"}, content=b"x", headers=headers, timeout=30)
     assert ok.status_code == 200, ok.text
     assert ok.json()[0]["metadata"] == {"mixed-case": "v"}
+
+
+@pytest.mark.parametrize("backend", sorted(VM_BACKENDS))
+def test_files_metadata_in_vm_guests(e2b_env: E2bServer, backend: str) -> None:
+    """A guest's agent keeps metadata on its own filesystem (the overlay on its ext4
+    scratch disk), as the container's init does."""
+    if backend not in BACKENDS:
+        pytest.skip(f"{backend} is not in DSEC_TEST_BACKENDS")
+    with e2b_env.server.client() as c:
+        try:
+            c.create(backend=backend, image="base").stop()
+        except dsec.Unavailable as e:
+            require("vm", f"backend {backend}: {e}")
+    sb = Sandbox.create(f"{backend}+base", timeout=300)
+    try:
+        info = sb.files.write("/root/m.txt", "x", metadata={"k": "v"})
+        assert info.metadata == {"k": "v"}
+        assert sb.files.get_info("/root/m.txt").metadata == {"k": "v"}
+        assert {e.name: e.metadata for e in sb.files.list("/root")}["m.txt"] == {"k": "v"}
+        assert _xattrs(sb, "/root/m.txt") == {"user.e2b.k": "v"}
+    finally:
+        sb.kill()
+
+
+def test_files_metadata_on_docker_is_refused_not_dropped(
+    e2b_env: E2bServer, docker_image: str
+) -> None:
+    """Docker's archive API carries no extended attributes: a write with metadata says so
+    (and writes nothing); one without works."""
+    sb = Sandbox.create(f"docker+{docker_image}", timeout=120)
+    try:
+        with pytest.raises(InvalidArgumentException, match="docker"):
+            sb.files.write("/tmp/m.txt", "x", metadata={"k": "v"})
+        assert not sb.files.exists("/tmp/m.txt")
+        assert sb.files.write("/tmp/m.txt", "x").metadata is None
+        assert sb.files.get_info("/tmp/m.txt").metadata is None
+    finally:
+        sb.kill()
 
 
 def test_files_errors(sandbox: Sandbox) -> None:
