@@ -33,7 +33,8 @@ const XATTR_MAX: usize = 65536;
 
 /// Why a metadata set is refused, before anything is written.
 pub fn validate(metadata: &BTreeMap<String, String>) -> Result<(), String> {
-    let printable = |what: &str, s: &str| match s.bytes().position(|b| !(0x20..=0x7e).contains(&b)) {
+    let printable = |what: &str, s: &str| match s.bytes().position(|b| !(0x20..=0x7e).contains(&b))
+    {
         Some(at) => Err(format!(
             "metadata {what} contains a byte that is not printable ASCII (0x{:02x} at offset {at})",
             s.as_bytes()[at]
@@ -227,6 +228,9 @@ mod tests {
         assert!(read_nofollow(p).is_empty());
         // Attributes outside the namespace are not the metadata's to remove.
         let mut buf = [0u8; 8];
-        assert_eq!(rustix::fs::getxattr(p, "user.other", &mut buf[..]).unwrap(), 1);
+        assert_eq!(
+            rustix::fs::getxattr(p, "user.other", &mut buf[..]).unwrap(),
+            1
+        );
     }
 }

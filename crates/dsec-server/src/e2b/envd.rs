@@ -1406,6 +1406,23 @@ mod tests {
     }
 
     #[test]
+    fn metadata_headers_are_envds() {
+        let mut h = HeaderMap::new();
+        assert!(upload_metadata(&h).unwrap().is_empty());
+        h.insert("x-metadata-Owner", "ann".parse().unwrap());
+        h.append("x-metadata-owner", "bob".parse().unwrap());
+        h.insert("x-metadata-", "nameless".parse().unwrap());
+        h.insert("x-other", "no".parse().unwrap());
+        let m = upload_metadata(&h).unwrap();
+        assert_eq!(m, BTreeMap::from([("owner".to_owned(), "ann".to_owned())]));
+        h.insert("x-metadata-big", "v".repeat(5000).parse().unwrap());
+        assert_eq!(
+            upload_metadata(&h).unwrap_err().status(),
+            StatusCode::BAD_REQUEST
+        );
+    }
+
+    #[test]
     fn permissions_read_like_ls() {
         assert_eq!(permissions(FileType::File, 0o644), "-rw-r--r--");
         assert_eq!(permissions(FileType::Directory, 0o755), "drwxr-xr-x");

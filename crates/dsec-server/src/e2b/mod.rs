@@ -28,6 +28,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use dsec_api::{CreateSandboxRequest, Network, SandboxInfo, SandboxState};
 use rand::Rng;
 
+use axum::serve::ListenerExt;
+
 use crate::edge::Edge;
 use crate::error::ApiError;
 use crate::projects::{Caller, Projects};
@@ -312,9 +314,23 @@ impl E2b {
         }
     }
 
-    /// One sandbox; `NotFound` once it is gone.
+    /// One sandbox, its usage left zero (it is read for [`with_usage`](Self::with_usage)
+    /// only: every request looks its sandbox up); `NotFound` once it is gone.
     pub fn get(&self, id: &str) -> Result<E2bSandbox, ApiError> {
-        let info = match self.edge.get(id) {
+        self.lookup(id, Edge::get_brief)
+    }
+
+    /// One sandbox with its resource usage now; `NotFound` once it is gone.
+    pub fn with_usage(&self, id: &str) -> Result<E2bSandbox, ApiError> {
+        self.lookup(id, Edge::get)
+    }
+
+    fn lookup(
+        &self,
+        id: &str,
+        info: impl FnOnce(&Edge, &str) -> Result<SandboxInfo, ApiError>,
+    ) -> Result<E2bSandbox, ApiError> {
+        let info = match info(&self.edge, id) {
             Ok(info) => info,
             Err(e) => {
                 self.records.lock().expect("lock").remove(id);
@@ -558,7 +574,14 @@ async fn serve(
 ) -> Result<tokio::task::JoinHandle<()>, crate::ServeError> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
-        .map_err(|source| crate::ServeError::Listen { addr, source })?;
+        .map_err(|source| crate::ServeError::Listen { addr, source })?
+        // A Connect stream is several small writes (start, output, end): with Nagle's
+        // algorithm each after the first waits for the client's delayed ACK (~40 ms).
+        .tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "TCP_NODELAY");
+            }
+        });
     tracing::info!(listen = %addr, "{what} serving");
     Ok(tokio::spawn(async move {
         let shutdown = async move {
