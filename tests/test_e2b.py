@@ -465,7 +465,9 @@ def _xattrs(sandbox: Sandbox, path: str) -> dict[str, str]:
         "import os, json, sys; p = sys.argv[1]; "
         "print(json.dumps({k: os.getxattr(p, k).decode() for k in os.listxattr(p)}))"
     )
-    return json.loads(sandbox.commands.run(f"python3 -c {shlex.quote(code)} {path}").stdout)
+    out = sandbox.commands.run(f"python3 -c {shlex.quote(code)} {path}").stdout
+    got: dict[str, str] = json.loads(out)
+    return got
 
 
 def test_files_metadata_is_user_e2b_xattrs(sandbox: Sandbox) -> None:
@@ -512,16 +514,17 @@ def test_files_metadata_limits_are_envds(e2b_env: E2bServer, sandbox: Sandbox) -
     url = f"{e2b_env.sandbox_url}/files"
     token = sandbox._envd_access_token or ""
     headers = {"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": token}
-    for bad, why in (
-        ({"X-Metadata-k": "caf\u00e9".encode()}, "printable"),
-        ({"X-Metadata-k": b"a\tb"}, "printable"),
-        ({"X-Metadata-" + "k" * 247: "v"}, "bytes"),
-        ({"X-Metadata-k": "v" * 4096}, "4096"),
-    ):
+    bad_values: list[tuple[bytes, bytes, str]] = [
+        (b"X-Metadata-k", "caf\u00e9".encode(), "printable"),
+        (b"X-Metadata-k", b"a\tb", "printable"),
+        (b"X-Metadata-" + b"k" * 247, b"v", "bytes"),
+        (b"X-Metadata-k", b"v" * 4096, "4096"),
+    ]
+    for name, value, why in bad_values:
         r = httpx.post(
             url,
             params={"path": "/tmp/lim.txt"},
-            headers={**headers, **bad},
+            headers=[*((k.encode(), v.encode()) for k, v in headers.items()), (name, value)],
             content=b"x",
             timeout=30,
         )

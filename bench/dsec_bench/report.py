@@ -656,7 +656,8 @@ def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: 
         )
     cmd = " ".join(["python3", "bench/bench.py", *sys.argv[1:]])
     sized = f" {'; '.join(sizes)}." if sizes else ""
-    out.append(f"Host: {host_description()}. Rootfs: busybox.{sized} Command: `{cmd}`")
+    busybox = " Rootfs: busybox." if set(res) - {"e2b"} else ""
+    out.append(f"Host: {host_description()}.{busybox}{sized} Command: `{cmd}`")
     out.append("")
     if any(part not in ("vm", "sdk", "e2b") for part in res):
         out += main_table(res, args, cs)
