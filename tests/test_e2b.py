@@ -470,7 +470,7 @@ def _xattrs(sandbox: Sandbox, path: str) -> dict[str, str]:
     return got
 
 
-def test_files_metadata_is_user_e2b_xattrs(sandbox: Sandbox) -> None:
+def test_files_metadata_is_user_e2b_xattrs(e2b_env: E2bServer, sandbox: Sandbox) -> None:
     """X-Metadata-* uploads (envd 0.6.2) become user.e2b.* extended attributes, read back
     by Stat, ListDir and the upload's reply; a rewrite replaces the whole set."""
     info = sandbox.files.write("/tmp/meta/a.txt", "x", metadata={"owner": "ann", "run": "7"})
@@ -479,6 +479,11 @@ def test_files_metadata_is_user_e2b_xattrs(sandbox: Sandbox) -> None:
     assert sandbox.files.get_info("/tmp/meta/a.txt").metadata == {"owner": "ann", "run": "7"}
     listed = {e.name: e for e in sandbox.files.list("/tmp/meta")}
     assert listed["a.txt"].metadata == {"owner": "ann", "run": "7"}
+    # dsec's own SDK reads it too.
+    with e2b_env.server.client() as c:
+        own = c.get(sandbox.sandbox_id)
+        assert own.stat("/tmp/meta/a.txt").metadata == {"owner": "ann", "run": "7"}
+        assert {f.name: f.metadata for f in own.list_files("/tmp/meta")}["a.txt"]["run"] == "7"
     # Set in the sandbox by hand, it reads back too (attributes outside user.e2b. do not).
     sandbox.commands.run(
         "python3 -c \"import os; os.setxattr('/tmp/meta/a.txt', 'user.e2b.hand', b'made');"
