@@ -29,7 +29,10 @@
 //!   its last component without following it: a symbolic link is reported, moved or
 //!   removed itself, never its target; a recursive remove never follows a link nor
 //!   crosses into another filesystem, and the root is never moved or removed;
-//! - watches ([`watch`]) open the directory as a listing does and watch that inode.
+//! - watches ([`watch`]) open the directory as a listing does and watch that inode;
+//! - metadata ([`metadata`], E2B's `user.e2b.*` extended attributes) is set on the
+//!   descriptor a write opened, and read through the descriptors a listing or `stat`
+//!   already holds (`/proc/self/fd/N`, the last component not followed), never by path.
 
 pub mod client;
 mod identity;
