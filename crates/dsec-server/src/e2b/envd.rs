@@ -1409,7 +1409,9 @@ mod tests {
     fn metadata_headers_are_envds() {
         let mut h = HeaderMap::new();
         assert!(upload_metadata(&h).unwrap().is_empty());
-        h.insert("x-metadata-Owner", "ann".parse().unwrap());
+        // Header names arrive lowercased, whatever the client sent.
+        let owner = header::HeaderName::from_bytes(b"X-Metadata-Owner").unwrap();
+        h.insert(owner, "ann".parse().unwrap());
         h.append("x-metadata-owner", "bob".parse().unwrap());
         h.insert("x-metadata-", "nameless".parse().unwrap());
         h.insert("x-other", "no".parse().unwrap());
