@@ -568,7 +568,7 @@ impl WatchEvents {
                         .stat(&lookup.sandbox, &path, lookup.user.as_deref())
                         .await
                         .ok()
-                        .map(|f| entry_info(path, f));
+                        .map(|f| Box::new(entry_info(path, f)));
                 }
             }
             told.push(event);

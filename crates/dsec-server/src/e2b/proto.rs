@@ -315,7 +315,7 @@ pub struct FilesystemEvent {
     /// The path's entry as the event was handled, when the watch asked for entries;
     /// none for a path removed or moved away, or gone by then.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub entry: Option<EntryInfo>,
+    pub entry: Option<Box<EntryInfo>>,
 }
 
 /// A message of the `WatchDir` reply stream.
