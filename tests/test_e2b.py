@@ -762,15 +762,17 @@ def test_async_sdk(e2b_env: E2bServer) -> None:
             await sb.files.write("/tmp/x.txt", "x")
             assert await sb.files.read("/tmp/x.txt") == "x"
             assert await sb.files.make_dir("/tmp/d") is True
-            seen: list[str] = []
-            handle = await sb.files.watch_dir("/tmp/d", lambda ev: seen.append(ev.name))
+            seen: list[Any] = []
+            handle = await sb.files.watch_dir("/tmp/d", seen.append, include_entry=True)
             await sb.files.write("/tmp/d/new.txt", "n")
             for _ in range(100):
-                if "new.txt" in seen:
+                if any(ev.name == "new.txt" for ev in seen):
                     break
                 await asyncio.sleep(0.1)
             await handle.stop()
-            assert "new.txt" in seen
+            assert any(ev.name == "new.txt" for ev in seen), seen
+            # The WatchDir stream carries entries too (the file is still there).
+            assert any(ev.entry is not None and ev.entry.path == "/tmp/d/new.txt" for ev in seen)
         finally:
             assert await sb.kill() is True
         assert not await sb.is_running()
