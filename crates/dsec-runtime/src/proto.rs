@@ -608,6 +608,10 @@ pub struct OpenWrite {
     pub mode: u32,
     /// The chunk in this frame is the whole file.
     pub last: bool,
+    /// The file's metadata, replacing what it had ([`crate::files::metadata`]); `None`
+    /// leaves it as it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// A [`FrameKind::ListDir`] request.

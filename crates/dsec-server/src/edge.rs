@@ -165,12 +165,18 @@ impl Entry {
     }
 
     fn snapshot(&self) -> SandboxInfo {
-        let mut info = self.info.clone();
-        info.labels = self.labels();
-        info.state = self.state();
+        let mut info = self.brief();
         if matches!(info.state, SandboxState::Running | SandboxState::Paused) {
             info.usage = self.sandbox.usage();
         }
+        info
+    }
+
+    /// The snapshot without the usage, which reads the sandbox's cgroup files.
+    fn brief(&self) -> SandboxInfo {
+        let mut info = self.info.clone();
+        info.labels = self.labels();
+        info.state = self.state();
         info
     }
 
@@ -896,6 +902,12 @@ impl Edge {
     /// One sandbox's info.
     pub fn get(&self, id: &str) -> Result<SandboxInfo, ApiError> {
         Ok(self.entry(id)?.snapshot())
+    }
+
+    /// What [`get`](Self::get) says but the usage (left zero): for the lookup that routes
+    /// each request of a front end (E2B's), which a read of cgroup files would slow.
+    pub fn get_brief(&self, id: &str) -> Result<SandboxInfo, ApiError> {
+        Ok(self.entry(id)?.brief())
     }
 
     /// The sandboxes now in the table (a copy: the lock is not held while they are used).

@@ -312,8 +312,15 @@ impl Sandbox for DockerSandbox {
         Ok(Box::new(SpooledRead::open(tar, path.to_owned()).await?))
     }
 
-    async fn write_file(&self, path: &str, mode: u32, data: Upload) -> Result<(), ApiError> {
+    async fn write_file(&self, path: &str, mode: u32, mut data: Upload) -> Result<(), ApiError> {
         as_root_only()?;
+        if data.take_metadata().is_some_and(|m| !m.is_empty()) {
+            return Err(ApiError::invalid(
+                "file metadata is not supported on docker sandboxes (Docker's archive API \
+                 carries no extended attributes): use the container backend, or keep the \
+                 metadata beside the file",
+            ));
+        }
         let inner = &self.0;
         let resolved = inner.resolve(path).await?;
         resolved.check(path, FileOp::Write)?;
