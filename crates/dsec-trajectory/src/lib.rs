@@ -87,8 +87,8 @@ pub use capture::{KeptOutput, OutputCapture};
 pub use error::LogError;
 pub use job::{LogStats, Pending};
 pub use model::{
-    digest, ExitStatus, FileDigest, ForkOf, SandboxLog, SandboxRecord, Step, StepRequest,
-    StepResult,
+    digest, ExitStatus, FileDigest, ForkOf, ProcessRequest, SandboxLog, SandboxRecord, Step,
+    StepKind, StepRequest, StepResult,
 };
 
 use crate::budget::Delta;
@@ -242,6 +242,13 @@ impl TrajectoryLog {
     /// pruned after it stopped) is not stored.
     pub fn append(&self, step: Step) -> Pending {
         self.send(Write::Append(Box::new(step)))
+    }
+
+    /// Records the end of a spawned process: `step` is its spawn step, appended before,
+    /// now with the process's exit and output as its result (bounded by the budgets as an
+    /// append's). A spawn step the log no longer holds is not stored.
+    pub fn ended(&self, step: Step) -> Pending {
+        self.send(Write::Ended(Box::new(step)))
     }
 
     /// Records that a sandbox stopped: from now on its log may be pruned.
