@@ -733,9 +733,7 @@ def close_stdin_call(id: str, pid: int, step: int | None = None) -> Call[None]:
 
 def signal_call(id: str, pid: int, sig: int | str, step: int | None = None) -> Call[None]:
     body = {"signal": sig if isinstance(sig, str) else int(sig)}
-    return Call(
-        "POST", _proc(id, pid, "/signal"), parse_none, params=_step_params(step), json=body
-    )
+    return Call("POST", _proc(id, pid, "/signal"), parse_none, params=_step_params(step), json=body)
 
 
 def kill_process_call(id: str, pid: int, step: int | None = None) -> Call[None]:
@@ -744,9 +742,7 @@ def kill_process_call(id: str, pid: int, step: int | None = None) -> Call[None]:
 
 def resize_call(id: str, pid: int, cols: int, rows: int, step: int | None = None) -> Call[None]:
     body = {"cols": int(cols), "rows": int(rows)}
-    return Call(
-        "POST", _proc(id, pid, "/resize"), parse_none, params=_step_params(step), json=body
-    )
+    return Call("POST", _proc(id, pid, "/resize"), parse_none, params=_step_params(step), json=body)
 
 
 def wait_call(id: str, pid: int, timeout: float) -> Call[ProcessInfo]:
