@@ -226,7 +226,7 @@ impl Recorder {
             step: self.step,
             trajectory_id: self.trajectory_id.take(),
             sandbox_id: std::mem::take(&mut self.sandbox_id),
-            request: std::mem::replace(&mut self.request, StepRequest::default()),
+            request: std::mem::take(&mut self.request),
             result,
             started_at: self.started_at,
             finished_at: unix_now(),
