@@ -5,6 +5,7 @@ backend that holds a sandbox."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -83,6 +84,39 @@ def test_stdin_reaches_cat_and_close_stdin_ends_it(psb: dsec.Sandbox) -> None:
     assert p.wait(timeout=20) == 0
     with pytest.raises(dsec.Conflict, match="exited"):
         p.send_stdin("late\n")
+
+
+def test_stdin_faster_than_the_process_reads_waits_instead_of_piling_up(
+    psb: dsec.Sandbox, backend: str
+) -> None:
+    """init holds at most 4 MiB of a process's unread input: a write past that waits until
+    the process reads (backpressure), and nothing written is lost."""
+    if backend == "docker":
+        pytest.skip("a docker process's stdin goes through the daemon, not dsec's init")
+    chunk = b"x" * (1 << 20)
+    p = psb.spawn("sleep 2; wc -c")
+    started = time.monotonic()
+    for _ in range(12):
+        p.send_stdin(chunk)
+    waited = time.monotonic() - started
+    p.close_stdin()
+    assert p.wait(timeout=60) == 0
+    assert output_of(p)[0].strip() == str(12 << 20)
+    # 12 MiB do not fit in a pipe and init's 4 MiB: the writes waited for the reader.
+    assert waited > 1.0, waited
+    # A process that never reads takes 4 MiB and a pipe's worth; the next write waits
+    # until it ends, and is then dropped with it.
+    q = psb.spawn("sleep 600")
+    for _ in range(4):
+        q.send_stdin(chunk)
+    blocked: list[float] = []
+    writer = threading.Thread(target=lambda: (q.send_stdin(chunk * 2), blocked.append(1.0)))
+    writer.start()
+    writer.join(timeout=2)
+    assert writer.is_alive() and not blocked, "a write past the bound did not wait"
+    q.kill()
+    writer.join(timeout=20)
+    assert blocked == [1.0], "the waiting write did not end with the process"
 
 
 def test_stdin_false_closes_input_at_once(psb: dsec.Sandbox) -> None:
