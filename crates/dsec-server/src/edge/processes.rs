@@ -184,7 +184,8 @@ impl Process {
         }
     }
 
-    /// Appends `data` to its standard input.
+    /// Appends `data` to its standard input. A write that waits for the process to read
+    /// what is queued (backpressure) ends when the process does.
     pub async fn send_stdin(&self, data: &[u8]) -> Result<(), ApiError> {
         self.running("input")?;
         if self.output.lock().expect("lock").stdin_closed {
@@ -193,7 +194,10 @@ impl Process {
                 self.pid
             )));
         }
-        self.control.send_stdin(data).await
+        tokio::select! {
+            sent = self.control.send_stdin(data) => sent,
+            _ = self.wait(None) => self.running("input"),
+        }
     }
 
     /// Ends its standard input (idempotent).
