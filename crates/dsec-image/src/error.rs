@@ -48,6 +48,15 @@ pub enum ImageError {
         /// What the registry or the transport said.
         reason: String,
     },
+    /// The name is taken by an image of another owner, which an import or snapshot
+    /// never replaces.
+    #[error("image {name:?} belongs to {owner}: choose another name")]
+    Owned {
+        /// The name.
+        name: String,
+        /// Whose it is (`the admin`, or `project "NAME"`).
+        owner: String,
+    },
     /// The layer store cannot take or give a layer: it is full, read-only or unreachable.
     /// Nothing half-written is left in it.
     #[error("the layer store {store}: {reason}")]

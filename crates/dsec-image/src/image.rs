@@ -27,6 +27,26 @@ pub struct Image {
     /// Only that backend, with the same shape, can start it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest: Option<GuestSnapshot>,
+    /// The project that owns it, whose token imported or snapshotted it; its name is
+    /// under `<project>/` ([`owned_name`]). `None`: the admin's, shared with every project.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
+}
+
+/// The name an image of `project` is stored under: `name` itself when it is already
+/// under `<project>/`, else `<project>/<name>`; the admin's (`None`) as given. A project's
+/// images therefore never share a name with another project's.
+pub fn owned_name(project: Option<&str>, name: &str) -> String {
+    match project {
+        Some(p)
+            if !name
+                .strip_prefix(p)
+                .is_some_and(|rest| rest.starts_with('/')) =>
+        {
+            format!("{p}/{name}")
+        }
+        _ => name.to_owned(),
+    }
 }
 
 /// Where and how a VM guest saved in an image ([`Image::guest`]) runs again.
@@ -66,4 +86,19 @@ pub struct ImageConfig {
     pub cmd: Vec<String>,
     /// Command prefix.
     pub entrypoint: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::owned_name;
+
+    #[test]
+    fn a_project_name_is_under_its_prefix_once() {
+        assert_eq!(owned_name(None, "busybox"), "busybox");
+        assert_eq!(owned_name(Some("team"), "tools"), "team/tools");
+        assert_eq!(owned_name(Some("team"), "team/tools"), "team/tools");
+        // Only the whole first segment counts as the prefix.
+        assert_eq!(owned_name(Some("team"), "teamx/tools"), "team/teamx/tools");
+        assert_eq!(owned_name(Some("team"), "other/tools"), "team/other/tools");
+    }
 }

@@ -48,7 +48,7 @@ mod unpack;
 
 pub use distribution::Registry;
 pub use error::ImageError;
-pub use image::{Fork, GuestSnapshot, Image, ImageConfig};
+pub use image::{owned_name, Fork, GuestSnapshot, Image, ImageConfig};
 pub use store::{
     HeldBlobs, ImageStore, ImportProgress, MountedImage, Pruned, StoreUsage, MAX_LAYERS,
 };

@@ -22,7 +22,7 @@ use crate::distribution::{self, Registry};
 use crate::docker;
 use crate::error::{io_error, store_error, Fault, ImageError};
 use crate::holds::{unix_now, Held, HoldCounts, StoreLock};
-use crate::image::{Fork, GuestSnapshot, Image, ImageConfig};
+use crate::image::{owned_name, Fork, GuestSnapshot, Image, ImageConfig};
 use crate::mount::LayerMounts;
 use crate::oci;
 use crate::plan::{Plan, PlannedLayer};
@@ -187,17 +187,20 @@ impl ImageStore {
     /// extensions, or the reference itself), replacing any image of that name.
     /// With a [`registry`](Self::share_through) it is pushed there too.
     pub async fn import(&self, source: &str, name: Option<&str>) -> Result<Image, ImageError> {
-        self.import_with(source, name, Arc::new(|_| {})).await
+        self.import_with(source, name, None, Arc::new(|_| {})).await
     }
 
-    /// [`import`](Self::import), telling `progress` about each layer as it lands.
+    /// [`import`](Self::import) for `project` (`None`: the admin), telling `progress`
+    /// about each layer as it lands. A project's image is named under `<project>/`
+    /// ([`owned_name`]); an image of another owner is never replaced.
     pub async fn import_with(
         &self,
         source: &str,
         name: Option<&str>,
+        project: Option<&str>,
         progress: Arc<dyn Fn(ImportProgress) + Send + Sync>,
     ) -> Result<Image, ImageError> {
-        let image = self.import_here(source, name, progress).await?;
+        let image = self.import_here(source, name, project, progress).await?;
         if let Some(registry) = self.registry() {
             self.push(&image, registry).await?;
         }
@@ -268,7 +271,11 @@ impl ImageStore {
         let inner = self.inner.clone();
         let name = name.to_owned();
         blocking(move || {
-            let pulled = inner.finish(name, image.id, image.size, image.layers, image.config, None);
+            let naming = Naming {
+                name,
+                project: image.project,
+            };
+            let pulled = inner.finish(naming, image.id, image.size, image.layers, image.config);
             drop(held);
             pulled
         })
@@ -280,11 +287,11 @@ impl ImageStore {
         &self,
         source: &str,
         name: Option<&str>,
+        project: Option<&str>,
         progress: Arc<dyn Fn(ImportProgress) + Send + Sync>,
     ) -> Result<Image, ImageError> {
         if let Some(reference) = source.strip_prefix(docker::SCHEME) {
-            let name = name.unwrap_or(reference).to_owned();
-            validate_name(&name, source)?;
+            let name = Naming::new(name.unwrap_or(reference), project, source)?;
             let archive = docker::export(reference, source, &self.inner.staging).await?;
             let inner = self.inner.clone();
             let input = source.to_owned();
@@ -303,10 +310,9 @@ impl ImageStore {
         };
         if exists {
             let name = match name {
-                Some(name) => name.to_owned(),
-                None => default_name(path),
+                Some(name) => Naming::new(name, project, source)?,
+                None => Naming::new(&default_name(path), project, source)?,
             };
-            validate_name(&name, source)?;
             let inner = self.inner.clone();
             let (path, input) = (path.to_owned(), source.to_owned());
             return blocking(move || inner.import_path(&path, name, &input, &*progress)).await;
@@ -317,9 +323,8 @@ impl ImageStore {
                 reason: "no such file or directory, and not a registry reference".into(),
             });
         };
-        let name = name.unwrap_or(source).to_owned();
-        validate_name(&name, source)?;
-        tracing::info!(reference = %source, image = %name, "pulling image");
+        let name = Naming::new(name.unwrap_or(source), project, source)?;
+        tracing::info!(reference = %source, image = %name.name, "pulling image");
         let held = Held::new(self.inner.clone());
         let inner = self.inner.clone();
         let stored = |diff_id: &str| inner.hold_if_stored(&held, diff_id);
@@ -404,8 +409,9 @@ impl ImageStore {
         base: &Image,
         upper: &Path,
         name: &str,
+        project: Option<&str>,
     ) -> Result<Image, ImageError> {
-        validate_name(name, name)?;
+        let naming = Naming::new(name, project, name)?;
         if base.layers.len() >= MAX_LAYERS {
             return Err(ImageError::InvalidSource {
                 input: name.to_owned(),
@@ -416,12 +422,7 @@ impl ImageStore {
                 ),
             });
         }
-        let (inner, base, upper, name) = (
-            self.inner.clone(),
-            base.clone(),
-            upper.to_owned(),
-            name.to_owned(),
-        );
+        let (inner, base, upper) = (self.inner.clone(), base.clone(), upper.to_owned());
         blocking(move || {
             let input = format!("the writable layer of {}", upper.display());
             let held = Held::new(inner.clone());
@@ -440,7 +441,7 @@ impl ImageStore {
             let mut layers = base.layers.clone();
             layers.push(diff_id);
             let id = sha256(&serde_json::to_vec(&layers).unwrap_or_default());
-            inner.finish(name, id, size, layers, base.config.clone(), None)
+            inner.finish(naming, id, size, layers, base.config.clone())
         })
         .await
     }
@@ -452,9 +453,11 @@ impl ImageStore {
         &self,
         base: &Image,
         name: &str,
+        project: Option<&str>,
         guest: GuestSnapshot,
     ) -> Result<Image, ImageError> {
-        validate_name(name, name)?;
+        let naming = Naming::new(name, project, name)?;
+        self.inner.check_owner(&naming)?;
         let held = Held::new(self.inner.clone());
         for layer in &base.layers {
             if !self.inner.hold_if_stored(&held, layer)? {
@@ -463,9 +466,14 @@ impl ImageStore {
                 });
             }
         }
-        let unique = format!("{}\n{name}\n{:032x}", base.id, rand::random::<u128>());
+        let unique = format!(
+            "{}\n{}\n{:032x}",
+            base.id,
+            naming.name,
+            rand::random::<u128>()
+        );
         let image = Image {
-            name: name.to_owned(),
+            name: naming.name,
             id: sha256(unique.as_bytes()),
             size: base.size,
             layers: base.layers.clone(),
@@ -473,6 +481,7 @@ impl ImageStore {
             config: base.config.clone(),
             fork: None,
             guest: Some(guest),
+            project: naming.project,
         };
         self.inner.write_meta(&image)?;
         Ok(image)
@@ -691,13 +700,13 @@ impl Inner {
     fn import_path(
         self: &Arc<Self>,
         path: &Path,
-        name: String,
+        name: Naming,
         input: &str,
         progress: &(dyn Fn(ImportProgress) + Sync),
     ) -> Result<Image, ImageError> {
         let fault = |f: Fault| f.into_error(input);
         let held = Held::new(self.clone());
-        tracing::info!(source = %input, image = %name, "importing image");
+        tracing::info!(source = %input, image = %name.name, "importing image");
         if path.is_dir() {
             if oci::is_oci_layout(path) {
                 let plan = oci::plan_oci_layout(path).map_err(fault)?;
@@ -735,7 +744,7 @@ impl Inner {
         &self,
         held: &Held,
         unpacked: Unpacked,
-        name: String,
+        name: Naming,
         input: &str,
         progress: &(dyn Fn(ImportProgress) + Sync),
     ) -> Result<Image, ImageError> {
@@ -753,7 +762,7 @@ impl Inner {
             env: vec![DEFAULT_PATH.to_owned()],
             ..ImageConfig::default()
         };
-        self.finish(name, id, size, layers, config, None)
+        self.finish(name, id, size, layers, config)
     }
 
     /// Brings every layer of `plan` into the store, several at once, then records the
@@ -763,7 +772,7 @@ impl Inner {
         &self,
         held: &Held,
         plan: Plan,
-        name: String,
+        name: Naming,
         input: &str,
         progress: &(dyn Fn(ImportProgress) + Sync),
     ) -> Result<Image, ImageError> {
@@ -829,7 +838,7 @@ impl Inner {
             .map(Option::unwrap_or_default)
             .sum();
         let layers = plan.layers.into_iter().map(|l| l.diff_id).collect();
-        self.finish(name, plan.id, size, layers, plan.config, None)
+        self.finish(name, plan.id, size, layers, plan.config)
     }
 
     /// Stores one planned layer unless it is stored already; returns its content size
@@ -945,26 +954,44 @@ impl Inner {
     /// Records the image; its layers are all stored (and held) by now.
     fn finish(
         &self,
-        name: String,
+        naming: Naming,
         id: String,
         size: u64,
         layers: Vec<String>,
         config: ImageConfig,
-        fork: Option<Fork>,
     ) -> Result<Image, ImageError> {
+        self.check_owner(&naming)?;
         let image = Image {
-            name,
+            name: naming.name,
             id,
             size,
             layers,
             created_at: unix_now(),
             config,
-            fork,
+            fork: None,
             guest: None,
+            project: naming.project,
         };
         self.write_meta(&image)?;
         tracing::info!(image = %image.name, id = %image.id, layers = image.layers.len(), size = image.size, "imported image");
         Ok(image)
+    }
+
+    /// Refuses to record `naming` over an image of another owner: a project never
+    /// replaces the admin's image, nor the admin a project's.
+    fn check_owner(&self, naming: &Naming) -> Result<(), ImageError> {
+        let path = self.meta_path(&naming.name);
+        let Ok(bytes) = fs::read(&path) else {
+            return Ok(());
+        };
+        let owner = serde_json::from_slice::<Image>(&bytes).map(|i| i.project);
+        match owner {
+            Ok(owner) if owner != naming.project => Err(ImageError::Owned {
+                name: naming.name.clone(),
+                owner: owner.map_or_else(|| "the admin".to_owned(), |p| format!("project {p:?}")),
+            }),
+            _ => Ok(()),
+        }
     }
 
     fn write_meta(&self, image: &Image) -> Result<(), ImageError> {
@@ -1151,6 +1178,25 @@ fn default_name(path: &Path) -> String {
         .find_map(|s| base.strip_suffix(s))
         .unwrap_or(&base)
         .to_owned()
+}
+
+/// The name an image is recorded under, and whose it is.
+#[derive(Debug)]
+struct Naming {
+    name: String,
+    project: Option<String>,
+}
+
+impl Naming {
+    /// `name` as `project` asked for it (see [`owned_name`]), checked.
+    fn new(name: &str, project: Option<&str>, input: &str) -> Result<Naming, ImageError> {
+        let name = owned_name(project, name);
+        validate_name(&name, input)?;
+        Ok(Naming {
+            name,
+            project: project.map(str::to_owned),
+        })
+    }
 }
 
 /// Names are `[a-zA-Z0-9][a-zA-Z0-9._:/@-]*`, at most 128 characters

@@ -165,12 +165,18 @@ impl Entry {
     }
 
     fn snapshot(&self) -> SandboxInfo {
-        let mut info = self.info.clone();
-        info.labels = self.labels();
-        info.state = self.state();
+        let mut info = self.brief();
         if matches!(info.state, SandboxState::Running | SandboxState::Paused) {
             info.usage = self.sandbox.usage();
         }
+        info
+    }
+
+    /// The snapshot without the usage, which reads the sandbox's cgroup files.
+    fn brief(&self) -> SandboxInfo {
+        let mut info = self.info.clone();
+        info.labels = self.labels();
+        info.state = self.state();
         info
     }
 
@@ -266,6 +272,8 @@ pub struct Edge {
     idempotent: fleet::IdempotencyKeys,
     /// What each project's sandboxes hold, against its quotas.
     project_usage: projects::Usage,
+    /// A fleet's quotas over all its edges, when this edge is one.
+    shared_quotas: std::sync::OnceLock<Arc<dyn projects::SharedQuotas>>,
 }
 
 /// Marks a fork's image as being forked from, until dropped.
@@ -496,7 +504,12 @@ fn network_policy(
 /// admin sees it (the fork's children are made from it inside the edge); every other image
 /// is the admin's, shared by all projects.
 fn shown(caller: &Caller, image: &ImageInfo) -> bool {
-    *caller == Caller::Admin || image.fork_of.is_none()
+    match (caller.project(), &image.project) {
+        (None, _) => true,
+        (Some(p), Some(owner)) => **p == **owner,
+        // The admin's images are shared, but a fork's is the forked sandbox's filesystem.
+        (Some(_), None) => image.fork_of.is_none(),
+    }
 }
 
 /// The error for a sandbox id this edge does not have (or the caller may not see).
@@ -548,6 +561,7 @@ impl Edge {
             creating: AtomicUsize::new(0),
             idempotent: fleet::IdempotencyKeys::default(),
             project_usage: projects::Usage::default(),
+            shared_quotas: std::sync::OnceLock::new(),
         }
     }
 
@@ -665,20 +679,34 @@ impl Edge {
     }
 
     /// Reserves one sandbox of `cpus` and `memory_mb` against `caller`'s project quotas
-    /// (the admin has none), held until the returned hold drops.
-    pub fn reserve_quota(
+    /// (the admin has none), on this edge and, in a fleet, over all its edges; held until
+    /// the returned hold drops.
+    pub async fn reserve_quota(
         &self,
         caller: &Caller,
         cpus: f64,
         memory_mb: u64,
     ) -> Result<Option<QuotaHold>, ApiError> {
-        match caller {
-            Caller::Admin => Ok(None),
-            Caller::Project { name, quotas } => self
-                .project_usage
-                .reserve(name, quotas, cpus, memory_mb)
-                .map(Some),
+        let Caller::Project { name, quotas } = caller else {
+            return Ok(None);
+        };
+        let mut hold = self.project_usage.reserve(name, quotas, cpus, memory_mb)?;
+        let limited = quotas.max_sandboxes.is_some()
+            || quotas.max_cpus.is_some()
+            || quotas.max_memory_mb.is_some();
+        if let Some(shared) = self.shared_quotas.get().filter(|_| limited) {
+            shared
+                .reserve(name, quotas, &self.project_usage, cpus, memory_mb)
+                .await?;
+            hold.share(Arc::clone(shared));
         }
+        Ok(Some(hold))
+    }
+
+    /// Makes this edge count its projects' quotas over the fleet (see
+    /// [`projects::SharedQuotas`]); set once, before it serves.
+    pub fn share_quotas(&self, shared: Arc<dyn projects::SharedQuotas>) {
+        let _ = self.shared_quotas.set(shared);
     }
 
     /// Creates a sandbox for `caller`'s project.
@@ -688,10 +716,17 @@ impl Edge {
         caller: &Caller,
     ) -> Result<SandboxInfo, ApiError> {
         let _in_flight = fleet::InFlight::enter(&self.creating);
+        let (kind, _) = self.backends.get(&req.backend)?;
+        let mut req = req;
+        // Docker's images are its own references, not the store's.
+        if kind != BackendKind::Docker {
+            if let Some(own) = self.own_image(&req.image, caller).await {
+                req.image = own;
+            }
+        }
         if let Ok(image) = self.images.get(&req.image) {
             // A fork's children, made from the saved guest by its own backend, need no check.
             if let Some(guest) = &image.guest {
-                let (kind, _) = self.backends.get(&req.backend)?;
                 if guest.backend != kind.name() {
                     return Err(ApiError::invalid(format!(
                         "image {} is a snapshot of a running {} guest (its memory and disk, \
@@ -731,7 +766,7 @@ impl Edge {
             }
         }
         let sandbox_env = env_pairs(&req.env, "environment")?;
-        let quota = self.reserve_quota(caller, cpus, memory_mb)?;
+        let quota = self.reserve_quota(caller, cpus, memory_mb).await?;
         let id = format!(
             "{}-{:012x}",
             self.config.name,
@@ -870,6 +905,12 @@ impl Edge {
         Ok(self.entry(id)?.snapshot())
     }
 
+    /// What [`get`](Self::get) says but the usage (left zero): for the lookup that routes
+    /// each request of a front end (E2B's), which a read of cgroup files would slow.
+    pub fn get_brief(&self, id: &str) -> Result<SandboxInfo, ApiError> {
+        Ok(self.entry(id)?.brief())
+    }
+
     /// The sandboxes now in the table (a copy: the lock is not held while they are used).
     fn entries(&self) -> Vec<Arc<Entry>> {
         self.sandboxes
@@ -929,7 +970,12 @@ impl Edge {
     /// Stores a sandbox's filesystem as image `name` (default `<id>-snap-<random>`). The
     /// sandbox is frozen for the copy, a running command included: the image is one
     /// consistent point in time, and only the writable layer is copied.
-    pub async fn snapshot(&self, id: &str, name: Option<String>) -> Result<ImageInfo, ApiError> {
+    pub async fn snapshot(
+        &self,
+        id: &str,
+        name: Option<String>,
+        caller: &Caller,
+    ) -> Result<ImageInfo, ApiError> {
         let entry = self.entry(id)?;
         let running = match entry.state() {
             SandboxState::Running => true,
@@ -940,7 +986,10 @@ impl Edge {
         if running {
             entry.sandbox.pause().await?;
         }
-        let image = entry.sandbox.snapshot(&name).await;
+        let image = entry
+            .sandbox
+            .snapshot(&name, caller.project().map(|p| &**p))
+            .await;
         if running {
             entry.sandbox.resume().await?;
         }
@@ -963,13 +1012,13 @@ impl Edge {
         let position = parent.position.hold().await;
         let name = format!("{id}-fork-{:08x}", rand::rng().random::<u32>());
         let _forking = Forking::start(&self.forking, &name);
-        let image = self.snapshot(id, Some(name)).await?;
+        let image = self.snapshot(id, Some(name), caller).await?;
         let fork = dsec_image::Fork {
             edge: self.images.edge().to_owned(),
             parent: id.to_owned(),
         };
         if let Err(e) = self.images.mark_fork(&image.name, fork) {
-            let _ = self.delete_image(&image.name).await;
+            let _ = self.remove_image(&image.name).await;
             return Err(e.into());
         }
         let fork_of = match (&parent.request.trajectory_id, &position) {
@@ -1002,7 +1051,7 @@ impl Edge {
                 let _ = self.stop(&c.id).await;
             }
             // No child uses the fork's image now: it must not outlive the failed fork.
-            let _ = self.delete_image(&image.name).await;
+            let _ = self.remove_image(&image.name).await;
             return Err(e);
         }
         Ok(children)
@@ -1524,18 +1573,34 @@ impl Edge {
         }
     }
 
-    /// Imports an image, telling `progress` about each layer.
+    /// Imports an image for `caller` (a project's is its own, named under `<project>/`),
+    /// telling `progress` about each layer.
     pub async fn import_image(
         &self,
         source: &str,
         name: Option<&str>,
+        caller: &Caller,
         progress: Arc<dyn Fn(dsec_image::ImportProgress) + Send + Sync>,
     ) -> Result<ImageInfo, ApiError> {
-        let image = self.images.import_with(source, name, progress).await?;
+        let project = caller.project().map(|p| &**p);
+        let image = self
+            .images
+            .import_with(source, name, project, progress)
+            .await?;
         Ok(image_info(&self.images, image))
     }
 
-    /// All images.
+    /// The name of `caller`'s own image that `name` means, if it has one: a project's
+    /// own image shadows the admin's of the same name, for that project only.
+    async fn own_image(&self, name: &str, caller: &Caller) -> Option<String> {
+        let own = dsec_image::owned_name(Some(caller.project()?), name);
+        match self.images.resolve(&own).await {
+            Ok(image) if image.project.as_deref() == caller.project().map(|p| &**p) => Some(own),
+            _ => None,
+        }
+    }
+
+    /// All images `caller` may see.
     pub fn images(&self, caller: &Caller) -> Result<Vec<ImageInfo>, ApiError> {
         let images = self.images.list()?;
         Ok(images
@@ -1545,9 +1610,13 @@ impl Edge {
             .collect())
     }
 
-    /// One image.
-    pub fn image(&self, name: &str, caller: &Caller) -> Result<ImageInfo, ApiError> {
-        let info = image_info(&self.images, self.images.get(name)?);
+    /// One image, as `caller` means `name` (its own first).
+    pub async fn image(&self, name: &str, caller: &Caller) -> Result<ImageInfo, ApiError> {
+        let name = self
+            .own_image(name, caller)
+            .await
+            .unwrap_or_else(|| name.to_owned());
+        let info = image_info(&self.images, self.images.get(&name)?);
         if shown(caller, &info) {
             Ok(info)
         } else {
@@ -1558,8 +1627,28 @@ impl Edge {
         }
     }
 
-    /// Deletes an image; layers that live sandboxes use stay until those stop.
-    pub async fn delete_image(&self, name: &str) -> Result<(), ApiError> {
+    /// Deletes an image `caller` owns (the admin: any image); layers that live sandboxes
+    /// use stay until those stop.
+    pub async fn delete_image(&self, name: &str, caller: &Caller) -> Result<(), ApiError> {
+        let info = self.image(name, caller).await?;
+        if info.project.is_none() {
+            caller.require_admin("deleting an image of the admin's")?;
+        }
+        self.remove_image(&info.name).await
+    }
+
+    /// Deletes every image of a project that is gone (nobody else may use them).
+    pub async fn delete_project_images(&self, project: &str) -> Result<(), ApiError> {
+        for image in self.images.list()? {
+            if image.project.as_deref() == Some(project) {
+                self.remove_image(&image.name).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes image `name` from the store.
+    async fn remove_image(&self, name: &str) -> Result<(), ApiError> {
         let (images, name) = (self.images.clone(), name.to_owned());
         tokio::task::spawn_blocking(move || images.remove(&name))
             .await

@@ -113,6 +113,7 @@ impl From<ImageError> for ApiError {
             ImageError::Registry { .. } | ImageError::Push { .. } | ImageError::Store { .. } => {
                 ErrorKind::Unavailable
             }
+            ImageError::Owned { .. } => ErrorKind::Conflict,
             ImageError::Io { .. } => ErrorKind::Internal,
         };
         let mut message = e.to_string();

@@ -86,6 +86,10 @@ pub(super) async fn delete_project(
         )));
     }
     state.projects.delete(&name)?;
+    // Its images go with it: no token could reach them any more.
+    if let Err(e) = state.edge.delete_project_images(&name).await {
+        tracing::warn!(project = %name, error = %e.message, "its images stay: delete them with the admin token");
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -387,10 +387,11 @@ pub trait Sandbox: Send + Sync {
             "this backend cannot resume sandboxes",
         ))
     }
-    /// Stores the sandbox's filesystem as a new image `name`. The edge freezes the
-    /// sandbox around the call, so the picture is consistent.
-    async fn snapshot(&self, name: &str) -> Result<ImageInfo, ApiError> {
-        let _ = name;
+    /// Stores the sandbox's filesystem as a new image `name` of `project` (`None`: the
+    /// admin's; see [`dsec_image::owned_name`]). The edge freezes the sandbox around the
+    /// call, so the picture is consistent.
+    async fn snapshot(&self, name: &str, project: Option<&str>) -> Result<ImageInfo, ApiError> {
+        let _ = (name, project);
         Err(ApiError::unavailable(
             "this backend cannot snapshot sandboxes",
         ))
@@ -457,6 +458,7 @@ pub(crate) fn file_info(e: Entry) -> FileInfo {
         uid: Some(e.uid),
         gid: Some(e.gid),
         link: e.link,
+        metadata: e.metadata,
     }
 }
 
@@ -564,6 +566,7 @@ pub(crate) fn image_info(images: &ImageStore, image: Image) -> ImageInfo {
     ImageInfo {
         disk_bytes: images.disk_bytes(&image),
         fork_of: image.fork.map(|f| f.parent),
+        project: image.project,
         name: image.name,
         id: image.id,
         size: image.size,

@@ -1026,7 +1026,12 @@ impl VmSandbox {
     /// moved into a receiving QEMU that keeps the RAM in a file and saves the rest as a
     /// boot template is saved (see [`dsec_vm::qemu`]). Guests restored from it map that
     /// file copy-on-write, as they map a template's.
-    async fn save_guest(&self, saved: &str, name: &str) -> Result<ImageInfo, ApiError> {
+    async fn save_guest(
+        &self,
+        saved: &str,
+        name: &str,
+        project: Option<&str>,
+    ) -> Result<ImageInfo, ApiError> {
         let host = &self.host;
         let dir = saved_dir(&host.dir, saved);
         std::fs::create_dir_all(&dir)
@@ -1089,7 +1094,9 @@ impl VmSandbox {
             disk_mb: self.disk_mb,
             saved: saved.to_owned(),
         };
-        let image = host.images.record_guest(&self.image, name, guest)?;
+        let image = host
+            .images
+            .record_guest(&self.image, name, project, guest)?;
         Ok(super::image_info(&host.images, image))
     }
 }
@@ -1206,7 +1213,7 @@ impl Sandbox for VmSandbox {
         Ok(())
     }
 
-    async fn snapshot(&self, name: &str) -> Result<ImageInfo, ApiError> {
+    async fn snapshot(&self, name: &str, project: Option<&str>) -> Result<ImageInfo, ApiError> {
         let mut on_disk = self.on_disk.lock().await;
         if *on_disk {
             // Saved from memory, not from its pause files: back in a QEMU, paused again.
@@ -1219,7 +1226,7 @@ impl Sandbox for VmSandbox {
         }
         let saved = format!("{:016x}", rand::random::<u64>());
         let _saving = SavedInUse::new(&self.host, &saved);
-        let result = self.save_guest(&saved, name).await;
+        let result = self.save_guest(&saved, name, project).await;
         if result.is_err() {
             let _ = std::fs::remove_dir_all(saved_dir(&self.host.dir, &saved));
         }
@@ -1247,6 +1254,22 @@ impl Sandbox for VmSandbox {
             disk_inodes: guest.as_ref().map(|g| g.disk_inodes),
             ..Usage::default()
         }
+    }
+
+    fn replaced_image_files(&self, dirs: &[&str]) -> Vec<String> {
+        // The guest's agent reads its own overlay (the host cannot read the guest's
+        // disk), with each usage report.
+        let last = self.guest_usage.last.lock().expect("lock").clone();
+        last.map(|(_, usage)| usage.replaced)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|path| {
+                dirs.iter().any(|d| {
+                    path.strip_prefix(d.trim_end_matches('/'))
+                        .is_some_and(|rest| rest.starts_with('/'))
+                })
+            })
+            .collect()
     }
 
     fn is_alive(&self) -> bool {
