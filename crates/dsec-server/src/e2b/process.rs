@@ -178,6 +178,7 @@ async fn start(
                 pty,
                 tag: req.tag,
                 user: (call.user.name != "root").then(|| call.user.name.clone()),
+                step: None,
             },
         )
         .await?;
