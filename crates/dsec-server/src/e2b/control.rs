@@ -12,6 +12,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use axum::body::Body;
 use axum::extract::{Path, RawQuery, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
@@ -22,6 +23,7 @@ use base64::Engine;
 use dsec_api::{Network, SandboxState};
 use serde::{Deserialize, Serialize};
 
+use super::envd::drained;
 use super::{create_request, E2b, E2bSandbox, NewSandbox, OnTimeout, Template, ENVD_VERSION};
 use crate::error::ApiError;
 use crate::projects::Caller;
@@ -97,7 +99,13 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<
 
 /// The control plane's routes.
 pub fn router(e2b: Arc<E2b>) -> Router {
-    let unsupported = |what: &'static str| any(move || async move { E2bError::unsupported(what) });
+    // Each early answer reads the (small) request body first: one left unread closes the
+    // connection under a client that would send its next request on it.
+    let unsupported = |what: &'static str| {
+        any(move |body: Body| async move {
+            drained(body, E2bError::unsupported(what).into_response()).await
+        })
+    };
     Router::new()
         .route("/sandboxes", post(create).get(list_v1))
         .route("/v2/sandboxes", post(create).get(list_v2))
@@ -134,8 +142,9 @@ pub fn router(e2b: Arc<E2b>) -> Router {
         .route("/volumes/{*rest}", unsupported("volumes"))
         .route("/secrets", unsupported("secrets"))
         .route("/secrets/{*rest}", unsupported("secrets"))
-        .fallback(|| async {
-            E2bError::new(StatusCode::NOT_FOUND, "no such route in dsec's E2B API")
+        .fallback(|body: Body| async {
+            let missing = E2bError::new(StatusCode::NOT_FOUND, "no such route in dsec's E2B API");
+            drained(body, missing.into_response()).await
         })
         .layer(middleware::from_fn_with_state(
             Arc::clone(&e2b),
@@ -178,7 +187,8 @@ async fn authenticate(
         } else {
             "missing API key: set E2B_API_KEY (this dsec server takes any non-empty key)"
         };
-        return E2bError::new(StatusCode::UNAUTHORIZED, why).into_response();
+        let refused = E2bError::new(StatusCode::UNAUTHORIZED, why).into_response();
+        return drained(request.into_body(), refused).await;
     };
     request.extensions_mut().insert(caller);
     next.run(request).await
