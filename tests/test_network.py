@@ -506,6 +506,62 @@ def test_set_network_changes_a_running_sandbox(make: Make, hosts: Hosts) -> None
     assert reaches(sb, a)
 
 
+#: The VM backends among NET_BACKENDS; a skipped case where $DSEC_TEST_BACKENDS names none.
+VM_NET_BACKENDS: list[object] = [b for b in NET_BACKENDS if b in VM_BACKENDS] or [
+    pytest.param("microvm", marks=pytest.mark.skip(reason="no VM backend in $DSEC_TEST_BACKENDS"))
+]
+
+
+@pytest.mark.parametrize("backend", VM_NET_BACKENDS)
+def test_forked_and_restored_guests_take_their_own_network(
+    net_client: dsec.Client, hosts: Hosts, backend: str
+) -> None:
+    a, _ = hosts
+    with net_client.create(image="busybox", backend=backend, network=True) as parent:
+        assert reaches(parent, a)
+        children = parent.fork(2)
+        try:
+            addresses = {eth0_ip(sb) for sb in [parent, *children]}
+            assert len(addresses) == 3, addresses
+            assert all(reaches(sb, a) for sb in [*children, parent])
+        finally:
+            for child in children:
+                child.stop()
+        # A guest saved with a network, restored without one, has no way out.
+        image = parent.snapshot()
+        with net_client.create(image=image.name, backend=backend) as plain:
+            assert not reaches(plain, a)
+            assert plain.info().usage.network_rx_bytes is None
+        net_client.delete_image(image.name)
+
+
+@pytest.mark.parametrize("backend", VM_NET_BACKENDS)
+def test_a_guest_paused_to_disk_keeps_its_network(
+    busybox_rootfs: Path, hosts: Hosts, backend: str
+) -> None:
+    a, b = hosts
+    for s, _ in own_server(Server, busybox_rootfs, extra_args=("--vm-pause", "save")):
+        tag = state_tag(s.state_dir)
+
+        def veths(tag: str = tag) -> list[str]:
+            return [x for x in host_state(tag) if x.startswith("link dv")]
+
+        with s.client() as c, c.create(
+            image="busybox", backend=backend, network={"allow": [a.ip]}
+        ) as sb:
+            address = eth0_ip(sb)
+            assert reaches(sb, a) and not reaches(sb, b)
+            sb.pause()
+            # Its QEMU, namespace and veth are gone; its address and policy are kept.
+            assert wait_until(lambda: veths() == [], timeout=10), veths()
+            sb.resume()
+            assert len(veths()) == 1
+            assert eth0_ip(sb) == address
+            assert reaches(sb, a) and not reaches(sb, b)
+            assert any(e["dst"] == b.ip for e in sb.network_refused())
+        assert wait_until(lambda: veths() == [], timeout=10), veths()
+
+
 def test_malformed_rules_are_invalid_arguments(net_client: dsec.Client) -> None:
     for rule in ["10.0.0.0/33", "1.2.3.4:99999", "bad host!", "[::1]:80"]:
         with pytest.raises(dsec.InvalidArgument, match=re.escape(repr(rule)[1:-1])):

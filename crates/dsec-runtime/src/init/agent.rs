@@ -414,6 +414,8 @@ fn ifreq(name: &str) -> libc::ifreq {
 
 /// `addr` as the `sockaddr` the interface and route ioctls take.
 fn sockaddr(addr: std::net::Ipv4Addr) -> libc::sockaddr {
+    // AF_INET is 2.
+    #[allow(clippy::cast_possible_truncation)]
     let sin = libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
         sin_port: 0,
