@@ -15,6 +15,10 @@
 //! `mount`, no `ptrace` of the non-dumpable agent) under the same seccomp filter as a
 //! container.
 //!
+//! The guest has no network but loopback until the host gives it one: the network
+//! driver's modules are opened at boot, before the root replaces the initramfs, and
+//! loaded by the identity that first carries an address (see `dsec_vm::qemu`).
+//!
 //! When the host closes the channel the guest has no further purpose: the agent exits.
 //! Having confined itself it may not call `reboot(2)` any more, so its exit panics the
 //! kernel, which `panic=-1` turns into an immediate reboot, which ends QEMU (started with

@@ -3,7 +3,8 @@
 //! The kernel is Debian's `linux-image-cloud-amd64` (or one the operator brings, see
 //! [`KernelSource`]); the initramfs is built here: the static `dsec-agent` as `/init`, a
 //! `/dev/console` node, and the few modules the agent loads (virtio transports, block,
-//! console, vsock, overlay, erofs) with their dependencies, in load order. It is cached
+//! console, vsock, overlay, erofs; virtio-net only once the sandbox is given a network)
+//! with their dependencies, in load order. It is cached
 //! in the state directory under a digest of everything that went into it, so a new
 //! agent or kernel gets a new initramfs and an unchanged one is never rebuilt.
 
@@ -94,18 +95,22 @@ impl GuestAssets {
         };
         let mut digest = Sha256::new();
         digest.update(&agent_bytes);
-        for m in modules
-            .iter()
-            .chain(&[PathBuf::from(guest::NET_MODULE_ORDER)])
-            .chain(&net_modules)
-        {
-            digest.update(m.as_os_str().as_encoded_bytes());
-            digest.update(
-                std::fs::metadata(m)
-                    .map(|md| md.len())
-                    .unwrap_or(0)
-                    .to_le_bytes(),
-            );
+        // Each list under the name of its order file: a module moved from one list to
+        // the other makes another initramfs.
+        for (list, order) in [
+            (&modules, guest::MODULE_ORDER),
+            (&net_modules, guest::NET_MODULE_ORDER),
+        ] {
+            digest.update(order.as_bytes());
+            for m in list {
+                digest.update(m.as_os_str().as_encoded_bytes());
+                digest.update(
+                    std::fs::metadata(m)
+                        .map(|md| md.len())
+                        .unwrap_or(0)
+                        .to_le_bytes(),
+                );
+            }
         }
         let name = format!("initramfs-{}.cpio", &hex::encode(digest.finalize())[..16]);
         std::fs::create_dir_all(cache).map_err(VmError::io("create", cache))?;
