@@ -107,8 +107,9 @@ pub struct VmConfig {
     pub pause: PauseMode,
 }
 
-/// The layout of a boot template's directory; part of its name, so that templates an
-/// older dsec saved differently are never restored (and are removed at start).
+/// The layout of a boot template's directory and the devices of its guest (3: the NIC
+/// every guest has); part of its name, so that templates an older dsec saved differently
+/// are never restored (and are removed at start), and recorded with each saved guest.
 const TEMPLATE_FORMAT: u32 = 3;
 
 /// The files of a boot template directory: its scratch disk, memory and device state.
@@ -191,6 +192,10 @@ struct SavedGuest {
     image_disks: Vec<PathBuf>,
     /// Their filesystem.
     base_fs: BaseFs,
+    /// The [`TEMPLATE_FORMAT`] it was saved in (0: before the record said): a guest saved
+    /// with other devices cannot be restored.
+    #[serde(default)]
+    format: u32,
 }
 
 /// Where the files of saved guest `saved` are.
@@ -693,6 +698,12 @@ impl VmBackend {
         }
         let dir = saved_dir(&self.host.dir, &guest.saved);
         match read_saved(&dir) {
+            Some(saved) if saved.format != TEMPLATE_FORMAT => Err(ApiError::invalid(format!(
+                "image {name} is a snapshot of a running guest saved by an older dsec, with \
+                 other devices (format {}, this server restores {TEMPLATE_FORMAT}): it cannot \
+                 be restored; delete it, and snapshot the guest again from its image",
+                saved.format
+            ))),
             Some(saved) => Ok((dir, saved)),
             None => Err(ApiError::internal(format!(
                 "the saved guest of image {name} is missing from {}",
@@ -1133,6 +1144,7 @@ impl VmSandbox {
                 .wrapping_add(rand::random_range(1 << 16..1 << 24)),
             image_disks: self.disks.image.clone(),
             base_fs: self.disks.base_fs,
+            format: TEMPLATE_FORMAT,
         };
         let written = dir.clone();
         tokio::task::spawn_blocking(move || {
