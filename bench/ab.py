@@ -3,6 +3,8 @@
 flight, the exec round trip in a container sandbox, and the fncall round trip.
 
     python3 bench/ab.py --before /path/to/old/dsec --after target/release/dsec [--n 200]
+    python3 bench/ab.py --before target/release/dsec --before-args=--no-events \
+        --after target/release/dsec        # what the event stream and live usage cost
 
 Starts one `dsec serve` per binary (temporary state directories, loopback ports, private
 address pools), imports the same busybox rootfs into both, and interleaves the
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -71,17 +74,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--before", type=Path, required=True)
     ap.add_argument("--after", type=Path, required=True)
+    ap.add_argument("--before-args", default="", help="more `dsec serve` options for before")
+    ap.add_argument("--after-args", default="", help="more `dsec serve` options for after")
     ap.add_argument("--n", type=int, default=200)
     args = ap.parse_args()
     tmp = make_tempdir("dsec-ab-")
     servers: list[Server] = []
     try:
         rootfs = make_busybox_rootfs(tmp / "rootfs")
-        for i, (binary, pool) in enumerate(zip((args.before, args.after), POOLS, strict=True)):
+        sides = zip(
+            (args.before, args.after), (args.before_args, args.after_args), POOLS, strict=True
+        )
+        for i, (binary, more, pool) in enumerate(sides):
             s = Server(
                 tmp / f"state-{i}",
                 log_path=tmp / f"server-{i}.log",
-                extra_args=["--net-pool", pool],
+                extra_args=["--net-pool", pool, *shlex.split(more)],
                 binary=binary,
             )
             servers.append(s)

@@ -29,6 +29,11 @@ One run measures, on the same busybox root filesystem:
           own CPU per request (sync, asyncio; httpx, http.client, aiohttp beside it),
           creations/s and fncall calls/s at concurrency 32, the sync client.call round
           trip, and 1,000 sandboxes active at once from one AsyncClient
+  e2b     (only when asked: --only e2b, or --e2b) the e2b SDK against dsec's E2B API
+          beside dsec's own SDK on a server of its own: create -> run("true") -> kill,
+          --e2b-n times each, step by step, with the client's CPU; the ratio (target
+          <= 1.5x). Needs the e2b SDK (pip install e2b==2.63.0) and an image with bash
+          (the suite's Debian rootfs, built if missing)
 
 Usage (as root, from the repository root):
 
@@ -37,6 +42,7 @@ Usage (as root, from the repository root):
   python3 bench/bench.py --n 100 --idle-n 200  # smaller
   python3 bench/bench.py --only vm             # VM backends (after scripts/build-agent.sh)
   python3 bench/bench.py --only sdk            # the SDK (after cargo build --release)
+  python3 bench/bench.py --only e2b --e2b-n 300  # the e2b SDK's ratio (issue 17)
 
 dsec: uses $DSEC_URL if set (that server must see the same filesystem); otherwise starts
 `target/release/dsec serve` (or --dsec-bin) on a temporary state directory and stops it at
@@ -66,6 +72,7 @@ sys.path[:0] = [str(REPO / "python"), str(REPO / "tools")]
 
 from dsec_bench.common import CLEANUP, Dsec, log, prepare_rootfs  # noqa: E402
 from dsec_bench.create import bench_dsec_create, bench_dsec_loadgen  # noqa: E402
+from dsec_bench.e2b import bench_e2b  # noqa: E402
 from dsec_bench.exec import bench_dsec_docker, bench_dsec_exec  # noqa: E402
 from dsec_bench.floor import bench_floor  # noqa: E402
 from dsec_bench.fncall import bench_dsec_fncall  # noqa: E402
@@ -92,10 +99,14 @@ PARTS = [
     "idle",
     "vm",
     "sdk",
+    "e2b",
 ]
 
-#: The parts that need a dsec server.
-DSEC_PARTS = set(PARTS) - {"runc", "docker", "floor"}
+#: The parts run unless --only names others: e2b needs a package and an image of its own.
+DEFAULT_PARTS = [p for p in PARTS if p != "e2b"]
+
+#: The parts that need the shared dsec server (e2b starts one of its own).
+DSEC_PARTS = set(PARTS) - {"runc", "docker", "floor", "e2b"}
 
 
 def _sigterm(signum: int, frame: Any) -> NoReturn:
@@ -108,9 +119,11 @@ def main() -> int:
     )
     ap.add_argument(
         "--only",
-        default=",".join(PARTS),
-        help=f"comma-separated parts to run, of: {','.join(PARTS)} (default: all)",
+        default=",".join(DEFAULT_PARTS),
+        help=f"comma-separated parts to run, of: {','.join(PARTS)} (default: all but e2b)",
     )
+    ap.add_argument("--e2b", action="store_true", help="also run the e2b part")
+    ap.add_argument("--e2b-n", type=int, default=200, help="e2b: cycles of each (200)")
     ap.add_argument(
         "--n",
         type=int,
@@ -152,6 +165,8 @@ def main() -> int:
     args = ap.parse_args()
 
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    if args.e2b and "e2b" not in parts:
+        parts.append("e2b")
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         ap.error(f"unknown part(s) {unknown}; choose from {PARTS}")
@@ -195,6 +210,7 @@ def main() -> int:
             ("idle", lambda: bench_dsec_idle(d(), args.idle_n)),
             ("vm", lambda: bench_vm(d(), args, res)),
             ("sdk", lambda: bench_sdk(d(), args.n, args.exec_n, args.active_n)),
+            ("e2b", lambda: bench_e2b(args, args.e2b_n)),
         ]
         for name, fn in steps:
             if name not in parts:
@@ -213,6 +229,8 @@ def main() -> int:
                     notes.append("docker: no daemon (skipped).")
                 if name == "trajectory-stores":
                     notes.append("trajectory-stores: PostgreSQL is not installed (skipped).")
+                if name == "e2b":
+                    notes.append("e2b: the e2b SDK is not installed (skipped).")
                 continue
             res[name] = r
             log(f"{name}: {json.dumps(r, default=str)}")

@@ -3,9 +3,10 @@
 E2B_API_KEY) and in the SDK's debug mode (E2B_DEBUG=true, one sandbox for every call).
 
 Commands are dsec's spawned processes (stdin, PTYs, list, kill, connect, surviving a
-disconnect), as root or as a user of the image. What dsec's E2B API does not do yet (file
-metadata, templates, volumes) is asserted to answer at once with E2B's error shape and a message
-that says so.
+disconnect), as root or as a user of the image. Files carry E2B's metadata as user.e2b.*
+extended attributes, and watch events their entries. What dsec's E2B API does not do yet
+(templates, volumes) is asserted to answer at once with E2B's error shape and a message that
+says so.
 
 The "base" template here is the suite's Debian test image (bash, python3; made once by
 scripts/make-debian-rootfs.sh into $DSEC_TEST_DEBIAN_ROOTFS, shared with test_network.py):
@@ -17,16 +18,21 @@ the suite. $DSEC_TEST_E2B_ROOTFS names another root filesystem to import as "bas
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shlex
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import dsec
 import httpx
 import pytest
 from dsec_testlib import (
+    BACKENDS,
+    VM_BACKENDS,
     Server,
     assert_no_leftovers,
     free_port,
@@ -55,8 +61,6 @@ from e2b.sandbox.filesystem.filesystem import WriteEntry  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 DEBIAN_ROOTFS = Path(os.environ.get("DSEC_TEST_DEBIAN_ROOTFS", "/var/tmp/dsec-test-debian-rootfs"))
 API_KEY = "e2b_" + "0" * 40
-#: What every answer for a feature dsec lacks says.
-NOT_YET = "does not have yet"
 
 
 @pytest.fixture(scope="module")
@@ -420,12 +424,166 @@ def test_files_watch_dir_polls_dsec_s_watch(sandbox: Sandbox) -> None:
         sandbox.files.watch_dir("/tmp/no/such/dir")
 
 
+def test_files_watch_events_carry_their_entry(sandbox: Sandbox) -> None:
+    """include_entry (envd 0.6.3): each event has its path's EntryInfo, except a path
+    removed or moved away; metadata is in it."""
+    sandbox.files.make_dir("/tmp/we")
+    handle = sandbox.files.watch_dir("/tmp/we", include_entry=True)
+    sandbox.files.write("/tmp/we/a.txt", "abc", metadata={"tag": "w"})
+    sandbox.files.remove("/tmp/we/a.txt")
+    events: list[Any] = []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        events += handle.get_new_events()
+        if any(ev.type == e2b.FilesystemEventType.REMOVE for ev in events):
+            break
+        time.sleep(0.2)
+    handle.stop()
+    created = [ev for ev in events if ev.type == e2b.FilesystemEventType.CREATE]
+    removed = [ev for ev in events if ev.type == e2b.FilesystemEventType.REMOVE]
+    assert created and removed, events
+    assert all(ev.entry is None for ev in removed)
+    # The entry is the path's as the event was handled: there, or already gone.
+    told = [ev.entry for ev in events if ev.entry is not None]
+    assert told, events
+    assert all(e.path == "/tmp/we/a.txt" and e.type == e2b.FileType.FILE for e in told)
+    # Without include_entry, no entry.
+    plain = sandbox.files.watch_dir("/tmp/we")
+    sandbox.files.write("/tmp/we/b.txt", "b")
+    deadline = time.monotonic() + 20
+    got: list[Any] = []
+    while not got and time.monotonic() < deadline:
+        got = plain.get_new_events()
+        time.sleep(0.2)
+    plain.stop()
+    assert got and all(ev.entry is None for ev in got)
+
+
+def _xattrs(sandbox: Sandbox, path: str) -> dict[str, str]:
+    """The extended attributes of `path`, as a command in the sandbox reads them."""
+    code = (
+        "import os, json, sys; p = sys.argv[1]; "
+        "print(json.dumps({k: os.getxattr(p, k).decode() for k in os.listxattr(p)}))"
+    )
+    out = sandbox.commands.run(f"python3 -c {shlex.quote(code)} {path}").stdout
+    got: dict[str, str] = json.loads(out)
+    return got
+
+
+def test_files_metadata_is_user_e2b_xattrs(e2b_env: E2bServer, sandbox: Sandbox) -> None:
+    """X-Metadata-* uploads (envd 0.6.2) become user.e2b.* extended attributes, read back
+    by Stat, ListDir and the upload's reply; a rewrite replaces the whole set."""
+    info = sandbox.files.write("/tmp/meta/a.txt", "x", metadata={"owner": "ann", "run": "7"})
+    assert info.metadata == {"owner": "ann", "run": "7"}
+    assert _xattrs(sandbox, "/tmp/meta/a.txt") == {"user.e2b.owner": "ann", "user.e2b.run": "7"}
+    assert sandbox.files.get_info("/tmp/meta/a.txt").metadata == {"owner": "ann", "run": "7"}
+    listed = {e.name: e for e in sandbox.files.list("/tmp/meta")}
+    assert listed["a.txt"].metadata == {"owner": "ann", "run": "7"}
+    # dsec's own SDK reads it too.
+    with e2b_env.server.client() as c:
+        own = c.get(sandbox.sandbox_id)
+        assert own.stat("/tmp/meta/a.txt").metadata == {"owner": "ann", "run": "7"}
+        assert {f.name: f.metadata for f in own.list_files("/tmp/meta")}["a.txt"]["run"] == "7"
+    # Set in the sandbox by hand, it reads back too (attributes outside user.e2b. do not).
+    sandbox.commands.run(
+        "python3 -c \"import os; os.setxattr('/tmp/meta/a.txt', 'user.e2b.hand', b'made');"
+        " os.setxattr('/tmp/meta/a.txt', 'user.other', b'no')\""
+    )
+    assert sandbox.files.get_info("/tmp/meta/a.txt").metadata == {
+        "owner": "ann",
+        "run": "7",
+        "hand": "made",
+    }
+    # A rewrite replaces the set; one without metadata clears it.
+    sandbox.files.write("/tmp/meta/a.txt", "y", metadata={"run": "8"}, use_octet_stream=True)
+    assert sandbox.files.get_info("/tmp/meta/a.txt").metadata == {"run": "8"}
+    plain = sandbox.files.write("/tmp/meta/a.txt", "z")
+    assert plain.metadata is None
+    assert sandbox.files.get_info("/tmp/meta/a.txt").metadata is None
+    # A move keeps it; several files get the same set.
+    sandbox.files.write_files(
+        [WriteEntry(path="/tmp/meta/m1", data="1"), WriteEntry(path="/tmp/meta/m2", data="2")],
+        metadata={"batch": "b"},
+    )
+    moved = sandbox.files.rename("/tmp/meta/m1", "/tmp/meta/moved")
+    assert moved.metadata == {"batch": "b"}
+    assert sandbox.files.get_info("/tmp/meta/m2").metadata == {"batch": "b"}
+    # Directories carry it too when set in the sandbox.
+    sandbox.commands.run("python3 -c \"import os; os.setxattr('/tmp/meta', 'user.e2b.d', b'1')\"")
+    assert sandbox.files.get_info("/tmp/meta").metadata == {"d": "1"}
+
+
+def test_files_metadata_limits_are_envds(e2b_env: E2bServer, sandbox: Sandbox) -> None:
+    """What envd refuses with 400 (checked before anything is written), sent raw: the
+    SDK checks some of it itself."""
+    url = f"{e2b_env.sandbox_url}/files"
+    token = sandbox._envd_access_token or ""
+    headers = {"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": token}
+    bad_values: list[tuple[bytes, bytes, str]] = [
+        (b"X-Metadata-k", "caf\u00e9".encode(), "printable"),
+        (b"X-Metadata-k", b"a\tb", "printable"),
+        (b"X-Metadata-" + b"k" * 247, b"v", "bytes"),
+        (b"X-Metadata-k", b"v" * 4096, "4096"),
+    ]
+    for name, value, why in bad_values:
+        r = httpx.post(
+            url,
+            params={"path": "/tmp/lim.txt"},
+            headers=[*((k.encode(), v.encode()) for k, v in headers.items()), (name, value)],
+            content=b"x",
+            timeout=30,
+        )
+        assert r.status_code == 400, r.text
+        assert why in r.json()["message"], r.text
+    assert not sandbox.files.exists("/tmp/lim.txt")
+    headers["Content-Type"] = "application/octet-stream"
+    headers["X-Metadata-Mixed-Case"] = "v"
+    ok = httpx.post(url, params={"path": "/tmp/lim.txt"}, content=b"x", headers=headers, timeout=30)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()[0]["metadata"] == {"mixed-case": "v"}
+
+
+@pytest.mark.parametrize("backend", sorted(VM_BACKENDS))
+def test_files_metadata_in_vm_guests(e2b_env: E2bServer, backend: str) -> None:
+    """A guest's agent keeps metadata on its own filesystem (the overlay on its ext4
+    scratch disk), as the container's init does."""
+    if backend not in BACKENDS:
+        pytest.skip(f"{backend} is not in DSEC_TEST_BACKENDS")
+    with e2b_env.server.client() as c:
+        try:
+            c.create(backend=backend, image="base").stop()
+        except dsec.Unavailable as e:
+            require("vm", f"backend {backend}: {e}")
+    sb = Sandbox.create(f"{backend}+base", timeout=300)
+    try:
+        info = sb.files.write("/root/m.txt", "x", metadata={"k": "v"})
+        assert info.metadata == {"k": "v"}
+        assert sb.files.get_info("/root/m.txt").metadata == {"k": "v"}
+        assert {e.name: e.metadata for e in sb.files.list("/root")}["m.txt"] == {"k": "v"}
+        assert _xattrs(sb, "/root/m.txt") == {"user.e2b.k": "v"}
+    finally:
+        sb.kill()
+
+
+def test_files_metadata_on_docker_is_refused_not_dropped(
+    e2b_env: E2bServer, docker_image: str
+) -> None:
+    """Docker's archive API carries no extended attributes: a write with metadata says so
+    (and writes nothing); one without works."""
+    sb = Sandbox.create(f"docker+{docker_image}", timeout=120)
+    try:
+        with pytest.raises(InvalidArgumentException, match="docker"):
+            sb.files.write("/tmp/m.txt", "x", metadata={"k": "v"})
+        assert not sb.files.exists("/tmp/m.txt")
+        assert sb.files.write("/tmp/m.txt", "x").metadata is None
+        assert sb.files.get_info("/tmp/m.txt").metadata is None
+    finally:
+        sb.kill()
+
+
 def test_files_errors(sandbox: Sandbox) -> None:
     with pytest.raises(e2b.NotFoundException):
         sandbox.files.read("/tmp/no/such/file")
-    for case in (lambda: sandbox.files.write("/tmp/m.txt", "x", metadata={"k": "v"}),):
-        with pytest.raises(SandboxException, match=NOT_YET):
-            case()
 
 
 # ------------------------------------------------------------------ lifecycle
@@ -604,15 +762,17 @@ def test_async_sdk(e2b_env: E2bServer) -> None:
             await sb.files.write("/tmp/x.txt", "x")
             assert await sb.files.read("/tmp/x.txt") == "x"
             assert await sb.files.make_dir("/tmp/d") is True
-            seen: list[str] = []
-            handle = await sb.files.watch_dir("/tmp/d", lambda ev: seen.append(ev.name))
+            seen: list[Any] = []
+            handle = await sb.files.watch_dir("/tmp/d", seen.append, include_entry=True)
             await sb.files.write("/tmp/d/new.txt", "n")
             for _ in range(100):
-                if "new.txt" in seen:
+                if any(ev.name == "new.txt" for ev in seen):
                     break
                 await asyncio.sleep(0.1)
             await handle.stop()
-            assert "new.txt" in seen
+            assert any(ev.name == "new.txt" for ev in seen), seen
+            # The WatchDir stream carries entries too (the file is still there).
+            assert any(ev.entry is not None and ev.entry.path == "/tmp/d/new.txt" for ev in seen)
         finally:
             assert await sb.kill() is True
         assert not await sb.is_running()

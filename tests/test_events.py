@@ -194,6 +194,18 @@ def test_events_are_kept_across_a_restart(make_server: Callable[..., Server]) ->
     assert "current.ndjson" in files
 
 
+def test_no_events_records_none_and_usage_still_reads(
+    make_server: Callable[..., Server],
+) -> None:
+    s = make_server(extra_args=["--no-events"])
+    with s.client() as c:
+        sb = c.create(image="busybox")
+        assert sb.run("echo hi").stdout == "hi\n"
+        assert sb.info().usage.cpu_ms is not None
+        sb.stop()
+        assert list(c.events()) == []
+
+
 def test_live_usage(client: dsec.Client, sb: dsec.Sandbox, backend: str) -> None:
     if backend not in STATEFUL:
         pytest.skip(f"{backend}: no usage of the sandbox's own")

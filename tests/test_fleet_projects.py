@@ -8,6 +8,8 @@ pose as another project.
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,3 +185,66 @@ def _ok(c: dsec.Client) -> bool:
     except dsec.Unauthorized:
         return False
     return True
+
+
+def test_quotas_hold_over_the_whole_fleet(fleet: Fleet) -> None:
+    """What a project holds on every edge counts against its quotas: two sandboxes on
+    each edge pass a max_sandboxes of 3 nowhere, and concurrent creates through both
+    apiservers never overshoot it."""
+    quotas = {"max_sandboxes": 3}
+    acting = json.dumps({"name": "fleet-q", "quotas": quotas})
+    edge_auth = {"Authorization": f"Bearer {EDGE_TOKEN}", "x-dsec-project": acting}
+
+    def on_edge(name: str) -> httpx.Response:
+        # What an apiserver sends an edge for the project: placed here by hand.
+        return httpx.post(
+            fleet.edges[name].url + "/v1/sandboxes",
+            json={"image": "busybox", "memory_mb": 64},
+            headers=edge_auth,
+            timeout=60,
+        )
+
+    with fleet.a.client(token=ADMIN) as admin:
+        token = admin.create_project("fleet-q", max_sandboxes=3)["token"]
+        made: list[str] = []
+        try:
+            for name in ("pe1", "pe1", "pe2"):
+                r = on_edge(name)
+                assert r.status_code == 201, r.text
+                made.append(r.json()["id"])
+            refused = on_edge("pe2")
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["error"]["kind"] == "quota_exceeded"
+            assert "max_sandboxes" in refused.text and "over the fleet" in refused.text
+            # Given back on one edge, the room is usable on the other.
+            admin.get(made.pop(0)).stop()
+            assert wait_until(lambda: on_edge("pe2").status_code == 201, timeout=10)
+        finally:
+            for s in admin.list():
+                if s.info().project == "fleet-q":
+                    s.stop()
+        # Concurrent creates through both apiservers: exactly the quota's worth succeed.
+        assert wait_until(lambda: _ok(fleet.b.client(token=token)), timeout=10)
+        results: list[str] = []
+
+        def create(api: Apiserver) -> None:
+            with api.client(token=token) as c:
+                try:
+                    results.append(c.create(image="busybox", memory_mb=64).id)
+                except dsec.QuotaExceeded:
+                    results.append("refused")
+
+        threads = [
+            threading.Thread(target=create, args=(api,)) for api in [fleet.a, fleet.b] * 4
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        try:
+            assert sorted(r == "refused" for r in results) == [False] * 3 + [True] * 5, results
+        finally:
+            for made_id in results:
+                if made_id != "refused":
+                    admin.get(made_id).stop()
+        admin.delete_project("fleet-q")

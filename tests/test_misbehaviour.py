@@ -361,8 +361,8 @@ def test_overwriting_bin_sh_is_flagged_and_stays_in_the_sandbox(
 def test_removing_an_image_binary_from_inside_is_seen(
     client: dsec.Client, make_sandbox: Make, backend: str
 ) -> None:
-    if backend != "container":
-        pytest.skip(f"{backend}: the writable layer is not read from the host")
+    if backend not in STATEFUL:
+        pytest.skip(f"{backend} keeps no state between commands")
     sb, other = make_sandbox(), make_sandbox()
     assert sb.run("rm /bin/true && echo gone > /tmp/new-file").exit_code == 0
     seen = wait_until(
@@ -386,8 +386,8 @@ def test_a_link_planted_over_usr_is_reported_not_followed(
     """The sampler reads the writable layer from the host: a `usr -> /` link planted there
     is reported as replacing the image's /usr/bin, never followed into the host's own
     directories (whose files would show up as the sandbox's)."""
-    if backend != "container":
-        pytest.skip(f"{backend}: the writable layer is not read from the host")
+    if backend not in STATEFUL:
+        pytest.skip(f"{backend} keeps no state between commands")
     sb = make_sandbox()
     assert sb.run("rm -rf /usr && ln -s / /usr && test -x /usr/bin/sh").exit_code == 0
 
@@ -399,7 +399,18 @@ def test_a_link_planted_over_usr_is_reported_not_followed(
         client.events(sandbox=sb.id)
     )
     time.sleep(2.5)  # two more samples: anything read through the link would show by now
-    assert {p for p in layer_writes() if p.startswith("/usr/")} == {"/usr/bin/", "/usr/sbin/"}
+    usr = {p for p in layer_writes() if p.startswith("/usr/")}
+    if backend == "docker":
+        # Docker's `rm -rf` is slow enough for a sample to see files whited out one by
+        # one before the link replaced their directory: the image's own files, each
+        # removed. (The walk itself is the container backend's, held exactly below.)
+        image_files = {
+            f"{d}/{name}"
+            for d in ("/usr/bin", "/usr/sbin")
+            for name in make_sandbox().run(f"ls {d}").stdout.split()
+        }
+        usr -= image_files
+    assert usr == {"/usr/bin/", "/usr/sbin/"}
     assert wait_for(client, sb.id, "watcher.action")[0].data["rule"] == "binary-overwrite"
     assert sb.run("echo alive").stdout == "alive\n"
 

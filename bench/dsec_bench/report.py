@@ -646,7 +646,7 @@ def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: 
     out.append(f"### dsec bench — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} ({git})")
     out.append("")
     sizes = []
-    if any(part != "vm" for part in res):
+    if any(part not in ("vm", "e2b") for part in res):
         sizes.append(f"n={args.n} sequential; concurrent runs of max(n, 8*c)")
     if "vm" in res:
         sizes.append(
@@ -655,14 +655,21 @@ def report(res: dict[str, Any], args: argparse.Namespace, cs: list[int], notes: 
             f"{args.vm_fork_n} forks per backend"
         )
     cmd = " ".join(["python3", "bench/bench.py", *sys.argv[1:]])
-    out.append(f"Host: {host_description()}. Rootfs: busybox. {'; '.join(sizes)}. Command: `{cmd}`")
+    sized = f" {'; '.join(sizes)}." if sizes else ""
+    busybox = " Rootfs: busybox." if set(res) - {"e2b"} else ""
+    out.append(f"Host: {host_description()}.{busybox}{sized} Command: `{cmd}`")
     out.append("")
-    if any(part not in ("vm", "sdk") for part in res):
+    if any(part not in ("vm", "sdk", "e2b") for part in res):
         out += main_table(res, args, cs)
     if "vm" in res:
         out += vm_table(res)
     if "sdk" in res:
         out += sdk_table(res)
+    if "e2b" in res:
+        from .e2b import table as e2b_table  # e2b imports this module
+
+        out += ["", "#### The e2b SDK against dsec (issue 17)", ""]
+        out += e2b_table(res["e2b"])
     failures = []
     for part, r in res.items():
         if isinstance(r, dict):

@@ -146,7 +146,9 @@ class FileInfo:
     permission bits; ``kind`` is ``file``, ``dir``, ``symlink`` or ``other``; ``path`` is
     relative to the listed directory (for ``stat``, the path asked); ``mtime`` is seconds
     since the epoch; ``link`` a symbolic link's target; ``uid``/``gid`` ``None`` where the
-    backend does not know them (docker's ``stat``)."""
+    backend does not know them (docker's ``stat``); ``metadata`` a file's or directory's
+    ``user.e2b.*`` extended attributes, the prefix dropped (what E2B's metadata uploads set;
+    empty on docker)."""
 
     name: str
     size: int
@@ -158,10 +160,12 @@ class FileInfo:
     uid: int | None = None
     gid: int | None = None
     link: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> FileInfo:
         link = d.get("link")
+        metadata = d.get("metadata")
         return cls(
             name=str(d.get("name", "")),
             size=_opt_int(d.get("size")) or 0,
@@ -173,6 +177,9 @@ class FileInfo:
             uid=_opt_int(d.get("uid")),
             gid=_opt_int(d.get("gid")),
             link=None if link is None else str(link),
+            metadata=(
+                {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
+            ),
         )
 
 

@@ -298,6 +298,7 @@ fn guest_cgroup() -> Result<GuestCgroup, String> {
         pids_max: open("pids.max")?,
         dir: dir(&commands)?,
         scratch: dir(Path::new("/mnt/scratch"))?,
+        lowers: Vec::new(),
     })
 }
 
@@ -341,7 +342,8 @@ fn build_root(args: &BootArgs) -> Result<GuestCgroup, String> {
             )
         })?;
     }
-    let cgroup = guest_cgroup()?;
+    let mut cgroup = guest_cgroup()?;
+    cgroup.lowers = dsec_runtime::layers::open_layers(&lowers);
     // Nothing of the initramfs' own view may remain reachable from the guest's root.
     for target in ["/dev", "/proc", "/sys"] {
         umount2(target, MntFlags::MNT_DETACH).map_err(|e| format!("unmount {target}: {e}"))?;

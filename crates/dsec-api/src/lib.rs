@@ -533,6 +533,10 @@ pub struct FileInfo {
     /// A symbolic link's target.
     #[serde(default)]
     pub link: Option<String>,
+    /// A file's or directory's metadata: its `user.e2b.*` extended attributes, the key
+    /// after the prefix (what E2B's `X-Metadata-*` upload headers set).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// `POST /v1/sandboxes/{id}/files/mkdir`.

@@ -6,6 +6,7 @@
 //! - [`apiserver`]: the `/v1` API, authenticated, each request forwarded to the edge its
 //!   sandbox id names (streams as streams), creates placed and retried past vetoes.
 //! - [`projects`]: the projects and their token hashes in etcd, shared by every apiserver.
+//! - [`quotas`]: each edge's use of each project in etcd, so that quotas hold over the fleet.
 //!
 //! `dsec serve` (crates/dsec-server) stays the one-process default and knows none of this.
 #![warn(missing_docs)]
@@ -14,6 +15,7 @@ pub mod apiserver;
 pub mod membership;
 pub mod placement;
 pub mod projects;
+pub mod quotas;
 
 pub use membership::{EdgeMembership, EdgeRecord, EdgeTable, FleetError};
 

@@ -336,6 +336,13 @@ impl dsec_server::Membership for EdgeMembership {
         self.endpoints.clone()
     }
 
+    fn quotas(&self) -> Option<Arc<dyn dsec_server::projects::SharedQuotas>> {
+        Some(Arc::new(crate::quotas::EtcdQuotas::new(
+            self.endpoints.clone(),
+            self.name.clone(),
+        )))
+    }
+
     async fn join(&self) -> Result<(), String> {
         let joined = self.register().await.map_err(|e| e.to_string())?;
         tracing::info!(edge = %self.name, url = %self.url, lease_ttl_s = self.ttl_s, "joined the fleet");

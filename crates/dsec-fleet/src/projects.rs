@@ -120,6 +120,19 @@ impl FleetProjects {
         if resp.deleted() == 0 {
             return Err(projects::unknown(name));
         }
+        // Its use on the edges is nothing now (it had no sandbox left): its counters go.
+        let counters = format!("{}{name}/", crate::quotas::QUOTA_PREFIX);
+        if let Err(e) = self
+            .client
+            .clone()
+            .delete(
+                counters,
+                Some(etcd_client::DeleteOptions::new().with_prefix()),
+            )
+            .await
+        {
+            tracing::warn!(project = name, error = %e, "etcd: its quota counters stay");
+        }
         self.seen(name, None);
         Ok(())
     }

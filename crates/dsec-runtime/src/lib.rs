@@ -28,6 +28,7 @@ pub mod files;
 pub mod guest;
 pub mod init;
 mod launch;
+pub mod layers;
 pub mod pidfd;
 pub mod procfs;
 pub mod proto;

@@ -570,7 +570,15 @@ pub struct GuestUsage {
     pub disk_bytes: u64,
     /// Files and directories on it.
     pub disk_inodes: u64,
+    /// The image's files in its binary directories that commands overwrote or removed
+    /// (see [`crate::layers`]), at most [`MAX_REPLACED_REPORTED`].
+    #[serde(default)]
+    pub replaced: Vec<String>,
 }
+
+/// The most replaced image files one [`GuestUsage`] names: the host reports each once, so
+/// a guest that replaces more still trips the Watcher with the first ones.
+pub const MAX_REPLACED_REPORTED: usize = 256;
 
 /// The ids a file operation runs with, as the edge looked them up in the sandbox's own
 /// `/etc/passwd` and `/etc/group` (see [`crate::users`]).
@@ -614,6 +622,10 @@ pub struct OpenWrite {
     pub mode: u32,
     /// The chunk in this frame is the whole file.
     pub last: bool,
+    /// The file's metadata, replacing what it had ([`crate::files::metadata`]); `None`
+    /// leaves it as it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// A [`FrameKind::ListDir`] request.

@@ -165,12 +165,18 @@ impl Entry {
     }
 
     fn snapshot(&self) -> SandboxInfo {
-        let mut info = self.info.clone();
-        info.labels = self.labels();
-        info.state = self.state();
+        let mut info = self.brief();
         if matches!(info.state, SandboxState::Running | SandboxState::Paused) {
             info.usage = self.sandbox.usage();
         }
+        info
+    }
+
+    /// The snapshot without the usage, which reads the sandbox's cgroup files.
+    fn brief(&self) -> SandboxInfo {
+        let mut info = self.info.clone();
+        info.labels = self.labels();
+        info.state = self.state();
         info
     }
 
@@ -266,6 +272,8 @@ pub struct Edge {
     idempotent: fleet::IdempotencyKeys,
     /// What each project's sandboxes hold, against its quotas.
     project_usage: projects::Usage,
+    /// A fleet's quotas over all its edges, when this edge is one.
+    shared_quotas: std::sync::OnceLock<Arc<dyn projects::SharedQuotas>>,
 }
 
 /// Marks a fork's image as being forked from, until dropped.
@@ -553,6 +561,7 @@ impl Edge {
             creating: AtomicUsize::new(0),
             idempotent: fleet::IdempotencyKeys::default(),
             project_usage: projects::Usage::default(),
+            shared_quotas: std::sync::OnceLock::new(),
         }
     }
 
@@ -670,20 +679,34 @@ impl Edge {
     }
 
     /// Reserves one sandbox of `cpus` and `memory_mb` against `caller`'s project quotas
-    /// (the admin has none), held until the returned hold drops.
-    pub fn reserve_quota(
+    /// (the admin has none), on this edge and, in a fleet, over all its edges; held until
+    /// the returned hold drops.
+    pub async fn reserve_quota(
         &self,
         caller: &Caller,
         cpus: f64,
         memory_mb: u64,
     ) -> Result<Option<QuotaHold>, ApiError> {
-        match caller {
-            Caller::Admin => Ok(None),
-            Caller::Project { name, quotas } => self
-                .project_usage
-                .reserve(name, quotas, cpus, memory_mb)
-                .map(Some),
+        let Caller::Project { name, quotas } = caller else {
+            return Ok(None);
+        };
+        let mut hold = self.project_usage.reserve(name, quotas, cpus, memory_mb)?;
+        let limited = quotas.max_sandboxes.is_some()
+            || quotas.max_cpus.is_some()
+            || quotas.max_memory_mb.is_some();
+        if let Some(shared) = self.shared_quotas.get().filter(|_| limited) {
+            shared
+                .reserve(name, quotas, &self.project_usage, cpus, memory_mb)
+                .await?;
+            hold.share(Arc::clone(shared));
         }
+        Ok(Some(hold))
+    }
+
+    /// Makes this edge count its projects' quotas over the fleet (see
+    /// [`projects::SharedQuotas`]); set once, before it serves.
+    pub fn share_quotas(&self, shared: Arc<dyn projects::SharedQuotas>) {
+        let _ = self.shared_quotas.set(shared);
     }
 
     /// Creates a sandbox for `caller`'s project.
@@ -743,7 +766,7 @@ impl Edge {
             }
         }
         let sandbox_env = env_pairs(&req.env, "environment")?;
-        let quota = self.reserve_quota(caller, cpus, memory_mb)?;
+        let quota = self.reserve_quota(caller, cpus, memory_mb).await?;
         let id = format!(
             "{}-{:012x}",
             self.config.name,
@@ -879,6 +902,12 @@ impl Edge {
     /// One sandbox's info.
     pub fn get(&self, id: &str) -> Result<SandboxInfo, ApiError> {
         Ok(self.entry(id)?.snapshot())
+    }
+
+    /// What [`get`](Self::get) says but the usage (left zero): for the lookup that routes
+    /// each request of a front end (E2B's), which a read of cgroup files would slow.
+    pub fn get_brief(&self, id: &str) -> Result<SandboxInfo, ApiError> {
+        Ok(self.entry(id)?.brief())
     }
 
     /// The sandboxes now in the table (a copy: the lock is not held while they are used).

@@ -99,6 +99,9 @@ pub struct EventsConfig {
     pub max_age: Duration,
     /// Events kept in memory.
     pub ring: usize,
+    /// Whether events are recorded at all (`dsec serve --no-events` turns them off, and
+    /// with them the usage sampler and the Watcher, which exist to make them).
+    pub enabled: bool,
 }
 
 impl Default for EventsConfig {
@@ -108,6 +111,7 @@ impl Default for EventsConfig {
             max_bytes: 64 << 20,
             max_age: Duration::from_secs(7 * 86400),
             ring: 20_000,
+            enabled: true,
         }
     }
 }
@@ -179,6 +183,7 @@ pub struct Events {
     ring: Mutex<Ring>,
     capacity: usize,
     max_age: Duration,
+    enabled: bool,
     live: broadcast::Sender<Arc<Event>>,
     disk: mpsc::Sender<ToDisk>,
     dir: PathBuf,
@@ -252,6 +257,7 @@ impl Events {
                 events: recent,
             }),
             capacity: config.ring.max(1),
+            enabled: config.enabled,
             max_age: config.max_age,
             live,
             disk,
@@ -261,6 +267,9 @@ impl Events {
 
     /// Records an event about `subject` (or the server, for `None`). Never blocks.
     pub fn emit(&self, kind: &str, subject: Option<Subject<'_>>, data: serde_json::Value) {
+        if !self.enabled {
+            return;
+        }
         let mut ring = self.ring.lock().expect("lock");
         let event = Arc::new(Event {
             id: ring.next_id,

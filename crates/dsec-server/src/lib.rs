@@ -161,6 +161,10 @@ pub trait Membership: Send + Sync {
     /// The services membership talks to (URLs or `host[:port]`): sandboxes may not reach
     /// them.
     fn services(&self) -> Vec<String>;
+    /// The fleet's quotas over all its edges, which this edge's projects count in.
+    fn quotas(&self) -> Option<Arc<dyn projects::SharedQuotas>> {
+        None
+    }
 }
 
 /// The state directory's `flock(2)`, held while the server runs. Released explicitly on
@@ -474,9 +478,14 @@ pub async fn run_with(
         log.clone(),
         Arc::clone(&events),
     ));
+    if let Some(shared) = membership.as_ref().and_then(|m| m.quotas()) {
+        edge.share_quotas(shared);
+    }
     tokio::spawn(Arc::clone(&edge).reaper());
-    tokio::spawn(Arc::clone(&edge).usage_sampler());
-    tokio::spawn(watcher::Watcher::new(config.watcher.rules()).run(Arc::clone(&edge)));
+    if config.events.enabled {
+        tokio::spawn(Arc::clone(&edge).usage_sampler());
+        tokio::spawn(watcher::Watcher::new(config.watcher.rules()).run(Arc::clone(&edge)));
+    }
     tokio::spawn(Arc::clone(&edge).image_collector());
     let projects = Arc::new(
         projects::Projects::open(&config.state_dir).map_err(|source| ServeError::StateDir {

@@ -305,8 +305,8 @@ fn new_token() -> String {
 }
 
 /// What each project's sandboxes hold, reserved before a create starts so that
-/// concurrent creates cannot together pass a quota.
-#[derive(Default)]
+/// concurrent creates cannot together pass a quota. Clones share it.
+#[derive(Clone, Default)]
 pub struct Usage {
     held: Arc<Mutex<HashMap<Arc<str>, ProjectUsage>>>,
 }
@@ -323,46 +323,7 @@ impl Usage {
     ) -> Result<QuotaHold, ApiError> {
         let mut held = self.held.lock().expect("lock");
         let now = held.get(project).copied().unwrap_or_default();
-        let refuse = |quota: &str, limit: String, used: String, asked: String| {
-            ApiError::new(
-                ErrorKind::QuotaExceeded,
-                format!(
-                    "project {project:?} is at its {quota} quota: limit {limit}, in use {used}, \
-                     this sandbox asks {asked}; stop some of its sandboxes or raise the quota"
-                ),
-            )
-        };
-        if let Some(max) = quotas.max_sandboxes {
-            if now.sandboxes + 1 > max {
-                return Err(refuse(
-                    "max_sandboxes",
-                    max.to_string(),
-                    now.sandboxes.to_string(),
-                    "1".into(),
-                ));
-            }
-        }
-        if let Some(max) = quotas.max_cpus {
-            // A small tolerance: sums of decimal fractions are not exact in binary.
-            if now.cpus + cpus > max + 1e-9 {
-                return Err(refuse(
-                    "max_cpus",
-                    max.to_string(),
-                    now.cpus.to_string(),
-                    cpus.to_string(),
-                ));
-            }
-        }
-        if let Some(max) = quotas.max_memory_mb {
-            if now.memory_mb + memory_mb > max {
-                return Err(refuse(
-                    "max_memory_mb",
-                    format!("{max} MB"),
-                    format!("{} MB", now.memory_mb),
-                    format!("{memory_mb} MB"),
-                ));
-            }
-        }
+        admit(project, quotas, now, cpus, memory_mb, "")?;
         let entry = held.entry(Arc::clone(project)).or_default();
         entry.sandboxes += 1;
         entry.cpus += cpus;
@@ -372,6 +333,7 @@ impl Usage {
             project: Arc::clone(project),
             cpus,
             memory_mb,
+            shared: None,
         })
     }
 
@@ -382,25 +344,123 @@ impl Usage {
     }
 }
 
+/// Refuses one more sandbox of `cpus` and `memory_mb` for `project` when `now` (its use,
+/// `where_` it is counted: "" for this server, " over the fleet") would pass a quota,
+/// naming the quota, its limit and the use.
+pub fn admit(
+    project: &str,
+    quotas: &Quotas,
+    now: ProjectUsage,
+    cpus: f64,
+    memory_mb: u64,
+    where_: &str,
+) -> Result<(), ApiError> {
+    let refuse = |quota: &str, limit: String, used: String, asked: String| {
+        Err(ApiError::new(
+            ErrorKind::QuotaExceeded,
+            format!(
+                "project {project:?} is at its {quota} quota: limit {limit}, in use{where_} \
+                 {used}, this sandbox asks {asked}; stop some of its sandboxes or raise the quota"
+            ),
+        ))
+    };
+    if let Some(max) = quotas.max_sandboxes {
+        if now.sandboxes + 1 > max {
+            return refuse(
+                "max_sandboxes",
+                max.to_string(),
+                now.sandboxes.to_string(),
+                "1".into(),
+            );
+        }
+    }
+    if let Some(max) = quotas.max_cpus {
+        // A small tolerance: sums of decimal fractions are not exact in binary.
+        if now.cpus + cpus > max + 1e-9 {
+            return refuse(
+                "max_cpus",
+                max.to_string(),
+                now.cpus.to_string(),
+                cpus.to_string(),
+            );
+        }
+    }
+    if let Some(max) = quotas.max_memory_mb {
+        if now.memory_mb + memory_mb > max {
+            return refuse(
+                "max_memory_mb",
+                format!("{max} MB"),
+                format!("{} MB", now.memory_mb),
+                format!("{memory_mb} MB"),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Quotas that the edges of a fleet enforce together: what a project holds on every edge
+/// counts, not only on this one (a fleet's etcd: `dsec_fleet::quotas`).
+#[async_trait::async_trait]
+pub trait SharedQuotas: Send + Sync {
+    /// Publishes this edge's use of `project` as `here` holds it now (one more sandbox of
+    /// `cpus` and `memory_mb` already in it), unless the fleet's sum would then pass
+    /// `quotas` (`QuotaExceeded`, naming it).
+    async fn reserve(
+        &self,
+        project: &str,
+        quotas: &Quotas,
+        here: &Usage,
+        cpus: f64,
+        memory_mb: u64,
+    ) -> Result<(), ApiError>;
+    /// Publishes this edge's use of `project` as `here` holds it now, after a sandbox
+    /// gave its share back.
+    async fn release(&self, project: &str, here: &Usage);
+}
+
 /// One sandbox's share of its project's quotas, given back when dropped.
 pub struct QuotaHold {
     held: Arc<Mutex<HashMap<Arc<str>, ProjectUsage>>>,
     project: Arc<str>,
     cpus: f64,
     memory_mb: u64,
+    /// The fleet's quotas it counts in too, told when it is given back.
+    shared: Option<Arc<dyn SharedQuotas>>,
+}
+
+impl QuotaHold {
+    /// Counts the hold in the fleet's quotas too (it is there already: see
+    /// [`SharedQuotas::reserve`]), so that giving it back tells them.
+    pub fn share(&mut self, shared: Arc<dyn SharedQuotas>) {
+        self.shared = Some(shared);
+    }
 }
 
 impl Drop for QuotaHold {
     fn drop(&mut self) {
-        let mut held = self.held.lock().expect("lock");
-        if let Some(u) = held.get_mut(&self.project) {
-            u.sandboxes = u.sandboxes.saturating_sub(1);
-            u.cpus = (u.cpus - self.cpus).max(0.0);
-            u.memory_mb = u.memory_mb.saturating_sub(self.memory_mb);
-            if u.sandboxes == 0 {
-                held.remove(&self.project);
+        {
+            let mut held = self.held.lock().expect("lock");
+            if let Some(u) = held.get_mut(&self.project) {
+                u.sandboxes = u.sandboxes.saturating_sub(1);
+                u.cpus = (u.cpus - self.cpus).max(0.0);
+                u.memory_mb = u.memory_mb.saturating_sub(self.memory_mb);
+                if u.sandboxes == 0 {
+                    held.remove(&self.project);
+                }
             }
         }
+        let (Some(shared), Ok(runtime)) =
+            (self.shared.take(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        let (here, project) = (
+            Usage {
+                held: Arc::clone(&self.held),
+            },
+            Arc::clone(&self.project),
+        );
+        runtime.spawn(async move { shared.release(&project, &here).await });
     }
 }
 

@@ -131,16 +131,7 @@ pub enum WatcherConfigError {
 }
 
 /// Directories of an image's own programs and libraries: writes there replace them.
-pub const BINARY_DIRS: [&str; 8] = [
-    "/bin/",
-    "/sbin/",
-    "/usr/bin/",
-    "/usr/sbin/",
-    "/lib/",
-    "/lib64/",
-    "/usr/lib/",
-    "/usr/local/bin/",
-];
+pub use dsec_runtime::layers::IMAGE_BINARY_DIRS as BINARY_DIRS;
 
 /// The rules every server runs unless its config says `"defaults": false`: each only
 /// flags.

@@ -238,6 +238,11 @@ struct ServeArgs {
     /// Events: MiB the kept event stream (<state-dir>/events/) may take on disk.
     #[arg(long, default_value_t = dsec_server::events::EventsConfig::default().max_bytes >> 20, value_parser = clap::value_parser!(u64).range(1..))]
     events_max_mb: u64,
+    /// Events: record none. The usage sampler and the Watcher, which exist to make and
+    /// read them, do not run; `sb.info().usage` still reads live. For hosts that want no
+    /// event stream, and for measuring what it costs (bench/ab.py).
+    #[arg(long)]
+    no_events: bool,
     /// Events: hours an event is kept (and served) for.
     #[arg(long, default_value_t = 168.0, value_parser = parse_ratio)]
     events_max_age_h: f64,
@@ -836,6 +841,7 @@ fn serve(
         events: dsec_server::events::EventsConfig {
             max_bytes: args.events_max_mb << 20,
             max_age: std::time::Duration::from_secs_f64(args.events_max_age_h * 3600.0),
+            enabled: !args.no_events,
             ..Default::default()
         },
         fncall: PoolConfig {

@@ -32,12 +32,14 @@ impl Channel {
         })
     }
 
-    /// Opens `path` for writing (created with `mode`, or truncated) and writes `data`
-    /// (in parts, as they came); with `last`, that is the whole file.
+    /// Opens `path` for writing (created with `mode`, or truncated), replaces its
+    /// metadata with `metadata` when given, and writes `data` (in parts, as they came);
+    /// with `last`, that is the whole file.
     pub async fn write_file(
         &self,
         path: &str,
         mode: u32,
+        metadata: Option<std::collections::BTreeMap<String, String>>,
         data: &[&[u8]],
         last: bool,
     ) -> Result<FileWriter, RuntimeError> {
@@ -46,6 +48,7 @@ impl Channel {
                 path: path.to_owned(),
                 mode,
                 last,
+                metadata,
             },
             user: current_user(),
         });

@@ -29,10 +29,14 @@
 //!   its last component without following it: a symbolic link is reported, moved or
 //!   removed itself, never its target; a recursive remove never follows a link nor
 //!   crosses into another filesystem, and the root is never moved or removed;
-//! - watches ([`watch`]) open the directory as a listing does and watch that inode.
+//! - watches ([`watch`]) open the directory as a listing does and watch that inode;
+//! - metadata ([`metadata`], E2B's `user.e2b.*` extended attributes) is set on the
+//!   descriptor a write opened, and read through the descriptors a listing or `stat`
+//!   already holds (`/proc/self/fd/N`, the last component not followed), never by path.
 
 pub mod client;
 mod identity;
+pub mod metadata;
 pub mod service;
 pub mod watch;
 
@@ -222,6 +226,15 @@ pub enum FileError {
         /// The path as given.
         path: String,
     },
+    /// Metadata was asked for a file whose filesystem keeps no user extended
+    /// attributes ([`metadata`]), or the metadata is malformed.
+    #[error("metadata of {path:?}: {reason}")]
+    Metadata {
+        /// The path as given.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// Any other OS error.
     #[error("{path:?}: {message}")]
     Io {
@@ -331,6 +344,7 @@ impl FileError {
             | FileError::TooLarge { path, .. }
             | FileError::Busy { path, .. }
             | FileError::TooManyWatches { path, .. }
+            | FileError::Metadata { path, .. }
             | FileError::NoSpace { path }
             | FileError::PermissionDenied { path }
             | FileError::Io { path, .. } => path,
@@ -377,6 +391,9 @@ pub struct Entry {
     pub gid: u32,
     /// A symbolic link's target.
     pub link: Option<String>,
+    /// A file's or directory's metadata ([`metadata`]: its `user.e2b.*` attributes).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub metadata: std::collections::BTreeMap<String, String>,
 }
 
 impl Entry {
@@ -400,7 +417,13 @@ impl Entry {
             uid: stat.st_uid,
             gid: stat.st_gid,
             link,
+            metadata: std::collections::BTreeMap::new(),
         }
+    }
+
+    /// Whether it may carry metadata: user attributes live on files and directories only.
+    fn has_metadata(&self) -> bool {
+        matches!(self.kind, EntryKind::File | EntryKind::Dir)
     }
 }
 
@@ -634,7 +657,12 @@ impl SandboxRoot {
         let link = (FileType::from_raw_mode(stat.st_mode) == FileType::Symlink)
             .then(|| link_target(&fd, ""))
             .flatten();
-        Ok(Entry::new(name, path.to_owned(), &stat, link))
+        let mut entry = Entry::new(name, path.to_owned(), &stat, link);
+        if entry.has_metadata() {
+            let fd_path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+            entry.metadata = metadata::read_following(fd_path.as_str());
+        }
+        Ok(entry)
     }
 
     /// Makes the directory `path` with `mode`, and with `parents` its missing parents
@@ -1010,7 +1038,13 @@ impl Listing<'_> {
             if depth > 1 && kind == FileType::Directory && stat.st_dev == st_dev {
                 subdirs.push((entry.file_name().to_owned(), rel_path.clone()));
             }
-            out.push(Entry::new(name, rel_path, &stat, link));
+            let mut listed = Entry::new(name, rel_path, &stat, link);
+            if listed.has_metadata() {
+                let mut at = format!("/proc/self/fd/{}/", fd.as_raw_fd()).into_bytes();
+                at.extend_from_slice(entry.file_name().to_bytes());
+                listed.metadata = metadata::read_nofollow(&at[..]);
+            }
+            out.push(listed);
         }
         for (name, sub_path) in subdirs {
             // A directory swapped for a link since it was read is not entered.

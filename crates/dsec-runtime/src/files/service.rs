@@ -150,6 +150,9 @@ impl FileService {
     fn open_write(&mut self, req: proto::OpenWrite, data: &[u8]) -> Result<Vec<u8>, InitError> {
         let root = self.root(&req.path)?;
         let mut file = root.open_write(&req.path, req.mode).map_err(failed)?;
+        if let Some(metadata) = &req.metadata {
+            super::metadata::replace(&file, &req.path, metadata).map_err(failed)?;
+        }
         file.write_all(data)
             .map_err(|e| failed(FileError::os(&req.path, e)))?;
         let transfer = if req.last {
@@ -463,6 +466,7 @@ mod tests {
                 path: format!("/w{i}"),
                 mode: 0o644,
                 last: false,
+                metadata: None,
             };
             let answer = ask(
                 &mut service,
@@ -477,6 +481,7 @@ mod tests {
             path: "/one-too-many".into(),
             mode: 0o644,
             last: false,
+            metadata: None,
         };
         let err = ask(
             &mut service,

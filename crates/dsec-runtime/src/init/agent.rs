@@ -6,7 +6,7 @@
 //! Invariant: nothing is served before the identity is taken and the agent is confined;
 //! the first request must be the identity, and every other request before it is refused.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
 use super::{encode_ready, io_setup_error, setup_error, signal_fd, Confine, Init, Prepared};
 use rustix::io::Errno;
@@ -32,6 +32,9 @@ pub struct GuestCgroup {
     pub dir: OwnedFd,
     /// The root of the scratch disk's filesystem (the writable layer), for its usage.
     pub scratch: OwnedFd,
+    /// The roots of the image's layers, under the overlay, for what commands replaced of
+    /// them (see [`crate::layers`]).
+    pub lowers: Vec<OwnedFd>,
 }
 
 impl GuestCgroup {
@@ -143,6 +146,7 @@ pub fn serve_guest(
         usage: Some(UsageSource {
             cgroup: cgroup.dir,
             scratch: cgroup.scratch,
+            lowers: cgroup.lowers,
         }),
     };
     Init::new(control, prepared, Vec::new(), inbuf).serve();
@@ -245,6 +249,7 @@ impl IdentityKeeper {
 pub(super) struct UsageSource {
     cgroup: OwnedFd,
     scratch: OwnedFd,
+    lowers: Vec<OwnedFd>,
 }
 
 impl UsageSource {
@@ -278,7 +283,28 @@ impl UsageSource {
                 .as_ref()
                 .map_or(0, |st| st.f_blocks.saturating_sub(st.f_bfree) * st.f_frsize),
             disk_inodes: disk.map_or(0, |st| st.f_files.saturating_sub(st.f_ffree)),
+            replaced: self.replaced(),
         }
+    }
+
+    /// The image's binaries commands replaced, read from the overlay's upper directory
+    /// (`upper` on the scratch disk, as `rootfs::setup_guest` stacks it).
+    fn replaced(&self) -> Vec<String> {
+        let Ok(upper) = rustix::fs::openat(
+            &self.scratch,
+            "upper",
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        ) else {
+            return Vec::new();
+        };
+        let mut replaced = crate::layers::replaced_image_files(
+            upper.as_fd(),
+            &self.lowers,
+            &crate::layers::IMAGE_BINARY_DIRS,
+        );
+        replaced.truncate(proto::MAX_REPLACED_REPORTED);
+        replaced
     }
 }
 

@@ -1,8 +1,7 @@
 //! `backend="container"`: dsec's native runtime.
 
-use std::os::fd::{AsFd, BorrowedFd};
-use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
+use std::os::fd::AsFd;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -14,8 +13,6 @@ use dsec_runtime::container::{
     Container, ContainerRuntime, CreateOptions, ExecEvent, ExecHandle, InitExit,
 };
 use dsec_runtime::proto::{ExecExit, ExecFile, ExecSpec};
-use rustix::fs::{AtFlags, FileType, Mode, OFlags};
-use rustix::io::Errno;
 
 use super::files::{list_served, read_served, watch_served, write_served, FileWatch};
 use super::{file_info, MakeDir, MovePath, RemovePath};
@@ -377,41 +374,11 @@ impl Sandbox for ContainerSandbox {
     }
 
     fn replaced_image_files(&self, dirs: &[&str]) -> Vec<String> {
-        // An overlay's upper directory holds exactly what the sandbox changed (removals
-        // as whiteouts); those of its entries that an image layer also has are replaced.
-        // The sandbox writes that directory: it is walked without following any link (a
-        // planted `usr -> /` would otherwise list the host's own directories), and only
-        // so far per sample, since the sandbox chooses how many entries there are.
         let Ok(upper) = self.container.upper_dir() else {
             return Vec::new();
         };
-        let in_image = |path: &Path| {
-            self.layers.dirs.iter().any(|layer| {
-                rustix::fs::open(layer, OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).is_ok_and(
-                    |root| rustix::fs::statat(&root, path, AtFlags::SYMLINK_NOFOLLOW).is_ok(),
-                )
-            })
-        };
-        let mut replaced = Vec::new();
-        for dir in dirs {
-            let rel = dir.trim_matches('/');
-            match layer_dir(upper.as_fd(), rel) {
-                LayerDir::Untouched => {}
-                LayerDir::Replaced => {
-                    if in_image(Path::new(rel)) {
-                        replaced.push(format!("/{rel}/"));
-                    }
-                }
-                LayerDir::Merged(names) => {
-                    for name in names {
-                        if in_image(&Path::new(rel).join(&name)) {
-                            replaced.push(format!("/{rel}/{}", name.to_string_lossy()));
-                        }
-                    }
-                }
-            }
-        }
-        replaced
+        let lowers = dsec_runtime::layers::open_layers(&self.layers.dirs);
+        dsec_runtime::layers::replaced_image_files(upper.as_fd(), &lowers, dirs)
     }
 
     fn is_alive(&self) -> bool {
@@ -466,55 +433,4 @@ impl Sandbox for ContainerSandbox {
             a.release().await;
         }
     }
-}
-
-/// The most entries of one directory of a writable layer read per sample.
-const CHANGED_FILES_READ: usize = 4096;
-
-/// What a writable layer holds at one of the image's directories.
-enum LayerDir {
-    /// Nothing: the sandbox left the image's directory as it was.
-    Untouched,
-    /// A directory merged with the image's: these non-directories in it are the
-    /// sandbox's, over the image's entries or beside them.
-    Merged(Vec<std::ffi::OsString>),
-    /// Something hiding the image's whole directory: a link, a file or a whiteout at
-    /// the path or at one of its parents, or an opaque directory (removed and made anew).
-    Replaced,
-}
-
-/// What the writable layer `upper` holds at `rel` (a relative path), each component
-/// opened without following links: a planted `usr -> /` is reported as replacing
-/// `/usr/...`, never followed into the host's directories.
-fn layer_dir(upper: BorrowedFd<'_>, rel: &str) -> LayerDir {
-    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-    let Ok(mut fd) = rustix::fs::openat(upper, ".", flags, Mode::empty()) else {
-        return LayerDir::Untouched;
-    };
-    for component in rel.split('/').filter(|c| !c.is_empty()) {
-        fd = match rustix::fs::openat(&fd, component, flags, Mode::empty()) {
-            Ok(fd) => fd,
-            Err(Errno::NOENT) => return LayerDir::Untouched,
-            Err(_) => return LayerDir::Replaced,
-        };
-        let mut opaque = [0u8; 1];
-        if rustix::fs::fgetxattr(&fd, "trusted.overlay.opaque", &mut opaque).is_ok_and(|n| n == 1)
-            && opaque[0] == b'y'
-        {
-            return LayerDir::Replaced;
-        }
-    }
-    let Ok(dir) = rustix::fs::Dir::read_from(&fd) else {
-        return LayerDir::Untouched;
-    };
-    let mut names = Vec::new();
-    for entry in dir.take(CHANGED_FILES_READ) {
-        let Ok(entry) = entry else { break };
-        let name = entry.file_name().to_bytes();
-        if name == b"." || name == b".." || entry.file_type() == FileType::Directory {
-            continue;
-        }
-        names.push(std::ffi::OsStr::from_bytes(name).to_owned());
-    }
-    LayerDir::Merged(names)
 }

@@ -8,6 +8,7 @@
 //! as it arrives. So a slow client slows its own transfer, and neither a large file nor
 //! many of them grow the server.
 
+use std::collections::BTreeMap;
 use std::pin::Pin;
 
 use async_trait::async_trait;
@@ -46,6 +47,9 @@ pub struct Upload {
     ahead: Option<Bytes>,
     received: u64,
     limit: u64,
+    /// Metadata to replace the file's with (`dsec_runtime::files::metadata`); `None`
+    /// leaves the file's as it is.
+    metadata: Option<BTreeMap<String, String>>,
 }
 
 impl Upload {
@@ -60,7 +64,20 @@ impl Upload {
             ahead: None,
             received: 0,
             limit: u64::MAX,
+            metadata: None,
         }
+    }
+
+    /// The same upload, replacing the file's metadata with `metadata`.
+    pub fn with_metadata(mut self, metadata: BTreeMap<String, String>) -> Upload {
+        self.metadata = Some(metadata);
+        self
+    }
+
+    /// The metadata to set, taken: a backend that cannot keep metadata refuses a set
+    /// that is not empty rather than drop it.
+    pub fn take_metadata(&mut self) -> Option<BTreeMap<String, String>> {
+        self.metadata.take()
     }
 
     /// An upload of bytes already in memory (a command's `files`).
@@ -245,8 +262,9 @@ pub(crate) async fn write_served(
     // The first chunk is in hand before the file is opened: a small file is one round
     // trip, and an upload that fails at once leaves the file as it was.
     let (first, more) = upload.chunk(path).await?;
+    let metadata = upload.take_metadata();
     let mut writer = channel
-        .write_file(path, mode, &slices(&first), !more)
+        .write_file(path, mode, metadata, &slices(&first), !more)
         .await?;
     drop(first);
     let mut next = match more {

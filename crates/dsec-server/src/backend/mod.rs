@@ -458,6 +458,7 @@ pub(crate) fn file_info(e: Entry) -> FileInfo {
         uid: Some(e.uid),
         gid: Some(e.gid),
         link: e.link,
+        metadata: e.metadata,
     }
 }
 

@@ -1348,6 +1348,22 @@ impl Sandbox for VmSandbox {
         }
     }
 
+    fn replaced_image_files(&self, dirs: &[&str]) -> Vec<String> {
+        // The guest's agent reads its own overlay (the host cannot read the guest's
+        // disk), with each usage report.
+        let last = self.guest_usage.last.lock().expect("lock").clone();
+        last.map(|(_, usage)| usage.replaced)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|path| {
+                dirs.iter().any(|d| {
+                    path.strip_prefix(d.trim_end_matches('/'))
+                        .is_some_and(|rest| rest.starts_with('/'))
+                })
+            })
+            .collect()
+    }
+
     fn is_alive(&self) -> bool {
         self.saved_to_disk.load(Ordering::SeqCst) || self.vm().is_alive()
     }

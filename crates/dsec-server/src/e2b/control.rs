@@ -803,7 +803,7 @@ impl Metric {
 }
 
 async fn metrics(State(e2b): State<Arc<E2b>>, Visible(id): Visible) -> Result<Json<Vec<Metric>>> {
-    Ok(Json(vec![Metric::of(&e2b.get(&id)?)]))
+    Ok(Json(vec![Metric::of(&e2b.with_usage(&id)?)]))
 }
 
 /// `GET /sandboxes/metrics?sandbox_ids=a,b`: the latest sample of each.
@@ -821,7 +821,7 @@ async fn metrics_of_many(
             if e2b.edge().check_visible(&caller, id).is_err() {
                 continue;
             }
-            if let Ok(s) = e2b.get(id) {
+            if let Ok(s) = e2b.with_usage(id) {
                 let metric = serde_json::to_value(Metric::of(&s)).expect("metrics serialize");
                 sandboxes.insert(id.to_owned(), metric);
             }

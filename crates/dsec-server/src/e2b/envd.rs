@@ -517,12 +517,74 @@ fn filesystem_event(dir: &str, ev: WatchEvent) -> Option<FilesystemEvent> {
     };
     let prefix = format!("{}/", dir.trim_end_matches('/'));
     let name = ev.path.strip_prefix(&prefix).unwrap_or(&ev.path).to_owned();
-    Some(FilesystemEvent { name, event_type })
+    Some(FilesystemEvent {
+        name,
+        event_type,
+        entry: None,
+    })
+}
+
+/// How a watch's events are told: relative to `dir`, and with `entries`, each with its
+/// path's entry (`include_entry`).
+#[derive(Clone)]
+struct WatchEvents {
+    dir: String,
+    entries: Option<EntryLookup>,
+}
+
+/// Looks up the entries of a watch's events, in the watch's sandbox, as its user.
+#[derive(Clone)]
+struct EntryLookup {
+    e2b: Arc<E2b>,
+    sandbox: String,
+    user: Option<String>,
+}
+
+impl WatchEvents {
+    fn new(e2b: &Arc<E2b>, call: &Call, dir: String, req: &WatchDirRequest) -> WatchEvents {
+        let entries = req.include_entry.then(|| EntryLookup {
+            e2b: Arc::clone(e2b),
+            sandbox: call.sandbox.info.id.clone(),
+            user: call.user.files_as().map(str::to_owned),
+        });
+        WatchEvents { dir, entries }
+    }
+
+    /// A batch as envd sends it: with entries asked, each event's path is looked up as
+    /// the event is handled (as envd stats it), so a path removed or moved away, or gone
+    /// by then, has none.
+    async fn tell(&self, batch: Vec<WatchEvent>) -> Vec<FilesystemEvent> {
+        let mut told = Vec::with_capacity(batch.len());
+        for ev in batch {
+            let path = ev.path.clone();
+            let Some(mut event) = filesystem_event(&self.dir, ev) else {
+                continue;
+            };
+            if let Some(lookup) = &self.entries {
+                if !matches!(event.event_type, EventType::Remove | EventType::Rename) {
+                    event.entry = lookup
+                        .e2b
+                        .edge()
+                        .stat(&lookup.sandbox, &path, lookup.user.as_deref())
+                        .await
+                        .ok()
+                        .map(|f| Box::new(entry_info(path, f)));
+                }
+            }
+            told.push(event);
+        }
+        told
+    }
 }
 
 /// `WatchDir`: dsec's watch as a stream, `start` first once it is armed.
+///
+/// `allow_network_mounts` changes nothing: envd refuses a directory on a network
+/// filesystem unless it is set, and dsec's files API never serves one (NFS, CIFS, FUSE...
+/// are not among `dsec_runtime::files::ALLOWED_FILESYSTEMS`), so such a watch is refused
+/// either way, saying which filesystem it is on.
 async fn watch_dir(
-    e2b: &E2b,
+    e2b: &Arc<E2b>,
     call: &Call,
     req: WatchDirRequest,
 ) -> Result<MessageStream<WatchDirResponse>, ConnectError> {
@@ -531,35 +593,42 @@ async fn watch_dir(
         .edge()
         .watch(&call.sandbox.info.id, &dir, req.recursive)
         .await?;
+    let told = WatchEvents::new(e2b, call, dir, &req);
     let started = futures::stream::once(async { Ok(WatchDirResponse::Start(Empty {})) });
     let events = futures::stream::unfold(watch, |mut watch| async move {
         let batch = watch.next().await?;
         Some((batch, watch))
     })
-    .flat_map(move |batch| {
-        let messages: Vec<Result<WatchDirResponse, ConnectError>> = match batch {
-            Ok(events) => events
-                .into_iter()
-                .filter_map(|ev| filesystem_event(&dir, ev))
-                .map(|ev| Ok(WatchDirResponse::Filesystem(ev)))
-                .collect(),
-            Err(e) => vec![Err(e.into())],
-        };
-        futures::stream::iter(messages)
-    });
+    .then(move |batch| {
+        let told = told.clone();
+        async move {
+            let messages: Vec<Result<WatchDirResponse, ConnectError>> = match batch {
+                Ok(events) => told
+                    .tell(events)
+                    .await
+                    .into_iter()
+                    .map(|ev| Ok(WatchDirResponse::Filesystem(ev)))
+                    .collect(),
+                Err(e) => vec![Err(e.into())],
+            };
+            futures::stream::iter(messages)
+        }
+    })
+    .flatten();
     Ok(Box::pin(started.chain(events)))
 }
 
 /// `CreateWatcher`: dsec's watch, its events gathered until `GetWatcherEvents` takes them.
 async fn create_watcher(
-    e2b: &E2b,
+    e2b: &Arc<E2b>,
     call: &Call,
     req: WatchDirRequest,
 ) -> Result<serde_json::Value, ConnectError> {
     let dir = resolve_path(&req.path, &call.user)?;
     let sandbox = call.sandbox.info.id.clone();
     let watch = e2b.edge().watch(&sandbox, &dir, req.recursive).await?;
-    let id = e2b.watchers.add(sandbox, dir, watch);
+    let told = WatchEvents::new(e2b, call, dir, &req);
+    let id = e2b.watchers.add(sandbox, told, watch);
     Ok(serde_json::json!({ "watcherId": id }))
 }
 
@@ -589,19 +658,16 @@ impl Watchers {
     fn add(
         &self,
         sandbox: String,
-        dir: String,
+        told: WatchEvents,
         mut watch: Box<dyn crate::backend::FileWatch>,
     ) -> String {
         let events = EventQueue::default();
         let gathered = Arc::clone(&events);
         let task = tokio::spawn(async move {
             while let Some(Ok(batch)) = watch.next().await {
+                let batch = told.tell(batch).await;
                 let mut queue = gathered.lock().expect("watcher lock");
-                queue.extend(
-                    batch
-                        .into_iter()
-                        .filter_map(|ev| filesystem_event(&dir, ev)),
-                );
+                queue.extend(batch);
                 while queue.len() > MAX_WATCHER_EVENTS {
                     queue.pop_front();
                 }
@@ -693,7 +759,7 @@ fn entry_info(path: String, file: dsec_api::FileInfo) -> EntryInfo {
             .filter(|_| file.mtime != 0)
             .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
         symlink_target: file.link,
-        metadata: BTreeMap::new(),
+        metadata: file.metadata,
     }
 }
 
@@ -1026,12 +1092,37 @@ struct WriteInfo {
     name: String,
     #[serde(rename = "type")]
     kind: &'static str,
+    /// What the file keeps, read back after the write, as envd answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metadata: Option<BTreeMap<String, String>>,
+}
+
+/// envd's metadata headers: `X-Metadata-<key>: <value>`, the key lowercased (the first
+/// of repeated headers wins), checked against envd's limits
+/// (`dsec_runtime::files::metadata`).
+fn upload_metadata(headers: &HeaderMap) -> Result<BTreeMap<String, String>, Response> {
+    let bad = |m: String| http_error(StatusCode::BAD_REQUEST, format!("invalid metadata: {m}"));
+    let mut metadata = BTreeMap::new();
+    for (name, value) in headers {
+        let Some(key) = name.as_str().strip_prefix("x-metadata-") else {
+            continue;
+        };
+        if key.is_empty() || metadata.contains_key(key) {
+            continue;
+        }
+        let value = value
+            .to_str()
+            .map_err(|_| bad(format!("the value of {name} is not printable ASCII")))?;
+        metadata.insert(key.to_owned(), value.to_owned());
+    }
+    dsec_runtime::files::metadata::validate(&metadata).map_err(bad)?;
+    Ok(metadata)
 }
 
 /// `POST /files`: multipart (field `file`, the filename the destination unless `?path=`
 /// names it) or `application/octet-stream` (`?path=` required, `Content-Encoding: gzip`
-/// accepted). Parents are created. Metadata headers (`X-Metadata-*`) are refused until
-/// dsec can set extended attributes.
+/// accepted). Parents are created. Each file's metadata becomes what the
+/// `X-Metadata-*` headers say (none: the file keeps none), as envd does it.
 async fn write_files(
     State(e2b): State<Arc<E2b>>,
     headers: HeaderMap,
@@ -1042,17 +1133,10 @@ async fn write_files(
         Ok(t) => t,
         Err(response) => return drained(request.into_body(), response).await,
     };
-    if headers
-        .keys()
-        .any(|k| k.as_str().starts_with("x-metadata-"))
-    {
-        let refused = http_error(
-            StatusCode::NOT_IMPLEMENTED,
-            "file metadata (X-Metadata-* headers) needs dsec's extended attributes, which \
-             this server does not have yet",
-        );
-        return drained(request.into_body(), refused).await;
-    }
+    let metadata = match upload_metadata(&headers) {
+        Ok(m) => m,
+        Err(refused) => return drained(request.into_body(), refused).await,
+    };
     let content_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -1077,6 +1161,7 @@ async fn write_files(
     };
     let mut written = Vec::with_capacity(files.len());
     for (path, upload) in files {
+        let upload = upload.with_metadata(metadata.clone());
         if let Err(e) = e2b
             .edge()
             .write_file(&sandbox.info.id, &path, upload, 0o644, user.files_as())
@@ -1084,10 +1169,22 @@ async fn write_files(
         {
             return closing(api_http_error(e));
         }
+        // Without metadata asked the file keeps none: nothing to read back.
+        let kept = match metadata.is_empty() {
+            true => None,
+            false => e2b
+                .edge()
+                .stat(&sandbox.info.id, &path, user.files_as())
+                .await
+                .ok()
+                .map(|f| f.metadata)
+                .filter(|m| !m.is_empty()),
+        };
         written.push(WriteInfo {
             name: path.rsplit('/').next().unwrap_or_default().to_owned(),
             path,
             kind: "file",
+            metadata: kept,
         });
     }
     Json(written).into_response()
@@ -1306,6 +1403,25 @@ mod tests {
             .concat()
             .await;
         assert_eq!(gunzip(&compressed, 100).unwrap(), b"hello world");
+    }
+
+    #[test]
+    fn metadata_headers_are_envds() {
+        let mut h = HeaderMap::new();
+        assert!(upload_metadata(&h).unwrap().is_empty());
+        // Header names arrive lowercased, whatever the client sent.
+        let owner = header::HeaderName::from_bytes(b"X-Metadata-Owner").unwrap();
+        h.insert(owner, "ann".parse().unwrap());
+        h.append("x-metadata-owner", "bob".parse().unwrap());
+        h.insert("x-metadata-", "nameless".parse().unwrap());
+        h.insert("x-other", "no".parse().unwrap());
+        let m = upload_metadata(&h).unwrap();
+        assert_eq!(m, BTreeMap::from([("owner".to_owned(), "ann".to_owned())]));
+        h.insert("x-metadata-big", "v".repeat(5000).parse().unwrap());
+        assert_eq!(
+            upload_metadata(&h).unwrap_err().status(),
+            StatusCode::BAD_REQUEST
+        );
     }
 
     #[test]

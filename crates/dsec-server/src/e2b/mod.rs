@@ -28,18 +28,22 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use dsec_api::{CreateSandboxRequest, Network, SandboxInfo, SandboxState};
 use rand::Rng;
 
+use axum::serve::ListenerExt;
+
 use crate::edge::Edge;
 use crate::error::ApiError;
 use crate::projects::{Caller, Projects};
 
 /// The envd version dsec reports to the SDK, which enables its features by version
 /// (`e2b/envd/versions.py`). 0.6.4 turns on every gate the SDK knows, so the SDK sends
-/// each request as it would to E2B and dsec answers it. Served: recursive watch (0.1.4),
-/// the stdin flag (0.3.0) and closing stdin (0.5.2) on dsec's process table,
-/// octet-stream uploads (0.5.7); refused with a message saying what dsec lacks: file
-/// metadata (0.6.2); watch events carry no entry (0.6.3), which the SDK reads as none. A
-/// lower version would make the SDK act as user `user` by default (< 0.4.0) or blame the
-/// template for what it does not send (TemplateException).
+/// each request as it would to E2B and dsec answers it: recursive watch (0.1.4), the
+/// stdin flag (0.3.0) and closing stdin (0.5.2) on dsec's process table, octet-stream
+/// uploads (0.5.7), file metadata as `user.e2b.*` extended attributes (0.6.2; refused
+/// with a reason where the backend or filesystem cannot keep them), the entry in watch
+/// events (0.6.3); network mounts (0.6.4) are never watched, since dsec's files API
+/// serves no network filesystem. A lower version would make the SDK act as user `user`
+/// by default (< 0.4.0) or blame the template for what it does not send
+/// (TemplateException).
 pub const ENVD_VERSION: &str = "0.6.4";
 
 /// The sandbox id the SDK uses in debug mode (`E2B_DEBUG=true`), where it makes no
@@ -310,9 +314,23 @@ impl E2b {
         }
     }
 
-    /// One sandbox; `NotFound` once it is gone.
+    /// One sandbox, its usage left zero (it is read for [`with_usage`](Self::with_usage)
+    /// only: every request looks its sandbox up); `NotFound` once it is gone.
     pub fn get(&self, id: &str) -> Result<E2bSandbox, ApiError> {
-        let info = match self.edge.get(id) {
+        self.lookup(id, Edge::get_brief)
+    }
+
+    /// One sandbox with its resource usage now; `NotFound` once it is gone.
+    pub fn with_usage(&self, id: &str) -> Result<E2bSandbox, ApiError> {
+        self.lookup(id, Edge::get)
+    }
+
+    fn lookup(
+        &self,
+        id: &str,
+        info: impl FnOnce(&Edge, &str) -> Result<SandboxInfo, ApiError>,
+    ) -> Result<E2bSandbox, ApiError> {
+        let info = match info(&self.edge, id) {
             Ok(info) => info,
             Err(e) => {
                 self.records.lock().expect("lock").remove(id);
@@ -556,7 +574,14 @@ async fn serve(
 ) -> Result<tokio::task::JoinHandle<()>, crate::ServeError> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
-        .map_err(|source| crate::ServeError::Listen { addr, source })?;
+        .map_err(|source| crate::ServeError::Listen { addr, source })?
+        // A Connect stream is several small writes (start, output, end): with Nagle's
+        // algorithm each after the first waits for the client's delayed ACK (~40 ms).
+        .tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "TCP_NODELAY");
+            }
+        });
     tracing::info!(listen = %addr, "{what} serving");
     Ok(tokio::spawn(async move {
         let shutdown = async move {

@@ -267,6 +267,13 @@ pub struct WatchDirRequest {
     pub path: String,
     /// Below it too.
     pub recursive: bool,
+    /// Each event carries the entry of its path (envd 0.6.3).
+    #[serde(alias = "include_entry")]
+    pub include_entry: bool,
+    /// A directory on a network filesystem may be watched (envd 0.6.4). dsec's files
+    /// API serves no network filesystem whatever this says (see `envd::watch_dir`).
+    #[serde(alias = "allow_network_mounts")]
+    pub allow_network_mounts: bool,
 }
 
 /// `GetWatcherEvents` and `RemoveWatcher`.
@@ -305,6 +312,10 @@ pub struct FilesystemEvent {
     /// What happened.
     #[serde(rename = "type")]
     pub event_type: EventType,
+    /// The path's entry as the event was handled, when the watch asked for entries;
+    /// none for a path removed or moved away, or gone by then.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entry: Option<Box<EntryInfo>>,
 }
 
 /// A message of the `WatchDir` reply stream.

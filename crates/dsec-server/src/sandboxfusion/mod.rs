@@ -234,6 +234,7 @@ impl SandboxFusion {
         };
         let _quota = edge
             .reserve_quota(caller, self.cpus, memory_mb)
+            .await
             .map_err(|e| e.message)?;
         let cwd = req.language.workdir();
         let mut files = restored_files(&cwd, &req.files)?;

@@ -296,6 +296,7 @@ pub(super) fn list_tar(tar: File, depth: u32) -> Result<Vec<FileInfo>, ApiError>
                 .flatten()
                 .filter(|_| kind.is_symlink())
                 .map(|l| l.to_string_lossy().into_owned()),
+            metadata: Default::default(),
         });
     }
     out.sort_by(|a, b| a.path.cmp(&b.path));

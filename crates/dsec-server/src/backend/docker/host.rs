@@ -4,12 +4,14 @@
 //! (what a timeout kills and what usage is read from).
 
 use std::collections::HashMap;
+use std::os::fd::AsFd;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bollard::errors::Error as DockerError;
-use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig};
+use bollard::models::{ContainerCreateBody, DriverData, HostConfig, HostConfigLogConfig};
 use bollard::query_parameters::{
     CreateContainerOptionsBuilder, CreateImageOptionsBuilder, ListContainersOptionsBuilder,
     RemoveContainerOptionsBuilder,
@@ -19,6 +21,7 @@ use dsec_api::Usage;
 use dsec_runtime::cgroup::CgroupReader;
 use dsec_runtime::procfs::pid_namespace;
 use futures::StreamExt;
+use rustix::fs::{Mode, OFlags};
 
 use super::{DockerBackend, Inner};
 use crate::backend::{ImageDefaults, SandboxRequest};
@@ -296,10 +299,39 @@ pub(super) struct LocalView {
     /// mounted here.
     cgroup: Option<CgroupReader>,
     oom_seen: AtomicU64,
+    /// Its `overlay2` layers on this host, where what it changed of its image is read;
+    /// `None` with another storage driver.
+    layers: Option<OverlayLayers>,
+}
+
+/// A container's `overlay2` directories, as the daemon reports them.
+#[derive(Debug)]
+struct OverlayLayers {
+    /// Its writable layer.
+    upper: PathBuf,
+    /// The image's layers (and Docker's own init layer), topmost first.
+    lowers: Vec<PathBuf>,
+}
+
+impl OverlayLayers {
+    fn from_driver(driver: Option<&DriverData>) -> Option<OverlayLayers> {
+        let driver = driver.filter(|d| d.name == "overlay2")?;
+        let upper = PathBuf::from(driver.data.get("UpperDir")?);
+        let lowers = driver
+            .data
+            .get("LowerDir")
+            .map(|l| l.split(':').map(PathBuf::from).collect())
+            .unwrap_or_default();
+        upper.is_dir().then_some(OverlayLayers { upper, lowers })
+    }
 }
 
 impl LocalView {
-    pub(super) fn find(container_id: &str, pid: i32) -> Option<LocalView> {
+    pub(super) fn find(
+        container_id: &str,
+        pid: i32,
+        driver: Option<&DriverData>,
+    ) -> Option<LocalView> {
         if pid <= 0 {
             return None;
         }
@@ -320,6 +352,7 @@ impl LocalView {
             pidns,
             cgroup: CgroupReader::from_proc(&mounts, &cgroups),
             oom_seen: AtomicU64::new(0),
+            layers: OverlayLayers::from_driver(driver),
         };
         view.oom_seen.store(view.oom_kills(), Ordering::Relaxed);
         Some(view)
@@ -338,6 +371,25 @@ impl LocalView {
     pub(super) fn take_oom_kill(&self) -> bool {
         let now = self.oom_kills();
         self.oom_seen.swap(now, Ordering::AcqRel) < now
+    }
+
+    /// The image's files under `dirs` that the container overwrote or removed (see
+    /// [`dsec_runtime::layers::replaced_image_files`]).
+    pub(super) fn replaced_image_files(&self, dirs: &[&str]) -> Vec<String> {
+        let Some(layers) = &self.layers else {
+            return Vec::new();
+        };
+        match rustix::fs::open(
+            &layers.upper,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) {
+            Ok(upper) => {
+                let lowers = dsec_runtime::layers::open_layers(&layers.lowers);
+                dsec_runtime::layers::replaced_image_files(upper.as_fd(), &lowers, dirs)
+            }
+            Err(_) => Vec::new(),
+        }
     }
 
     /// The container's CPU time, alone (see [`CgroupReader::cpu_ns`]).

@@ -134,11 +134,12 @@ impl Backend for DockerBackend {
                     })
                 )));
             }
-            Ok(i32::try_from(state.pid.unwrap_or_default()).unwrap_or_default())
+            let pid = i32::try_from(state.pid.unwrap_or_default()).unwrap_or_default();
+            Ok((pid, inspect.graph_driver))
         }
         .await;
-        let pid = started?;
-        let local = LocalView::find(&id, pid);
+        let (pid, driver) = started?;
+        let local = LocalView::find(&id, pid, driver.as_ref());
         if local.is_none() {
             tracing::warn!(
                 sandbox = %req.id,
@@ -311,8 +312,15 @@ impl Sandbox for DockerSandbox {
         Ok(Box::new(SpooledRead::open(tar, path.to_owned()).await?))
     }
 
-    async fn write_file(&self, path: &str, mode: u32, data: Upload) -> Result<(), ApiError> {
+    async fn write_file(&self, path: &str, mode: u32, mut data: Upload) -> Result<(), ApiError> {
         as_root_only()?;
+        if data.take_metadata().is_some_and(|m| !m.is_empty()) {
+            return Err(ApiError::invalid(
+                "file metadata is not supported on docker sandboxes (Docker's archive API \
+                 carries no extended attributes): use the container backend, or keep the \
+                 metadata beside the file",
+            ));
+        }
         let inner = &self.0;
         let resolved = inner.resolve(path).await?;
         resolved.check(path, FileOp::Write)?;
@@ -451,6 +459,14 @@ impl Sandbox for DockerSandbox {
 
     fn cpu_ns(&self) -> Option<u64> {
         self.0.local.as_ref()?.cpu_ns()
+    }
+
+    fn replaced_image_files(&self, dirs: &[&str]) -> Vec<String> {
+        self.0
+            .local
+            .as_ref()
+            .map(|l| l.replaced_image_files(dirs))
+            .unwrap_or_default()
     }
 
     fn is_alive(&self) -> bool {

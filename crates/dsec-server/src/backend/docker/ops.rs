@@ -91,6 +91,7 @@ impl Inner {
             uid: None,
             gid: None,
             link,
+            metadata: Default::default(),
         })
     }
 
