@@ -198,6 +198,26 @@ def test_commands_stdin_send_stream_and_close(sandbox: Sandbox) -> None:
     assert quiet.kill() is True
 
 
+def test_commands_process_calls_reach_the_trajectory_log(
+    e2b_env: E2bServer, sandbox: Sandbox
+) -> None:
+    """envd's process calls are the sandbox's steps, as dsec's own process calls are."""
+    cat = sandbox.commands.run("cat", background=True, stdin=True)
+    sandbox.commands.send_stdin(cat.pid, "logged\n")
+    sandbox.commands.close_stdin(cat.pid)
+    assert cat.wait().stdout == "logged\n"
+    assert sandbox.commands.run("sleep 60", background=True).kill() is True
+    with e2b_env.server.client() as c:
+        steps = c.log(sandbox.sandbox_id)["steps"]
+    kinds = [s["request"].get("kind", "run") for s in steps]
+    assert kinds.count("spawn") == 2 and kinds.count("close_stdin") == 1, kinds
+    assert kinds.count("kill") == 1, kinds
+    (stdin,) = [s for s in steps if s["request"].get("kind") == "stdin"]
+    spawn_step = stdin["request"]["process"]["spawn_step"]
+    assert stdin["request"]["process"]["input"] == "logged\n"
+    assert steps[kinds.index("spawn")]["step"] == spawn_step
+
+
 def test_commands_list_and_kill(sandbox: Sandbox) -> None:
     handle = sandbox.commands.run("sleep 60", background=True, envs={"MARK": "1"}, cwd="/tmp")
     listed = {p.pid: p for p in sandbox.commands.list()}

@@ -159,6 +159,26 @@ def test_a_project_sees_only_its_own_on_every_edge(fleet: Fleet) -> None:
         )
 
 
+def test_a_project_reads_its_stopped_sandboxes_logs_through_the_fleet(fleet: Fleet) -> None:
+    with fleet.a.client(token=ADMIN) as admin:
+        ta = admin.create_project("fleet-log-a")["token"]
+        tb = admin.create_project("fleet-log-b")["token"]
+    try:
+        with fleet.b.client(token=ta) as ca, fleet.a.client(token=tb) as cb:
+            sb = ca.create(image="busybox")
+            sb.run("echo kept")
+            sb.stop()
+            log = ca.log(sb.id)
+            assert log["sandbox"]["project"] == "fleet-log-a" and log["stopped_at"]
+            assert [s["result"]["stdout"] for s in log["steps"]] == ["kept\n"]
+            with pytest.raises(dsec.NotFound, match="not found"):
+                cb.log(sb.id)
+    finally:
+        with fleet.a.client(token=ADMIN) as admin:
+            admin.delete_project("fleet-log-a")
+            admin.delete_project("fleet-log-b")
+
+
 def test_project_changes_through_either_apiserver(fleet: Fleet) -> None:
     with fleet.a.client(token=ADMIN) as a, fleet.b.client(token=ADMIN) as b:
         a.create_project("twice")

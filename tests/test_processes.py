@@ -5,12 +5,13 @@ backend that holds a sandbox."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import dsec
 import pytest
-from dsec_testlib import Server, assert_no_leftovers
+from dsec_testlib import Server, assert_no_leftovers, wait_until
 
 MakeSandbox = Callable[..., dsec.Sandbox]
 
@@ -85,6 +86,47 @@ def test_stdin_reaches_cat_and_close_stdin_ends_it(psb: dsec.Sandbox) -> None:
         p.send_stdin("late\n")
 
 
+def test_stdin_faster_than_the_process_reads_waits_instead_of_piling_up(
+    psb: dsec.Sandbox,
+) -> None:
+    """At most 4 MiB of a process's unread input wait for it (in init; on docker, in the
+    edge): a write past that waits until the process reads (backpressure), and nothing
+    written is lost."""
+    chunk = b"x" * (1 << 20)
+    p = psb.spawn("sleep 2; wc -c")
+    started = time.monotonic()
+    for _ in range(12):
+        p.send_stdin(chunk)
+    waited = time.monotonic() - started
+    p.close_stdin()
+    assert p.wait(timeout=60) == 0
+    assert output_of(p)[0].strip() == str(12 << 20)
+    # 12 MiB do not fit in a pipe and init's 4 MiB: the writes waited for the reader.
+    assert waited > 1.0, waited
+    # A process that never reads takes 4 MiB and a pipe's worth; the next write waits
+    # until it ends, and is then dropped with it.
+    q = psb.spawn("sleep 600")
+    for _ in range(4):
+        q.send_stdin(chunk)
+    outcome: list[str] = []
+
+    def write() -> None:
+        try:
+            q.send_stdin(chunk * 2)
+            outcome.append("sent")
+        except dsec.Conflict as e:
+            outcome.append(str(e))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    writer.join(timeout=2)
+    assert writer.is_alive() and not outcome, "a write past the bound did not wait"
+    q.kill()
+    writer.join(timeout=20)
+    assert not writer.is_alive(), "the waiting write did not end with the process"
+    assert outcome in (["sent"], [f"process {q.pid} has exited: it cannot take input"]), outcome
+
+
 def test_stdin_false_closes_input_at_once(psb: dsec.Sandbox) -> None:
     p = psb.spawn("cat; echo done", stdin=False)
     assert p.wait(timeout=20) == 0
@@ -133,6 +175,36 @@ def test_signals_by_name_and_number_and_kill(psb: dsec.Sandbox, backend: str) ->
         time.sleep(0.2)
     with pytest.raises(dsec.Conflict, match="exited"):
         tree.signal("TERM")
+
+
+def test_kill_takes_background_children_too(psb: dsec.Sandbox) -> None:
+    """kill() ends the process's whole tree: its background children, and one whose
+    parent exited (reparented to the sandbox's first process) as well."""
+    p = psb.spawn("(sleep 301 &); sleep 302 & echo up; wait")
+    read_until(p.events(), "up")
+    assert_killed_with(psb, p, "sleep 301")
+
+
+def test_kill_takes_a_child_in_a_session_of_its_own(psb: dsec.Sandbox, backend: str) -> None:
+    if backend == "docker":
+        pytest.skip(
+            "a docker exec's child that started its own session (setsid) and outlived its "
+            "parent is not known to be the exec's: docker puts every exec in the container's "
+            "one cgroup (docs/SDK.md says so)"
+        )
+    p = psb.spawn("(setsid sleep 303 &); echo up; sleep 304")
+    read_until(p.events(), "up")
+    assert_killed_with(psb, p, "sleep 303")
+
+
+def assert_killed_with(psb: dsec.Sandbox, p: dsec.Process, child: str) -> None:
+    """Once `child` runs, p.kill() ends p and every sleep it started."""
+    alive = "ps -o args 2>/dev/null || ps"
+    assert wait_until(lambda: child in psb.run(alive).stdout, 10)
+    p.kill()
+    assert p.wait(timeout=20) == 137
+    gone = wait_until(lambda: "sleep 30" not in psb.run(alive).stdout, 10)
+    assert gone, psb.run(alive).stdout
 
 
 def test_wait_times_out_while_it_runs(psb: dsec.Sandbox) -> None:

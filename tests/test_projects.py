@@ -153,6 +153,35 @@ def test_trajectory_ids_reveal_no_other_project_sandbox(srv: Server) -> None:
             sa.stop()
 
 
+def test_a_project_reads_its_own_logs_after_its_sandboxes_stop(srv: Server) -> None:
+    a, b = new_project(srv, "log-a"), new_project(srv, "log-b")
+    with (
+        srv.client(token=a) as ca,
+        srv.client(token=b) as cb,
+        srv.client(token=ADMIN) as admin,
+    ):
+        sa = ca.create(image="busybox")
+        sa.run("echo mine")
+        mine = admin.create(image="busybox")
+        mine.run("echo admin's")
+        sa.stop()
+        mine.stop()
+        log = ca.log(sa.id)
+        assert log["stopped_at"] is not None and log["sandbox"]["project"] == "log-a"
+        assert [s["result"]["stdout"] for s in log["steps"]] == ["mine\n"]
+        assert admin.log(sa.id)["steps"] == log["steps"]
+        # Another project's stopped sandbox, and the admin's, answer as an unknown id.
+        unknown = "e0-000000000000"
+        answers = []
+        for c, target in ((cb, sa.id), (ca, mine.id), (cb, unknown)):
+            with pytest.raises(dsec.NotFound) as e:
+                c.log(target)
+            answers.append(str(e.value).replace(target, "ID"))
+        assert len(set(answers)) == 1, answers
+        assert "not found: it was stopped, expired, or never existed" in answers[0]
+        assert "project" not in admin.log(mine.id)["sandbox"]
+
+
 def test_idempotency_keys_are_per_project(srv: Server) -> None:
     a, b = new_project(srv, "key-a"), new_project(srv, "key-b")
     headers = {"Idempotency-Key": "same-key"}

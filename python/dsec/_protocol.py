@@ -682,13 +682,14 @@ def spawn_call(
     pty: Mapping[str, int] | None,
     tag: str | None,
     user: str | None,
+    step: int | None = None,
 ) -> Call[ProcessInfo]:
     body: dict[str, Any] = {"cmd": cmd if isinstance(cmd, str) else list(cmd), "stdin": stdin}
     if env:
         body["env"] = dict(env)
     if pty is not None:
         body["pty"] = {"cols": int(pty.get("cols", 80)), "rows": int(pty.get("rows", 24))}
-    body.update(_drop_none({"cwd": cwd, "tag": tag, "user": user}))
+    body.update(_drop_none({"cwd": cwd, "tag": tag, "user": user, "step": step}))
     return Call("POST", _sb(id, "/processes"), parse_process, json=body)
 
 
@@ -711,26 +712,37 @@ def process_events_call(id: str, process: int | str) -> Call[None]:
     )
 
 
-def send_stdin_call(id: str, pid: int, data: Data) -> Call[None]:
-    return Call("POST", _proc(id, pid, "/stdin"), parse_none, content=to_bytes(data))
+def _step_params(step: int | None) -> list[tuple[str, str]] | None:
+    """An act on a process is a step of the sandbox's trajectory, as a run is."""
+    return None if step is None else [("step", str(int(step)))]
 
 
-def close_stdin_call(id: str, pid: int) -> Call[None]:
-    return Call("POST", _proc(id, pid, "/close-stdin"), parse_none)
+def send_stdin_call(id: str, pid: int, data: Data, step: int | None = None) -> Call[None]:
+    return Call(
+        "POST",
+        _proc(id, pid, "/stdin"),
+        parse_none,
+        params=_step_params(step),
+        content=to_bytes(data),
+    )
 
 
-def signal_call(id: str, pid: int, sig: int | str) -> Call[None]:
+def close_stdin_call(id: str, pid: int, step: int | None = None) -> Call[None]:
+    return Call("POST", _proc(id, pid, "/close-stdin"), parse_none, params=_step_params(step))
+
+
+def signal_call(id: str, pid: int, sig: int | str, step: int | None = None) -> Call[None]:
     body = {"signal": sig if isinstance(sig, str) else int(sig)}
-    return Call("POST", _proc(id, pid, "/signal"), parse_none, json=body)
+    return Call("POST", _proc(id, pid, "/signal"), parse_none, params=_step_params(step), json=body)
 
 
-def kill_process_call(id: str, pid: int) -> Call[None]:
-    return Call("POST", _proc(id, pid, "/kill"), parse_none)
+def kill_process_call(id: str, pid: int, step: int | None = None) -> Call[None]:
+    return Call("POST", _proc(id, pid, "/kill"), parse_none, params=_step_params(step))
 
 
-def resize_call(id: str, pid: int, cols: int, rows: int) -> Call[None]:
+def resize_call(id: str, pid: int, cols: int, rows: int, step: int | None = None) -> Call[None]:
     body = {"cols": int(cols), "rows": int(rows)}
-    return Call("POST", _proc(id, pid, "/resize"), parse_none, json=body)
+    return Call("POST", _proc(id, pid, "/resize"), parse_none, params=_step_params(step), json=body)
 
 
 def wait_call(id: str, pid: int, timeout: float) -> Call[ProcessInfo]:

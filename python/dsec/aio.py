@@ -423,11 +423,17 @@ class AsyncSandbox(p.SandboxBase):
         pty: Mapping[str, int] | None = None,
         tag: str | None = None,
         user: str | None = None,
+        step: int | None = None,
     ) -> AsyncProcess:
+        s = self._steps.take(step)
         call = p.spawn_call(
-            self.id, cmd, env=env, cwd=cwd, stdin=stdin, pty=pty, tag=tag, user=user
+            self.id, cmd, env=env, cwd=cwd, stdin=stdin, pty=pty, tag=tag, user=user, step=s
         )
-        return AsyncProcess(self, await self.client._do(call))
+        try:
+            return AsyncProcess(self, await self.client._do(call))
+        except BaseException:
+            self._steps.give_back(s)
+            raise
 
     async def attach(self, pid_or_tag: int | str) -> AsyncProcess:
         return AsyncProcess(self, await self.client._do(p.process_call(self.id, pid_or_tag)))
@@ -532,20 +538,28 @@ class AsyncProcess:
         async for ev in self.sandbox.client._lines(call, p.parse_process_event):
             yield ev
 
-    async def send_stdin(self, data: Data) -> None:
-        await self.sandbox.client._do(p.send_stdin_call(self.sandbox.id, self.pid, data))
+    async def _act(self, call: Callable[[int | None], p.Call[None]], step: int | None) -> None:
+        s = self.sandbox._steps.take(step)
+        try:
+            await self.sandbox.client._do(call(s))
+        except BaseException:
+            self.sandbox._steps.give_back(s)
+            raise
 
-    async def close_stdin(self) -> None:
-        await self.sandbox.client._do(p.close_stdin_call(self.sandbox.id, self.pid))
+    async def send_stdin(self, data: Data, step: int | None = None) -> None:
+        await self._act(lambda s: p.send_stdin_call(self.sandbox.id, self.pid, data, s), step)
 
-    async def signal(self, sig: int | str) -> None:
-        await self.sandbox.client._do(p.signal_call(self.sandbox.id, self.pid, sig))
+    async def close_stdin(self, step: int | None = None) -> None:
+        await self._act(lambda s: p.close_stdin_call(self.sandbox.id, self.pid, s), step)
 
-    async def kill(self) -> None:
-        await self.sandbox.client._do(p.kill_process_call(self.sandbox.id, self.pid))
+    async def signal(self, sig: int | str, step: int | None = None) -> None:
+        await self._act(lambda s: p.signal_call(self.sandbox.id, self.pid, sig, s), step)
 
-    async def resize(self, cols: int, rows: int) -> None:
-        await self.sandbox.client._do(p.resize_call(self.sandbox.id, self.pid, cols, rows))
+    async def kill(self, step: int | None = None) -> None:
+        await self._act(lambda s: p.kill_process_call(self.sandbox.id, self.pid, s), step)
+
+    async def resize(self, cols: int, rows: int, step: int | None = None) -> None:
+        await self._act(lambda s: p.resize_call(self.sandbox.id, self.pid, cols, rows, s), step)
 
     async def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

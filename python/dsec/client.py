@@ -384,15 +384,22 @@ class Sandbox(p.SandboxBase):
         pty: Mapping[str, int] | None = None,
         tag: str | None = None,
         user: str | None = None,
+        step: int | None = None,
     ) -> Process:
         """Start ``cmd`` as a process that outlives this call: read it with
         :meth:`Process.events`, reach it again with :meth:`attach`. ``pty={"cols", "rows"}``
         runs it on a terminal (one output stream, kind ``pty``); ``tag`` names it (unique
-        among running processes); ``stdin=False`` closes its input at once."""
+        among running processes); ``stdin=False`` closes its input at once. The spawn, and
+        each act on the process, is a step of the trajectory log, numbered as runs are."""
+        s = self._steps.take(step)
         call = p.spawn_call(
-            self.id, cmd, env=env, cwd=cwd, stdin=stdin, pty=pty, tag=tag, user=user
+            self.id, cmd, env=env, cwd=cwd, stdin=stdin, pty=pty, tag=tag, user=user, step=s
         )
-        return Process(self, self.client._do(call))
+        try:
+            return Process(self, self.client._do(call))
+        except BaseException:
+            self._steps.give_back(s)
+            raise
 
     def attach(self, pid_or_tag: int | str) -> Process:
         """The spawned process ``pid_or_tag`` names (pid, or tag), from any client."""
@@ -513,23 +520,32 @@ class Process:
         call = p.process_events_call(self.sandbox.id, self.pid)
         yield from self.sandbox.client._lines(call, p.parse_process_event)
 
-    def send_stdin(self, data: Data) -> None:
-        self.sandbox.client._do(p.send_stdin_call(self.sandbox.id, self.pid, data))
+    def _act(self, call: Callable[[int | None], p.Call[None]], step: int | None) -> None:
+        """One act on the process, as a step of the sandbox's trajectory."""
+        s = self.sandbox._steps.take(step)
+        try:
+            self.sandbox.client._do(call(s))
+        except BaseException:
+            self.sandbox._steps.give_back(s)
+            raise
 
-    def close_stdin(self) -> None:
-        self.sandbox.client._do(p.close_stdin_call(self.sandbox.id, self.pid))
+    def send_stdin(self, data: Data, step: int | None = None) -> None:
+        self._act(lambda s: p.send_stdin_call(self.sandbox.id, self.pid, data, s), step)
 
-    def signal(self, sig: int | str) -> None:
+    def close_stdin(self, step: int | None = None) -> None:
+        self._act(lambda s: p.close_stdin_call(self.sandbox.id, self.pid, s), step)
+
+    def signal(self, sig: int | str, step: int | None = None) -> None:
         """Send ``sig``: a number, or a name (``"TERM"``, ``"SIGINT"``)."""
-        self.sandbox.client._do(p.signal_call(self.sandbox.id, self.pid, sig))
+        self._act(lambda s: p.signal_call(self.sandbox.id, self.pid, sig, s), step)
 
-    def kill(self) -> None:
+    def kill(self, step: int | None = None) -> None:
         """Kill it and everything it started."""
-        self.sandbox.client._do(p.kill_process_call(self.sandbox.id, self.pid))
+        self._act(lambda s: p.kill_process_call(self.sandbox.id, self.pid, s), step)
 
-    def resize(self, cols: int, rows: int) -> None:
+    def resize(self, cols: int, rows: int, step: int | None = None) -> None:
         """Resize its terminal (spawned with ``pty``)."""
-        self.sandbox.client._do(p.resize_call(self.sandbox.id, self.pid, cols, rows))
+        self._act(lambda s: p.resize_call(self.sandbox.id, self.pid, cols, rows, s), step)
 
     def wait(self, timeout: float | None = None) -> int:
         """Its exit code, once it ends; :class:`dsec.RequestTimeout` after ``timeout`` s."""

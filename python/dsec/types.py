@@ -365,6 +365,8 @@ class ProcessInfo:
     exit_code: int | None = None
     signal: int | None = None
     error: str | None = None
+    #: Its spawn's step in the sandbox's trajectory log.
+    step: int | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ProcessInfo:
@@ -381,6 +383,7 @@ class ProcessInfo:
                 "exit_code": _opt_int(exit.get("exit_code")),
                 "signal": _opt_int(exit.get("signal")),
                 "error": exit.get("error"),
+                "step": _opt_int(d.get("step")),
             },
         )
 

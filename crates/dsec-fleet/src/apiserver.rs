@@ -507,21 +507,20 @@ async fn sandbox_log(
 ) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
     let gone = crate::edge_of(&id).is_some_and(|edge| fleet.member(edge, &id).is_err());
-    // A stopped sandbox's log is the admin's, as on an edge.
-    let Some(log) = fleet
-        .log
-        .as_ref()
-        .filter(|_| gone && caller == Caller::Admin)
-    else {
+    let Some(log) = fleet.log.as_ref().filter(|_| gone) else {
         return by_id(State(fleet), request).await;
     };
+    // A project's token reads its own sandboxes' logs, as on an edge; another's is not
+    // found, as an unknown id is.
     let found = log.sandbox_log(&id, query.trajectory_id).await?;
-    let found = found.ok_or_else(|| {
-        ApiError::not_found(format!(
+    let found = found
+        .filter(|l| caller.sees(l.sandbox.project.as_deref()))
+        .ok_or_else(|| {
+            ApiError::not_found(format!(
             "sandbox {id:?} not found in the fleet's trajectory log: its edge is gone, and the \
              log never held it or pruned it (the oldest stopped sandboxes' logs go first)"
         ))
-    })?;
+        })?;
     Ok(Json(found).into_response())
 }
 

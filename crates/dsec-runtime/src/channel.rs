@@ -279,6 +279,7 @@ impl Channel {
             id,
             frames,
             writer: Arc::clone(&self.shared.writer),
+            stdin: Arc::default(),
             done: false,
         })
     }
@@ -422,6 +423,7 @@ fn ends_route(frame: &Frame) -> bool {
             | FrameKind::Fetched
             | FrameKind::Watching
             | FrameKind::FileEvents
+            | FrameKind::StdinTaken
     )
 }
 
@@ -479,7 +481,50 @@ pub struct ExecHandle {
     id: u32,
     frames: mpsc::UnboundedReceiver<Frame>,
     writer: Writer,
+    stdin: Arc<StdinCredit>,
     done: bool,
+}
+
+/// What an interactive command's input costs init: bytes sent and not yet taken (see
+/// [`FrameKind::StdinTaken`]), kept under [`proto::MAX_STDIN_QUEUED`] by making writers
+/// wait.
+#[derive(Default)]
+struct StdinCredit {
+    /// Bytes in flight, and whether the command ended (nothing is held for it any more).
+    state: Mutex<(usize, bool)>,
+    freed: tokio::sync::Notify,
+}
+
+impl StdinCredit {
+    /// Waits until `n` more bytes fit (or nothing is in flight), then counts them.
+    async fn reserve(&self, n: usize) {
+        loop {
+            let freed = self.freed.notified();
+            {
+                let mut state = self.state.lock().expect("stdin credit lock");
+                let (queued, ended) = &mut *state;
+                if *ended || *queued == 0 || *queued + n <= proto::MAX_STDIN_QUEUED {
+                    *queued += n;
+                    return;
+                }
+            }
+            freed.await;
+        }
+    }
+
+    /// `n` bytes were taken by init.
+    fn taken(&self, n: usize) {
+        let mut state = self.state.lock().expect("stdin credit lock");
+        state.0 = state.0.saturating_sub(n);
+        drop(state);
+        self.freed.notify_waiters();
+    }
+
+    /// The command ended: its writers wait no more.
+    fn end(&self) {
+        self.state.lock().expect("stdin credit lock").1 = true;
+        self.freed.notify_waiters();
+    }
 }
 
 impl ExecHandle {
@@ -488,7 +533,18 @@ impl ExecHandle {
         if self.done {
             return None;
         }
-        let event = match self.frames.recv().await {
+        let event = loop {
+            let frame = self.frames.recv().await;
+            if let Some(f) = frame.as_ref().filter(|f| f.kind == FrameKind::StdinTaken) {
+                let n = f.payload.get(..8).and_then(|b| b.try_into().ok());
+                self.stdin.taken(n.map_or(0, |b| {
+                    usize::try_from(u64::from_le_bytes(b)).unwrap_or(usize::MAX)
+                }));
+                continue;
+            }
+            break frame;
+        };
+        let event = match event {
             None => Err(RuntimeError::Gone),
             Some(frame) => match frame.kind {
                 FrameKind::Started => frame
@@ -513,6 +569,9 @@ impl ExecHandle {
             },
         };
         self.done = matches!(event, Ok(ExecEvent::Exit(_)) | Err(_));
+        if self.done {
+            self.stdin.end();
+        }
         Some(event)
     }
 }
@@ -523,6 +582,7 @@ impl ExecHandle {
         ExecControl {
             id: self.id,
             writer: Arc::clone(&self.writer),
+            stdin: Arc::clone(&self.stdin),
         }
     }
 }
@@ -533,6 +593,7 @@ impl ExecHandle {
 pub struct ExecControl {
     id: u32,
     writer: Writer,
+    stdin: Arc<StdinCredit>,
 }
 
 impl ExecControl {
@@ -551,8 +612,10 @@ impl ExecControl {
             .map_err(|_| RuntimeError::Gone)
     }
 
-    /// Appends `data` to the command's standard input.
+    /// Appends `data` to the command's standard input; waits while init holds
+    /// [`proto::MAX_STDIN_QUEUED`] bytes of it that the command has not read yet.
     pub async fn send_stdin(&self, data: &[u8]) -> Result<(), RuntimeError> {
+        self.stdin.reserve(data.len()).await;
         self.send(FrameKind::Stdin, data).await
     }
 

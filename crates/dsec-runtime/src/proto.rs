@@ -22,10 +22,14 @@
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any incompatible change; the edge refuses a mismatching init or agent.
-pub const VERSION: u32 = 6;
+pub const VERSION: u32 = 7;
 
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 9;
+
+/// Bytes of an interactive command's standard input the edge sends ahead of what init has
+/// written to it (one write larger than this is sent alone, once nothing is queued).
+pub const MAX_STDIN_QUEUED: usize = 4 << 20;
 
 /// Largest payload a peer accepts; bounds memory against a corrupt stream.
 pub const MAX_PAYLOAD: usize = 256 << 20;
@@ -95,6 +99,11 @@ pub enum FrameKind {
     Signal = 23,
     /// edge → init: resize a command's terminal; payload: JSON [`WinSize`].
     Resize = 24,
+    /// init → edge: bytes of an interactive command's standard input that init no longer
+    /// holds (written to the command, or dropped: its input ended); payload: `u64` LE. The
+    /// edge keeps at most [`MAX_STDIN_QUEUED`] bytes sent and not yet taken (backpressure),
+    /// so a client that writes faster than the command reads costs init no more.
+    StdinTaken = 25,
     /// edge → sandbox: the status of a path, its last component not followed; payload:
     /// JSON [`PathRequest`]. Answer: JSON [`crate::files::Entry`].
     Stat = 30,
@@ -148,6 +157,7 @@ impl FrameKind {
             22 => FrameKind::CloseStdin,
             23 => FrameKind::Signal,
             24 => FrameKind::Resize,
+            25 => FrameKind::StdinTaken,
             30 => FrameKind::Stat,
             31 => FrameKind::MakeDir,
             32 => FrameKind::MovePath,

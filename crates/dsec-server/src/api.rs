@@ -690,11 +690,17 @@ struct LogQuery {
               (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 async fn sandbox_log(
     State(state): State<AppState>,
-    Visible(id): Visible,
+    caller: Caller,
+    Path(id): Path<String>,
     query: Result<Query<LogQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<dsec_trajectory::SandboxLog>, ApiError> {
     let Query(q) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
-    Ok(Json(state.edge.sandbox_log(&id, q.trajectory_id).await?))
+    Ok(Json(
+        state
+            .edge
+            .sandbox_log(&caller, &id, q.trajectory_id)
+            .await?,
+    ))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]

@@ -838,6 +838,7 @@ impl Edge {
             backend: info.backend.clone(),
             env: req.env.clone(),
             created_at: info.created_at,
+            project: info.project.clone(),
             fork_of: fork_of.clone(),
         });
         // Only a trajectory id can be refused; otherwise the record commits with (or
@@ -1195,12 +1196,13 @@ impl Edge {
                 .collect(),
             timeout_s: req.timeout_s,
             run_as: run_as.as_ref().map(|r| r.user.clone()),
+            ..StepRequest::default()
         };
         let recorder =
             match trajectory::decide(&self.log, id, &entry.position, req.step, request).await? {
-                Decision::Replay(result) => {
+                Decision::Replay(step) => {
                     return Ok(Execution {
-                        stream: Box::new(Replayed::new(result)),
+                        stream: Box::new(Replayed::new(step.result)),
                         replayed: true,
                     })
                 }
@@ -1261,21 +1263,23 @@ impl Edge {
 
     /// A sandbox's recorded commands (only those of `trajectory_id`, when given), from the
     /// trajectory log: readable after the sandbox is gone, and after a server restart.
+    /// A project's token reads its own sandboxes' logs only, also once they stopped (the
+    /// log records each sandbox's project); another's answers as an unknown id does.
     pub async fn sandbox_log(
         &self,
+        caller: &Caller,
         id: &str,
         trajectory_id: Option<String>,
     ) -> Result<SandboxLog, ApiError> {
-        self.log
-            .sandbox_log(id, trajectory_id)
-            .await?
-            .ok_or_else(|| {
-                ApiError::not_found(format!(
-                    "sandbox {id:?} not found in the trajectory log: it never existed here, \
-                     or it stopped and its log was pruned (the oldest stopped sandboxes' \
-                     logs go first when the log reaches its budget, --trajectory-max-mb)"
-                ))
-            })
+        match self.log.sandbox_log(id, trajectory_id).await? {
+            Some(log) if caller.sees(log.sandbox.project.as_deref()) => Ok(log),
+            _ if *caller != Caller::Admin => Err(no_such_sandbox(id)),
+            _ => Err(ApiError::not_found(format!(
+                "sandbox {id:?} not found in the trajectory log: it never existed here, \
+                 or it stopped and its log was pruned (the oldest stopped sandboxes' \
+                 logs go first when the log reaches its budget, --trajectory-max-mb)"
+            ))),
+        }
     }
 
     /// The account `user` names in sandbox `id`'s own `/etc/passwd` and `/etc/group`

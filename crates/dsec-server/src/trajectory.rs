@@ -62,8 +62,8 @@ impl Position {
 pub(crate) enum Decision {
     /// Run it; [`Recorder::wrap`] records its result.
     Run(Box<Recorder>),
-    /// Already recorded with the same request: here is its result.
-    Replay(StepResult),
+    /// Already recorded with the same request: here is the step as recorded.
+    Replay(Box<Step>),
 }
 
 /// Decides whether a command runs, replays, or is refused. For a keyed trajectory the
@@ -132,7 +132,7 @@ pub(crate) async fn decide(
         ));
     }
     metrics::counter!("dsec_trajectory_replayed_total").increment(1);
-    Ok(Decision::Replay(recorded.result))
+    Ok(Decision::Replay(Box::new(recorded)))
 }
 
 /// Records one running command's result when it ends.
@@ -197,6 +197,18 @@ impl OutputStream for Recording {
 }
 
 impl Recorder {
+    /// Records a step that is done when its request is (an act on a spawned process, or
+    /// a spawn, whose end [`TrajectoryLog::ended`] adds later) with `result`, and waits
+    /// until it is durable; the step as recorded.
+    pub(crate) async fn record_now(
+        mut self: Box<Self>,
+        result: StepResult,
+    ) -> Result<Step, ApiError> {
+        let step = self.step_of(result);
+        self.commit(step.clone()).await?;
+        Ok(step)
+    }
+
     /// Appends the step and waits until it is durable; only then does a keyed trajectory
     /// move on to the next step.
     async fn record(
@@ -205,16 +217,23 @@ impl Recorder {
         stdout: OutputCapture,
         stderr: OutputCapture,
     ) -> Result<(), ApiError> {
-        let result = StepResult::new(*exit, stdout.finish(), stderr.finish());
-        let step = Step {
+        let step = self.step_of(StepResult::new(*exit, stdout.finish(), stderr.finish()));
+        self.commit(step).await
+    }
+
+    fn step_of(&mut self, result: StepResult) -> Step {
+        Step {
             step: self.step,
             trajectory_id: self.trajectory_id.take(),
             sandbox_id: std::mem::take(&mut self.sandbox_id),
-            request: self.request,
+            request: std::mem::take(&mut self.request),
             result,
             started_at: self.started_at,
             finished_at: unix_now(),
-        };
+        }
+    }
+
+    async fn commit(mut self, step: Step) -> Result<(), ApiError> {
         let n = step.step;
         let appending = Instant::now();
         let appended = self.log.append(step).wait().await;

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use dsec_trajectory::{
     digest, Database, ExitStatus, FileDigest, LogConfig, OutputCapture, SandboxRecord, Step,
-    StepRequest, StepResult, SyncMode, TrajectoryLog,
+    StepKind, StepRequest, StepResult, SyncMode, TrajectoryLog,
 };
 
 /// Concurrent appenders, each its sandbox's only client (the RL shape).
@@ -28,6 +28,7 @@ fn record(id: &str) -> SandboxRecord {
         backend: "container".into(),
         env: BTreeMap::new(),
         created_at: 1.0,
+        project: None,
         fork_of: None,
     }
 }
@@ -51,6 +52,8 @@ fn step(id: &str, n: i64) -> Step {
             }],
             timeout_s: Some(60.0),
             run_as: None,
+            kind: StepKind::Run,
+            process: None,
         },
         result: StepResult::new(
             ExitStatus {

@@ -64,6 +64,8 @@ pub(crate) struct StepJson {
     pub(crate) argv: String,
     pub(crate) env: String,
     pub(crate) files: String,
+    /// A process step's [`ProcessRequest`](crate::ProcessRequest); `None` for a run.
+    pub(crate) process: Option<String>,
 }
 
 impl StepJson {
@@ -72,6 +74,7 @@ impl StepJson {
             argv: json(&step.request.argv),
             env: json(&step.request.env),
             files: json(&step.request.files),
+            process: step.request.process.as_ref().map(json),
         }
     }
 
@@ -88,6 +91,8 @@ impl StepJson {
             s.request.stdin_sha256.as_deref().unwrap_or(""),
             &self.files,
             s.request.run_as.as_deref().unwrap_or(""),
+            s.request.kind.as_str(),
+            self.process.as_deref().unwrap_or(""),
             &r.stdout,
             &r.stderr,
             &r.stdout_sha256,
@@ -104,6 +109,7 @@ pub(crate) fn record_bytes(s: &SandboxRecord) -> u64 {
             + s.trajectory_id.as_deref().map_or(0, str::len)
             + s.image.len()
             + s.backend.len()
+            + s.project.as_deref().map_or(0, str::len)
             + json(&s.env).len()) as u64
 }
 
@@ -214,12 +220,12 @@ impl Usage {
 
     /// Bounds `step` by the budgets before it is stored: past its sandbox's budget
     /// (`share` is what the sandbox's log takes; `live` its entry, if it is live), or past
-    /// the log's cap, it keeps no output. The bytes its row takes, and whether it went
-    /// over its sandbox's budget.
+    /// the log's cap, it keeps no output (nor stdin input; `row` is encoded again then).
+    /// The bytes its row takes, and whether it went over its sandbox's budget.
     pub(crate) fn admit(
         &self,
         step: &mut Step,
-        row: &StepJson,
+        row: &mut StepJson,
         share: u64,
         live: Option<LiveSandbox>,
         batch: &Delta,
@@ -227,10 +233,10 @@ impl Usage {
         let whole = row.row_bytes(step);
         let over_sandbox = share + whole > self.budgets.sandbox_bytes;
         let over_total = self.stored() + batch.bytes + whole > self.budgets.output_cap();
-        let r = &mut step.result;
         let mut over_budget = false;
-        if (over_sandbox || over_total) && r.stdout_bytes + r.stderr_bytes > 0 {
-            r.drop_output();
+        if (over_sandbox || over_total) && step.kept_bytes() > 0 {
+            step.drop_output();
+            *row = StepJson::new(step);
             let budget = if over_sandbox { "sandbox" } else { "total" };
             metrics::counter!("dsec_trajectory_over_budget_steps_total", "budget" => budget)
                 .increment(1);

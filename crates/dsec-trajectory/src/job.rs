@@ -11,14 +11,19 @@ use crate::model::{SandboxRecord, Step};
 pub(crate) enum Write {
     Register(SandboxRecord),
     Append(Box<Step>),
-    Stopped { id: String, at: f64 },
+    /// A spawn step again, with its process's end as its result.
+    Ended(Box<Step>),
+    Stopped {
+        id: String,
+        at: f64,
+    },
 }
 
 impl Write {
     /// Bytes of command output the write holds.
     pub(crate) fn output_bytes(&self) -> usize {
         match self {
-            Write::Append(s) => s.result.stdout.len() + s.result.stderr.len(),
+            Write::Append(s) | Write::Ended(s) => s.result.stdout.len() + s.result.stderr.len(),
             Write::Register(_) | Write::Stopped { .. } => 0,
         }
     }

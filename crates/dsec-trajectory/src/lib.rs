@@ -15,13 +15,36 @@
 //!
 //! One database, `<state-dir>/trajectory.db`, in WAL mode (on PostgreSQL the same tables,
 //! `dsec_` prefixed, with each sandbox's edge), with two tables:
-//! - `sandboxes`: id → trajectory id, image, backend, creation time, when it stopped, and
-//!   the bytes its log takes. A trajectory id names one sandbox's trajectory (`UNIQUE`):
+//! - `sandboxes`: id → trajectory id, image, backend, creation time, when it stopped, the
+//!   bytes its log takes, and the project that owns it (a project's token reads only its
+//!   own sandboxes' logs, also once they stopped). A trajectory id names one sandbox's
+//!   trajectory (`UNIQUE`):
 //!   reusing it for another sandbox is refused, since replaying recorded results into a
 //!   sandbox that never ran them would leave it in a state its client does not expect.
 //! - `steps`: one row per finished command, keyed by `(trajectory, step)`, where
 //!   `trajectory` is the sandbox's trajectory id, or its sandbox id when it has none.
-//!   Stdin and uploaded files are recorded as SHA-256 digests, not content.
+//!   A run's stdin and uploaded files are recorded as SHA-256 digests, not content.
+//!
+//! Schema version 3 (version 2 and older logs are upgraded in place when they open).
+//!
+//! # Spawned processes
+//!
+//! A spawned process and every act on it are steps too, numbered with the runs
+//! ([`StepKind`]): its spawn, each write to its standard input (its digest always, its
+//! bytes bounded like an output: [`ProcessRequest::input`]), close-stdin, signals, kills
+//! and resizes. A process is named by the step that spawned it
+//! ([`ProcessRequest::spawn_step`]): pids differ between sandboxes. Its end (exit status,
+//! output captured as a run's) becomes its spawn step's result when it ends
+//! ([`TrajectoryLog::ended`]); until then the result is `running`. An end updates a row
+//! instead of taking a step number so that a keyed trajectory's numbers stay the client's.
+//!
+//! Replay treats them as it treats runs. Fast-forward: a re-issued act with the same
+//! request is not done again; a re-issued spawn answers the process it started while the
+//! sandbox remembers it, else the process as recorded, ended; a different request is
+//! diverged. `dsec replay` re-spawns each process at its step and re-does the acts at
+//! theirs, waits for a process before the first step that started after its recorded end,
+//! and compares its exit and output then; a stdin write the log did not keep whole cannot
+//! be replayed, and the replay stops there.
 //!
 //! # Bounds (what an agent's output can cost the host's disk)
 //!
@@ -87,8 +110,8 @@ pub use capture::{KeptOutput, OutputCapture};
 pub use error::LogError;
 pub use job::{LogStats, Pending};
 pub use model::{
-    digest, ExitStatus, FileDigest, ForkOf, SandboxLog, SandboxRecord, Step, StepRequest,
-    StepResult,
+    digest, ExitStatus, FileDigest, ForkOf, ProcessRequest, SandboxLog, SandboxRecord, Step,
+    StepKind, StepRequest, StepResult,
 };
 
 use crate::budget::Delta;
@@ -242,6 +265,13 @@ impl TrajectoryLog {
     /// pruned after it stopped) is not stored.
     pub fn append(&self, step: Step) -> Pending {
         self.send(Write::Append(Box::new(step)))
+    }
+
+    /// Records the end of a spawned process: `step` is its spawn step, appended before,
+    /// now with the process's exit and output as its result (bounded by the budgets as an
+    /// append's). A spawn step the log no longer holds is not stored.
+    pub fn ended(&self, step: Step) -> Pending {
+        self.send(Write::Ended(Box::new(step)))
     }
 
     /// Records that a sandbox stopped: from now on its log may be pruned.

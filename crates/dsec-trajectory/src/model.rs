@@ -21,7 +21,7 @@ pub struct FileDigest {
 }
 
 /// What a step asked for: enough to tell whether a re-issued request is the same one.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct StepRequest {
     /// The program and its arguments (a shell command is `["/bin/sh", "-c", CMD]`).
     pub argv: Vec<String>,
@@ -38,6 +38,118 @@ pub struct StepRequest {
     /// The user it ran as, as requested (`user=`); `None` for root, the default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_as: Option<String>,
+    /// A command run to its end (`run`, the default), or an act on a spawned process.
+    #[serde(default, skip_serializing_if = "StepKind::is_run")]
+    pub kind: StepKind,
+    /// The process a process step acts on, and what it did to it; `None` for a run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process: Option<ProcessRequest>,
+}
+
+/// What a step was: a command run to its end, or one act on a spawned process (which
+/// outlives the request that started it; see [`ProcessRequest`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum StepKind {
+    /// `exec`/`run`: a command, its result its exit and output.
+    #[default]
+    Run,
+    /// A spawn: the request is the command's; the result is the process's end (its exit
+    /// and output, bounded like a run's), recorded when it ends; `running` until then.
+    Spawn,
+    /// A write to a process's standard input: `stdin_sha256` is its digest, `process.input`
+    /// its bytes as kept.
+    Stdin,
+    /// The end of a process's standard input.
+    CloseStdin,
+    /// A signal (`process.signal`).
+    Signal,
+    /// A kill of a process and everything it started.
+    Kill,
+    /// A new terminal size (`process.pty`).
+    Resize,
+}
+
+impl StepKind {
+    /// Whether it is a run (left out of the JSON: logs written before processes were
+    /// recorded hold only runs).
+    pub fn is_run(&self) -> bool {
+        *self == StepKind::Run
+    }
+
+    /// Its name, as stored and in the JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepKind::Run => "run",
+            StepKind::Spawn => "spawn",
+            StepKind::Stdin => "stdin",
+            StepKind::CloseStdin => "close_stdin",
+            StepKind::Signal => "signal",
+            StepKind::Kill => "kill",
+            StepKind::Resize => "resize",
+        }
+    }
+}
+
+/// What a step on a spawned process asked for, beyond a run's request. A process is named
+/// by the step that spawned it, not by its pid, so that a replay into another sandbox
+/// (where the pids differ) finds it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct ProcessRequest {
+    /// The step that spawned the process this step acts on; `None` for a spawn (the
+    /// process is its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spawn_step: Option<i64>,
+    /// A spawn's tag.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// A spawn's terminal, or a resize's new size, as `[cols, rows]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<[u16; 2]>,
+    /// A spawn: whether its standard input was kept open for writes.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stdin_open: bool,
+    /// A signal's number.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    /// A stdin write's bytes as the log keeps them, like an output: whole up to
+    /// [`Budgets::output_bytes`](crate::Budgets::output_bytes), else its head, a marker
+    /// line and its tail (UTF-8, invalid bytes replaced). Not compared on replay: the
+    /// request's `stdin_sha256` is.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub input: String,
+    /// Length of the whole write in bytes.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub input_bytes: u64,
+    /// Bytes of it the log did not keep (0: `input` is all of it).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub input_elided: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl ProcessRequest {
+    /// Whether `other` asks the same of the same process (the input as kept is left out:
+    /// its digest is compared).
+    pub fn same_as(&self, other: &ProcessRequest) -> bool {
+        self.spawn_step == other.spawn_step
+            && self.tag == other.tag
+            && self.pty == other.pty
+            && self.stdin_open == other.stdin_open
+            && self.signal == other.signal
+    }
+
+    /// The input as sent, when the log kept all of it exactly (valid UTF-8, not elided):
+    /// what a replay can send again.
+    pub fn replayable_input(&self, sha256: Option<&str>) -> Option<&[u8]> {
+        let bytes = self.input.as_bytes();
+        (self.input_elided == 0
+            && bytes.len() as u64 == self.input_bytes
+            && sha256 == Some(digest(bytes).as_str()))
+        .then_some(bytes)
+    }
 }
 
 impl StepRequest {
@@ -50,11 +162,32 @@ impl StepRequest {
             && self.stdin_sha256 == other.stdin_sha256
             && self.files == other.files
             && self.run_as == other.run_as
+            && self.kind == other.kind
+            && match (&self.process, &other.process) {
+                (Some(a), Some(b)) => a.same_as(b),
+                (a, b) => a.is_none() && b.is_none(),
+            }
     }
 
     /// A one-line description for error messages: command, cwd, env and digests.
     pub fn describe(&self) -> String {
-        let mut s = format!(
+        let mut s = String::new();
+        if let Some(p) = &self.process {
+            s += &match p.spawn_step {
+                None => "spawn of ".to_owned(),
+                Some(n) => format!("{} to the process of step {n}, ", self.kind.as_str()),
+            };
+            if let Some(tag) = &p.tag {
+                s += &format!("tag {tag:?}, ");
+            }
+            if let Some([cols, rows]) = p.pty {
+                s += &format!("terminal {cols}x{rows}, ");
+            }
+            if let Some(signal) = p.signal {
+                s += &format!("signal {signal}, ");
+            }
+        }
+        s += &format!(
             "command {} in {:?}",
             serde_json::to_string(&self.argv).unwrap_or_default(),
             self.cwd
@@ -117,6 +250,13 @@ pub struct StepResult {
     /// As `stdout_elided`, for standard error.
     #[serde(default)]
     pub stderr_elided: u64,
+    /// A spawn's pid in the sandbox that recorded it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<i32>,
+    /// A spawn whose process had not ended (its end not recorded yet: the process still
+    /// runs, or the server stopped before it ended).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub running: bool,
 }
 
 impl StepResult {
@@ -132,6 +272,8 @@ impl StepResult {
             stderr_bytes: stderr.bytes,
             stderr_sha256: stderr.sha256,
             stderr_elided: stderr.elided,
+            pid: None,
+            running: false,
         }
     }
 
@@ -179,6 +321,23 @@ impl Step {
     pub(crate) fn trajectory(&self) -> &str {
         self.trajectory_id.as_deref().unwrap_or(&self.sandbox_id)
     }
+
+    /// Keeps only the lengths and digests of its output and input (a step over a budget).
+    pub(crate) fn drop_output(&mut self) {
+        self.result.drop_output();
+        if let Some(p) = &mut self.request.process {
+            if p.input_bytes > 0 {
+                p.input = KeptOutput::marker(p.input_bytes);
+                p.input_elided = p.input_bytes;
+            }
+        }
+    }
+
+    /// Bytes of output and input it holds as kept.
+    pub(crate) fn kept_bytes(&self) -> u64 {
+        let input = self.request.process.as_ref().map_or(0, |p| p.input_bytes);
+        self.result.stdout_bytes + self.result.stderr_bytes + input
+    }
 }
 
 /// A sandbox as the log remembers it, after it is gone too.
@@ -196,6 +355,10 @@ pub struct SandboxRecord {
     pub env: BTreeMap<String, String>,
     /// Unix time of creation, in seconds.
     pub created_at: f64,
+    /// The project whose token created it; `None` for the admin's. A project's token
+    /// reads the logs of its own sandboxes only, also once they stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
     /// A fork's parent trajectory: its first steps are copied into this sandbox's
     /// trajectory when the sandbox is recorded, so the fork continues from there.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -21,7 +21,15 @@ pub(crate) const STEP_COLUMNS: &str =
     "step, trajectory_id, sandbox_id, argv, env, cwd, stdin_sha256, \
     files, timeout_s, exit_code, stdout, stderr, timed_out, truncated, oom_killed, \
     duration_ms, started_at, finished_at, stdout_bytes, stdout_sha256, stdout_elided, \
-    stderr_bytes, stderr_sha256, stderr_elided, bytes, run_as";
+    stderr_bytes, stderr_sha256, stderr_elided, bytes, run_as, kind, process, pid, running";
+
+/// The columns a fork copies from its parent's steps, after `trajectory, step,
+/// trajectory_id, sandbox_id` (which it sets).
+pub(crate) const COPIED_COLUMNS: &str =
+    "argv, env, cwd, stdin_sha256, files, timeout_s, exit_code, stdout, stderr, timed_out, \
+    truncated, oom_killed, duration_ms, started_at, finished_at, stdout_bytes, stdout_sha256, \
+    stdout_elided, stderr_bytes, stderr_sha256, stderr_elided, bytes, run_as, kind, process, \
+    pid, running";
 
 /// A `steps` row before its JSON columns (argv, env, files) are decoded.
 pub(crate) struct RawStep {
@@ -35,6 +43,9 @@ pub(crate) struct RawStep {
     pub(crate) files: String,
     pub(crate) timeout_s: Option<f64>,
     pub(crate) run_as: Option<String>,
+    pub(crate) kind: String,
+    /// JSON of the [`ProcessRequest`](crate::ProcessRequest), for a process step.
+    pub(crate) process: Option<String>,
     pub(crate) result: StepResult,
     pub(crate) started_at: f64,
     pub(crate) finished_at: f64,
@@ -49,6 +60,13 @@ impl RawStep {
             step: self.step,
             source,
         };
+        let kind = serde_json::from_value(serde_json::Value::String(self.kind)).map_err(corrupt)?;
+        let process = self
+            .process
+            .as_deref()
+            .map(serde_json::from_str)
+            .transpose()
+            .map_err(corrupt)?;
         Ok(Step {
             step: self.step,
             trajectory_id: self.trajectory_id,
@@ -61,6 +79,8 @@ impl RawStep {
                 files: serde_json::from_str(&self.files).map_err(corrupt)?,
                 timeout_s: self.timeout_s,
                 run_as: self.run_as,
+                kind,
+                process,
             },
             result: self.result,
             started_at: self.started_at,

@@ -3,7 +3,7 @@
 
 mod common;
 
-use dsec_trajectory::{digest, LogConfig, LogError, TrajectoryLog};
+use dsec_trajectory::{digest, LogConfig, LogError, ProcessRequest, StepKind, TrajectoryLog};
 use rusqlite::Connection;
 
 /// The schema of the first trajectory log (before outputs were bounded).
@@ -66,18 +66,7 @@ async fn a_log_of_version_1_gains_the_user_of_each_step() {
     // Version 1: the first schema with the bounded outputs' columns, before `run_as`.
     let conn = Connection::open(&path).unwrap();
     conn.execute_batch(FIRST_SCHEMA).unwrap();
-    conn.execute_batch(
-        "ALTER TABLE sandboxes ADD COLUMN stopped_at REAL;
-         ALTER TABLE sandboxes ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
-         ALTER TABLE steps ADD COLUMN stdout_bytes INTEGER NOT NULL DEFAULT 0;
-         ALTER TABLE steps ADD COLUMN stdout_sha256 TEXT NOT NULL DEFAULT '';
-         ALTER TABLE steps ADD COLUMN stdout_elided INTEGER NOT NULL DEFAULT 0;
-         ALTER TABLE steps ADD COLUMN stderr_bytes INTEGER NOT NULL DEFAULT 0;
-         ALTER TABLE steps ADD COLUMN stderr_sha256 TEXT NOT NULL DEFAULT '';
-         ALTER TABLE steps ADD COLUMN stderr_elided INTEGER NOT NULL DEFAULT 0;
-         ALTER TABLE steps ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;",
-    )
-    .unwrap();
+    conn.execute_batch(V1_COLUMNS).unwrap();
     conn.pragma_update(None, "user_version", 1).unwrap();
     drop(conn);
     let log = TrajectoryLog::open(&path, LogConfig::default()).unwrap();
@@ -98,6 +87,78 @@ async fn a_log_of_version_1_gains_the_user_of_each_step() {
     let log = TrajectoryLog::open(&path, LogConfig::default()).unwrap();
     let got = log.step("u", 0).await.unwrap().unwrap();
     assert_eq!(got.request.run_as.as_deref(), Some("alice"));
+}
+
+/// Version 1's additions to the first schema (the bounded outputs' columns).
+const V1_COLUMNS: &str = "
+ALTER TABLE sandboxes ADD COLUMN stopped_at REAL;
+ALTER TABLE sandboxes ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE steps ADD COLUMN stdout_bytes INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE steps ADD COLUMN stdout_sha256 TEXT NOT NULL DEFAULT '';
+ALTER TABLE steps ADD COLUMN stdout_elided INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE steps ADD COLUMN stderr_bytes INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE steps ADD COLUMN stderr_sha256 TEXT NOT NULL DEFAULT '';
+ALTER TABLE steps ADD COLUMN stderr_elided INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE steps ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
+";
+
+#[tokio::test]
+async fn a_log_of_version_2_gains_process_steps_and_projects_and_keeps_its_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("trajectory.db");
+    // Version 2, as that dsec left it: a step that ran as a user, a stopped sandbox.
+    let conn = Connection::open(&path).unwrap();
+    conn.execute_batch(FIRST_SCHEMA).unwrap();
+    conn.execute_batch(V1_COLUMNS).unwrap();
+    conn.execute_batch(
+        "ALTER TABLE steps ADD COLUMN run_as TEXT;
+         INSERT INTO steps (trajectory, step, trajectory_id, sandbox_id, argv, env, cwd,
+             files, exit_code, stdout, stderr, timed_out, truncated, oom_killed, duration_ms,
+             started_at, finished_at, stdout_bytes, stdout_sha256, bytes, run_as)
+         VALUES ('t', 1, 't', 'old', '[\"id\"]', '{}', '/', '[]', 0, 'uid=1000\n', '', 0,
+             0, 0, 1.0, 2.0, 3.0, 9, 'sha256:x', 200, 'alice');
+         UPDATE sandboxes SET stopped_at = 5.0, bytes = 500;",
+    )
+    .unwrap();
+    conn.pragma_update(None, "user_version", 2).unwrap();
+    drop(conn);
+    let log = TrajectoryLog::open(&path, LogConfig::default()).unwrap();
+    let old = log.sandbox_log("old", None).await.unwrap().unwrap();
+    assert_eq!(old.steps.len(), 2, "{old:?}");
+    assert_eq!(old.steps[0].result.stdout, "hi\n");
+    assert_eq!(old.steps[1].request.run_as.as_deref(), Some("alice"));
+    assert!(old
+        .steps
+        .iter()
+        .all(|s| s.request.kind == StepKind::Run && s.request.process.is_none()));
+    assert_eq!((old.stopped_at, old.bytes), (Some(5.0), 500));
+    assert_eq!(old.sandbox.project, None, "an older sandbox is the admin's");
+    // The upgraded log takes process steps and projects.
+    let mut owned = common::sandbox("new", Some("u"));
+    owned.project = Some("team-a".into());
+    log.register(owned).wait().await.unwrap();
+    let mut spawn = common::step(Some("u"), "new", 0, "sleep 1");
+    spawn.request.kind = StepKind::Spawn;
+    spawn.request.process = Some(ProcessRequest {
+        tag: Some("t".into()),
+        ..ProcessRequest::default()
+    });
+    log.append(spawn.clone()).wait().await.unwrap();
+    drop(log);
+    let conn = Connection::open(&path).unwrap();
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, 3);
+    drop(conn);
+    let log = TrajectoryLog::open(&path, LogConfig::default()).unwrap();
+    assert_eq!(log.step("u", 0).await.unwrap().unwrap(), spawn);
+    let new = log.sandbox_log("new", None).await.unwrap().unwrap();
+    assert_eq!(new.sandbox.project.as_deref(), Some("team-a"));
+    assert_eq!(
+        log.sandbox_log("old", None).await.unwrap().unwrap().steps,
+        old.steps
+    );
 }
 
 #[test]

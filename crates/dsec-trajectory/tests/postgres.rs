@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::postgres::{Cluster, PASSWORD};
 use common::{chatty, sandbox, step, total_budget, wait_for};
-use dsec_trajectory::{LogConfig, LogError, SyncMode, TrajectoryLog};
+use dsec_trajectory::{LogConfig, LogError, ProcessRequest, StepKind, SyncMode, TrajectoryLog};
 
 async fn connect(url: &str, edge: &str) -> Result<TrajectoryLog, LogError> {
     TrajectoryLog::connect(url, edge, LogConfig::default()).await
@@ -227,5 +227,114 @@ async fn writes_resume_after_postgresql_drops_the_connection() {
             .len()
             >= 2
     );
+    log.close().await;
+}
+
+/// The schema version 2 of dsec wrote, as it wrote it.
+const V2_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS dsec_schema (version BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS dsec_sandboxes (
+    id            TEXT PRIMARY KEY,
+    trajectory_id TEXT UNIQUE,
+    image         TEXT NOT NULL,
+    backend       TEXT NOT NULL,
+    env           TEXT NOT NULL,
+    created_at    DOUBLE PRECISION NOT NULL,
+    edge          TEXT NOT NULL,
+    stopped_at    DOUBLE PRECISION,
+    bytes         BIGINT NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS dsec_sandboxes_by_stop ON dsec_sandboxes (stopped_at)
+    WHERE stopped_at IS NOT NULL;
+CREATE INDEX IF NOT EXISTS dsec_sandboxes_running ON dsec_sandboxes (edge)
+    WHERE stopped_at IS NULL;
+CREATE TABLE IF NOT EXISTS dsec_steps (
+    trajectory    TEXT NOT NULL,
+    step          BIGINT NOT NULL,
+    trajectory_id TEXT,
+    sandbox_id    TEXT NOT NULL,
+    argv          TEXT NOT NULL,
+    env           TEXT NOT NULL,
+    cwd           TEXT NOT NULL,
+    stdin_sha256  TEXT,
+    files         TEXT NOT NULL,
+    timeout_s     DOUBLE PRECISION,
+    exit_code     INTEGER,
+    stdout        BYTEA NOT NULL,
+    stderr        BYTEA NOT NULL,
+    timed_out     BOOLEAN NOT NULL,
+    truncated     BOOLEAN NOT NULL,
+    oom_killed    BOOLEAN NOT NULL,
+    duration_ms   DOUBLE PRECISION NOT NULL,
+    started_at    DOUBLE PRECISION NOT NULL,
+    finished_at   DOUBLE PRECISION NOT NULL,
+    stdout_bytes  BIGINT NOT NULL,
+    stdout_sha256 TEXT NOT NULL,
+    stdout_elided BIGINT NOT NULL,
+    stderr_bytes  BIGINT NOT NULL,
+    stderr_sha256 TEXT NOT NULL,
+    stderr_elided BIGINT NOT NULL,
+    bytes         BIGINT NOT NULL,
+    run_as        TEXT,
+    PRIMARY KEY (trajectory, step)
+);
+-- Version 2: the user a step ran as (none before: root).
+ALTER TABLE dsec_steps ADD COLUMN IF NOT EXISTS run_as TEXT;
+CREATE TABLE IF NOT EXISTS dsec_usage (edge TEXT PRIMARY KEY, bytes BIGINT NOT NULL);
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(postgres_installed),
+    ignore = "PostgreSQL is not installed: apt-get install postgresql (scripts/setup.sh), or set DSEC_PG_BIN"
+)]
+async fn a_log_of_version_2_is_upgraded_and_keeps_its_steps() {
+    let cluster = Cluster::start().await;
+    let url = cluster.database("v2").await;
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client.batch_execute(V2_SCHEMA).await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO dsec_schema (version) VALUES (2);
+             INSERT INTO dsec_sandboxes (id, trajectory_id, image, backend, env, created_at,
+                 edge, stopped_at, bytes)
+             VALUES ('old', 't', 'busybox', 'container', '{}', 1.0, 'e9', 5.0, 500);
+             INSERT INTO dsec_steps VALUES ('t', 0, 't', 'old', '[\"id\"]', '{}', '/', NULL,
+                 '[]', NULL, 0, 'uid=1000\n', '', false, false, false, 1.0, 2.0, 3.0, 9,
+                 'sha256:x', 0, 0, '', 0, 200, 'alice');
+             INSERT INTO dsec_usage VALUES ('e9', 700);",
+        )
+        .await
+        .unwrap();
+    let log = connect(&url, "e0").await.unwrap();
+    let old = log.sandbox_log("old", None).await.unwrap().unwrap();
+    let s = &old.steps[0];
+    assert_eq!(
+        (s.result.stdout.as_str(), s.request.run_as.as_deref()),
+        ("uid=1000\n", Some("alice"))
+    );
+    assert_eq!(s.request.kind, StepKind::Run);
+    assert_eq!(old.sandbox.project, None);
+    assert_eq!((old.stopped_at, old.bytes), (Some(5.0), 500));
+    let version: i64 = client
+        .query_one("SELECT max(version) FROM dsec_schema", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(version, 3);
+    // The upgraded log takes process steps and projects.
+    let mut owned = sandbox("new", Some("u"));
+    owned.project = Some("team-a".into());
+    log.register(owned).wait().await.unwrap();
+    let mut spawn = step(Some("u"), "new", 0, "sleep 1");
+    spawn.request.kind = StepKind::Spawn;
+    spawn.request.process = Some(ProcessRequest::default());
+    log.append(spawn.clone()).wait().await.unwrap();
+    assert_eq!(log.step("u", 0).await.unwrap().unwrap(), spawn);
+    let new = log.sandbox_log("new", None).await.unwrap().unwrap();
+    assert_eq!(new.sandbox.project.as_deref(), Some("team-a"));
     log.close().await;
 }

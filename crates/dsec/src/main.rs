@@ -23,6 +23,7 @@ use dsec_vm::assets::KernelSource;
 use dsec_vm::disk::BaseFs;
 
 mod events;
+mod replay;
 mod top;
 
 #[derive(Parser)]
@@ -679,7 +680,7 @@ fn run(cmd: Cmd) -> Result<()> {
         Cmd::Replay { id, remote } => {
             let client = Client::new(remote)?;
             let log: SandboxLog = client.json(client.get(&format!("/v1/sandboxes/{id}/log")))?;
-            if replay(&client, &log)? {
+            if replay::replay(&client, &log)? {
                 Ok(())
             } else {
                 std::process::exit(1);
@@ -916,6 +917,7 @@ fn print_log(log: &SandboxLog) {
     for step in &log.steps {
         let r = &step.result;
         let exit = match (r.exit.exit_code, r.exit.timed_out) {
+            _ if r.running => "running".to_owned(),
             (_, true) => "timeout".to_owned(),
             (Some(c), _) => c.to_string(),
             (None, _) => "-".to_owned(),
@@ -926,7 +928,7 @@ fn print_log(log: &SandboxLog) {
             exit,
             r.exit.duration_ms,
             human_size(r.stdout_bytes + r.stderr_bytes),
-            command_text(&step.request.argv)
+            step_text(step)
         );
         for (name, bytes, elided, sha256) in [
             ("stdout", r.stdout_bytes, r.stdout_elided, &r.stdout_sha256),
@@ -942,121 +944,45 @@ fn print_log(log: &SandboxLog) {
     }
 }
 
+/// What a step did, in a line: a run's command, or what a process step did to which
+/// process (named by the step that spawned it).
+fn step_text(step: &dsec_trajectory::Step) -> String {
+    use dsec_trajectory::StepKind;
+    let req = &step.request;
+    let p = req.process.clone().unwrap_or_default();
+    let of = p
+        .spawn_step
+        .map_or_else(String::new, |n| format!("process of step {n}"));
+    match req.kind {
+        StepKind::Run => command_text(&req.argv),
+        StepKind::Spawn => {
+            let tag = p.tag.map_or_else(String::new, |t| format!(" [{t}]"));
+            let pid = step.result.pid.unwrap_or_default();
+            format!("spawn{tag} (pid {pid}): {}", command_text(&req.argv))
+        }
+        StepKind::Stdin => {
+            let mut input: String = p.input.chars().take(40).collect();
+            if input.len() < p.input.len() || p.input_elided > 0 {
+                input += "...";
+            }
+            format!("stdin to {of}: {} bytes {input:?}", p.input_bytes)
+        }
+        StepKind::CloseStdin => format!("close stdin of {of}"),
+        StepKind::Signal => format!("signal {} to {of}", p.signal.unwrap_or_default()),
+        StepKind::Kill => format!("kill {of}"),
+        StepKind::Resize => {
+            let [cols, rows] = p.pty.unwrap_or_default();
+            format!("resize {of} to {cols}x{rows}")
+        }
+    }
+}
+
 /// A recorded argv as the user most likely typed it.
 fn command_text(argv: &[String]) -> String {
     match argv {
         [sh, c, cmd] if sh == "/bin/sh" && c == "-c" => cmd.clone(),
         _ => serde_json::to_string(argv).unwrap_or_default(),
     }
-}
-
-/// Re-runs `log` in a fresh sandbox; `true` when every step's output matched.
-fn replay(client: &Client, log: &SandboxLog) -> Result<bool> {
-    let rec = &log.sandbox;
-    let req = CreateSandboxRequest {
-        backend: rec.backend.clone(),
-        image: rec.image.clone(),
-        cpus: None,
-        memory_mb: None,
-        pids: None,
-        disk_mb: None,
-        ttl_s: None,
-        idle_ttl_s: None,
-        env: rec.env.clone(),
-        workdir: None,
-        network: Default::default(),
-        ca_bundle: None,
-        labels: BTreeMap::from([("dsec.replay-of".to_owned(), rec.id.clone())]),
-        trajectory_id: None,
-    };
-    let info: SandboxInfo = client.json(client.post("/v1/sandboxes").json(&req))?;
-    eprintln!(
-        "replaying {} steps of {} in {} ({}, image {})",
-        log.steps.len(),
-        rec.id,
-        info.id,
-        rec.backend,
-        rec.image
-    );
-    let outcome = replay_steps(client, &info.id, &log.steps);
-    let stopped = client.empty(client.delete(&format!("/v1/sandboxes/{}", info.id)));
-    let matched = outcome?;
-    stopped.with_context(|| format!("stopping replay sandbox {}", info.id))?;
-    Ok(matched)
-}
-
-fn replay_steps(client: &Client, sandbox: &str, steps: &[dsec_trajectory::Step]) -> Result<bool> {
-    for step in steps {
-        let req = &step.request;
-        if req.stdin_sha256.is_some() || !req.files.is_empty() {
-            println!(
-                "step {}: cannot be replayed: its stdin and files were recorded as digests                  only; the {} steps before it match",
-                step.step, step.step
-            );
-            return Ok(false);
-        }
-        let body = serde_json::json!({
-            "cmd": req.argv, "env": req.env, "cwd": req.cwd, "timeout_s": req.timeout_s,
-        });
-        let got: CommandResult = client.json(
-            client
-                .post(&format!("/v1/sandboxes/{sandbox}/exec"))
-                .json(&body),
-        )?;
-        let want = &step.result;
-        let mut diffs = Vec::new();
-        if got.exit.exit_code != want.exit.exit_code {
-            diffs.push(format!(
-                "exit code {:?} (recorded {:?})",
-                got.exit.exit_code, want.exit.exit_code
-            ));
-        }
-        for (name, got, want, elided, bytes, sha256) in [
-            (
-                "stdout",
-                &got.stdout,
-                &want.stdout,
-                want.stdout_elided,
-                want.stdout_bytes,
-                &want.stdout_sha256,
-            ),
-            (
-                "stderr",
-                &got.stderr,
-                &want.stderr,
-                want.stderr_elided,
-                want.stderr_bytes,
-                &want.stderr_sha256,
-            ),
-        ] {
-            if elided == 0 {
-                if got != want {
-                    diffs.push(format!("{name} {got:?} (recorded {want:?})"));
-                }
-                continue;
-            }
-            // The log kept only part of this output: compare the whole by length and digest.
-            let got_sha256 = dsec_trajectory::digest(got.as_bytes());
-            if got.len() as u64 != bytes || &got_sha256 != sha256 {
-                diffs.push(format!(
-                    "{name} {} bytes {got_sha256} (recorded {bytes} bytes {sha256})",
-                    got.len()
-                ));
-            }
-        }
-        if !diffs.is_empty() {
-            println!(
-                "step {} differs: {}
-  command: {}",
-                step.step,
-                diffs.join("; "),
-                command_text(&req.argv)
-            );
-            return Ok(false);
-        }
-    }
-    println!("all {} steps match", steps.len());
-    Ok(true)
 }
 
 /// `POST /v1/images` with a progress bar of its layers (on a terminal; plain lines

@@ -92,6 +92,9 @@ struct Exec {
     stdin_sent: usize,
     /// No more input comes: the writer closes once `stdin_data` is written.
     stdin_eof: bool,
+    /// An interactive command: the edge hears of each byte of input init no longer holds
+    /// ([`FrameKind::StdinTaken`]), which bounds what it sends ahead.
+    reports_stdin: bool,
     /// The master side of the command's terminal, when it runs on one.
     terminal: Option<OwnedFd>,
     started: Instant,
@@ -299,10 +302,14 @@ impl Init {
             }
             FrameKind::Unwatch => self.files.unwatch(frame.exec_id),
             FrameKind::Stdin => {
-                if let Some(ex) = self.execs.get_mut(&frame.exec_id) {
-                    if ex.stdin.is_some() && !ex.stdin_eof {
-                        ex.stdin_data.extend_from_slice(&frame.payload);
-                    }
+                let Some(ex) = self.execs.get_mut(&frame.exec_id) else {
+                    return;
+                };
+                if ex.stdin.is_some() && !ex.stdin_eof {
+                    ex.stdin_data.extend_from_slice(&frame.payload);
+                } else if ex.reports_stdin {
+                    // Input past its end is dropped: the edge may send more.
+                    stdin_taken(&mut self.outbuf, frame.exec_id, frame.payload.len());
                 }
             }
             FrameKind::CloseStdin => {
@@ -645,6 +652,7 @@ impl Init {
                 stdin_data: stdin,
                 stdin_sent: 0,
                 stdin_eof: !spec.interactive,
+                reports_stdin: spec.interactive,
                 terminal,
                 started,
                 deadline: deadline(spec, started),
@@ -758,6 +766,7 @@ impl Init {
         let Some(fd) = ex.stdin.as_ref() else {
             return;
         };
+        let before = ex.stdin_sent;
         let failed = match rustix::io::write(fd, &ex.stdin_data[ex.stdin_sent..]) {
             Ok(n) => {
                 ex.stdin_sent += n;
@@ -765,6 +774,15 @@ impl Init {
             }
             Err(e) => e != Errno::AGAIN,
         };
+        if ex.reports_stdin {
+            // Written, or (the command closed its input) dropped.
+            let taken = if failed {
+                ex.stdin_data.len()
+            } else {
+                ex.stdin_sent
+            };
+            stdin_taken(&mut self.outbuf, id, taken - before);
+        }
         if failed || ex.stdin_sent == ex.stdin_data.len() {
             ex.stdin_data = Vec::new();
             ex.stdin_sent = 0;
@@ -891,6 +909,13 @@ fn forward(outbuf: &mut Vec<u8>, id: u32, ex: &mut Exec, stream: usize, data: &[
 
 /// What a terminal reads as end-of-file at the start of a line (`VEOF`, Ctrl-D).
 const EOF_CHAR: u8 = 0x04;
+
+/// Tells the edge that init no longer holds `n` bytes of command `id`'s input.
+fn stdin_taken(outbuf: &mut Vec<u8>, id: u32, n: usize) {
+    if n > 0 {
+        proto::encode(outbuf, FrameKind::StdinTaken, id, &(n as u64).to_le_bytes());
+    }
+}
 
 /// A new terminal of `size`: its master and slave sides, both close-on-exec.
 fn open_terminal(size: WinSize) -> std::io::Result<(OwnedFd, OwnedFd)> {

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use super::{streamed, ApiJson, AppState, Utf8Decoder, Visible, VisibleProcess};
 use crate::backend::ProcessExit;
 use crate::edge::processes::{
-    ProcessEvent, ProcessInfo, PtySize, SpawnRequest, Stream, Subscription,
+    Act, ProcessEvent, ProcessInfo, PtySize, SpawnRequest, Stream, Subscription,
 };
 use crate::error::ApiError;
 
@@ -185,28 +185,49 @@ pub(super) async fn events(
     Ok(streamed(false, Body::from_stream(lines)))
 }
 
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/stdin",
+/// The query of the routes that act on a process: each act is a step of the sandbox's
+/// trajectory.
+#[derive(Deserialize, utoipa::IntoParams)]
+pub(super) struct StepQuery {
+    /// Its step in the sandbox's trajectory, as `exec`'s `step` (the next one if omitted).
+    step: Option<i64>,
+}
+
+type StepParam = Result<Query<StepQuery>, axum::extract::rejection::QueryRejection>;
+
+/// Does `act` to the process as the query's step.
+async fn act(
+    state: &AppState,
+    (id, process): (String, String),
+    query: StepParam,
+    act: Act,
+) -> Result<StatusCode, ApiError> {
+    let Query(q) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
+    state.edge.act(&id, &process, q.step, act).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/stdin", params(StepQuery),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub(super) async fn stdin(
     State(state): State<AppState>,
     VisibleProcess(id, process): VisibleProcess,
+    query: StepParam,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
-    let process = state.edge.live_process(&id, &process).await?;
-    process.send_stdin(&body).await?;
-    Ok(StatusCode::NO_CONTENT)
+    act(&state, (id, process), query, Act::Stdin(body.to_vec())).await
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/close-stdin",
+    params(StepQuery),
     responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub(super) async fn close_stdin(
     State(state): State<AppState>,
     VisibleProcess(id, process): VisibleProcess,
+    query: StepParam,
 ) -> Result<StatusCode, ApiError> {
-    let process = state.edge.live_process(&id, &process).await?;
-    process.close_stdin().await?;
-    Ok(StatusCode::NO_CONTENT)
+    act(&state, (id, process), query, Act::CloseStdin).await
 }
 
 /// A signal by name (`TERM`, `SIGTERM`) or number.
@@ -287,44 +308,41 @@ fn signal_number(signal: &SignalName) -> Result<i32, ApiError> {
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/signal",
-    request_body = SignalRequest,
+    params(StepQuery), request_body = SignalRequest,
     responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, body = ErrorBody)))]
 pub(super) async fn signal(
     State(state): State<AppState>,
     VisibleProcess(id, process): VisibleProcess,
+    query: StepParam,
     ApiJson(req): ApiJson<SignalRequest>,
 ) -> Result<StatusCode, ApiError> {
     let signal = signal_number(&req.signal)?;
-    let process = state.edge.live_process(&id, &process).await?;
-    process.signal(signal).await?;
-    Ok(StatusCode::NO_CONTENT)
+    act(&state, (id, process), query, Act::Signal(signal)).await
 }
 
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/kill",
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/kill", params(StepQuery),
     responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub(super) async fn kill(
     State(state): State<AppState>,
     VisibleProcess(id, process): VisibleProcess,
+    query: StepParam,
 ) -> Result<StatusCode, ApiError> {
-    let process = state.edge.live_process(&id, &process).await?;
-    process.kill().await?;
-    Ok(StatusCode::NO_CONTENT)
+    act(&state, (id, process), query, Act::Kill).await
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/processes/{process}/resize",
-    request_body = PtySize,
+    params(StepQuery), request_body = PtySize,
     responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
               (status = 409, body = ErrorBody)))]
 pub(super) async fn resize(
     State(state): State<AppState>,
     VisibleProcess(id, process): VisibleProcess,
+    query: StepParam,
     ApiJson(size): ApiJson<PtySize>,
 ) -> Result<StatusCode, ApiError> {
     let size = size.checked()?;
-    let process = state.edge.live_process(&id, &process).await?;
-    process.resize(size).await?;
-    Ok(StatusCode::NO_CONTENT)
+    act(&state, (id, process), query, Act::Resize(size)).await
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]

@@ -29,7 +29,7 @@ use super::proto::{
 };
 use super::E2b;
 use crate::backend::ProcessExit;
-use crate::edge::processes::{self, Process, SpawnRequest, Stream, Subscription};
+use crate::edge::processes::{self, Act, Process, SpawnRequest, Stream, Subscription};
 use crate::error::ApiError;
 use dsec_api::ErrorKind;
 
@@ -70,7 +70,7 @@ pub(super) async fn rpc(
             envd::unary(call.deadline, async {
                 let req: SendInputRequest = connect::decode("SendInputRequest", &message)?;
                 let process = running(e2b, call, req.process)?;
-                write_input(&process, req.input).await
+                write_input(e2b, call, &process, req.input).await
             })
             .await
         }
@@ -85,7 +85,7 @@ pub(super) async fn rpc(
             envd::unary(call.deadline, async {
                 let req: SelectorRequest = connect::decode("CloseStdinRequest", &message)?;
                 let process = running(e2b, call, req.process)?;
-                steered(&process, process.close_stdin().await)
+                steered(&process, act(e2b, call, &process, Act::CloseStdin).await)
             })
             .await
         }
@@ -96,7 +96,7 @@ pub(super) async fn rpc(
                 match req.pty {
                     Some(pty) => {
                         let size = win_size(pty.size)?.checked()?;
-                        steered(&process, process.resize(size).await)
+                        steered(&process, act(e2b, call, &process, Act::Resize(size)).await)
                     }
                     None => Ok(Empty {}),
                 }
@@ -178,6 +178,7 @@ async fn start(
                 pty,
                 tag: req.tag,
                 user: (call.user.name != "root").then(|| call.user.name.clone()),
+                step: None,
             },
         )
         .await?;
@@ -322,6 +323,15 @@ fn running(
     Ok(process)
 }
 
+/// Does `what` to `process` as the sandbox's next trajectory step: recorded in its log
+/// like the same call through dsec's own API.
+async fn act(e2b: &E2b, call: &Call, process: &Process, what: Act) -> Result<(), ApiError> {
+    let pid = process.pid().to_string();
+    e2b.edge()
+        .act(&call.sandbox.info.id, &pid, None, what)
+        .await
+}
+
 /// What steering a process answered: a failure because it ended meanwhile is `not_found`.
 fn steered(process: &Process, result: Result<(), ApiError>) -> Result<Empty, ConnectError> {
     match result {
@@ -333,6 +343,8 @@ fn steered(process: &Process, result: Result<(), ApiError>) -> Result<Empty, Con
 
 /// Writes input to a process: `stdin` to its standard input, `pty` to its terminal.
 async fn write_input(
+    e2b: &E2b,
+    call: &Call,
     process: &Process,
     input: Option<ProcessInput>,
 ) -> Result<Empty, ConnectError> {
@@ -357,7 +369,7 @@ async fn write_input(
         }
         None => return Err(ConnectError::invalid("input must hold stdin or pty bytes")),
     };
-    steered(process, process.send_stdin(&data).await)
+    steered(process, act(e2b, call, process, Act::Stdin(data)).await)
 }
 
 /// `SendSignal`: SIGKILL kills the process and what it started; SIGTERM is sent to it.
@@ -379,12 +391,8 @@ async fn send_signal(
         }
     };
     let process = running(e2b, call, req.process)?;
-    let sent = if kill {
-        process.kill().await
-    } else {
-        process.signal(15).await
-    };
-    steered(&process, sent)
+    let what = if kill { Act::Kill } else { Act::Signal(15) };
+    steered(&process, act(e2b, call, &process, what).await)
 }
 
 /// `List`: the running processes, each with the config it was started with.
@@ -461,7 +469,7 @@ async fn feed_input(e2b: &E2b, call: &Call, body: Body) -> Result<(), ConnectErr
                     ))
                 }
                 (StreamInputRequest::Data(req), Some(p)) => {
-                    write_input(p, req.input).await?;
+                    write_input(e2b, call, p, req.input).await?;
                 }
                 (StreamInputRequest::Data(_), None) => {
                     return Err(ConnectError::invalid(

@@ -7,16 +7,28 @@
 //! sees it. The table holds at most [`MAX_LIVE`] running processes and remembers the last
 //! [`MAX_EXITED`] that ended; a tag names one running process at a time. The table goes
 //! with its sandbox: stopping the sandbox kills every process in it.
+//!
+//! A spawn and every act on a process (stdin, close-stdin, signal, kill, resize) is a step
+//! of the sandbox's trajectory log, numbered with its runs; the process's end (exit and
+//! output, bounded as a run's) is added to its spawn step when it ends (see
+//! [`dsec_trajectory::StepKind`]). In a sandbox created with a trajectory id, a re-issued
+//! step is fast-forwarded as a run is: an act is not done again; a spawn answers the
+//! process it started if the table still has it, else the recorded end.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use dsec_trajectory::{
+    ExitStatus, OutputCapture, ProcessRequest, Step, StepKind, StepRequest, StepResult,
+    TrajectoryLog,
+};
 use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::backend::{ProcessControl, ProcessExit, ProcessOutput, Spawned, WinSize};
 use crate::error::ApiError;
+use crate::trajectory::{self, Decision};
 
 /// Output kept per process for subscribers that come late.
 pub const REPLAY_BYTES: usize = 1 << 20;
@@ -54,6 +66,8 @@ pub struct ProcessInfo {
     pub running: bool,
     /// How it ended, once it has.
     pub exit: Option<ProcessExit>,
+    /// Its spawn's step in the sandbox's trajectory log.
+    pub step: i64,
 }
 
 /// One event a subscriber reads.
@@ -102,7 +116,10 @@ pub struct Process {
     pid: i32,
     tag: Option<String>,
     cmd: Vec<String>,
+    cwd: String,
     pty: bool,
+    /// Its spawn's step in the trajectory log, which names it there.
+    spawn_step: i64,
     started_at: f64,
     control: Box<dyn ProcessControl>,
     output: Mutex<Output>,
@@ -127,6 +144,7 @@ impl Process {
             started_at: self.started_at,
             running: exit.is_none(),
             exit,
+            step: self.spawn_step,
         }
     }
 
@@ -166,7 +184,8 @@ impl Process {
         }
     }
 
-    /// Appends `data` to its standard input.
+    /// Appends `data` to its standard input. A write that waits for the process to read
+    /// what is queued (backpressure) ends when the process does.
     pub async fn send_stdin(&self, data: &[u8]) -> Result<(), ApiError> {
         self.running("input")?;
         if self.output.lock().expect("lock").stdin_closed {
@@ -175,7 +194,10 @@ impl Process {
                 self.pid
             )));
         }
-        self.control.send_stdin(data).await
+        tokio::select! {
+            sent = self.control.send_stdin(data) => sent,
+            _ = self.wait(None) => self.running("input"),
+        }
     }
 
     /// Ends its standard input (idempotent).
@@ -297,6 +319,8 @@ pub struct NewProcess {
     pub tag: Option<String>,
     /// Its argv.
     pub cmd: Vec<String>,
+    /// Its working directory.
+    pub cwd: String,
     /// Whether it runs on a terminal.
     pub pty: bool,
     /// Unix time now.
@@ -327,6 +351,41 @@ pub struct Processes {
 }
 
 impl Processes {
+    /// What a re-issued spawn answers: the process it started, if the table still has it;
+    /// else the process as `recorded`, ended (with its recorded end, or an error saying
+    /// its end went unrecorded).
+    fn replayed(&self, recorded: &Step) -> ProcessInfo {
+        let live = recorded
+            .result
+            .pid
+            .and_then(|pid| self.by_pid(pid))
+            .filter(|p| p.spawn_step == recorded.step);
+        if let Some(p) = live {
+            return p.info();
+        }
+        let (r, process) = (&recorded.result, recorded.request.process.as_ref());
+        ProcessInfo {
+            pid: r.pid.unwrap_or_default(),
+            tag: process.and_then(|p| p.tag.clone()),
+            cmd: recorded.request.argv.clone(),
+            pty: process.is_some_and(|p| p.pty.is_some()),
+            started_at: recorded.started_at,
+            running: false,
+            exit: Some(ProcessExit {
+                exit_code: r.exit.exit_code,
+                signal: None,
+                oom_killed: r.exit.oom_killed,
+                duration_ms: r.exit.duration_ms,
+                error: r.running.then(|| {
+                    "the process is gone and its end was not recorded (the sandbox's server \
+                     stopped before it ended)"
+                        .to_owned()
+                }),
+            }),
+            step: recorded.step,
+        }
+    }
+
     /// Admits a spawn: `Conflict` over [`MAX_LIVE`] or for a tag a running process has.
     /// The admission holds its place until [`Processes::insert`] or its drop.
     pub fn admit(&self, new: NewProcess) -> Result<Admitted, ApiError> {
@@ -358,6 +417,11 @@ impl Processes {
     pub fn list(&self) -> Vec<ProcessInfo> {
         let table = self.table.lock().expect("lock");
         table.by_pid.values().map(|p| p.info()).collect()
+    }
+
+    /// The process with pid `pid`, running or remembered.
+    fn by_pid(&self, pid: i32) -> Option<Arc<Process>> {
+        self.table.lock().expect("lock").by_pid.get(&pid).cloned()
     }
 
     /// The process `pid_or_tag` names: a pid, or a tag (the running process with it, else
@@ -395,15 +459,18 @@ pub struct Admitted {
 }
 
 impl Admitted {
-    /// Enters the spawned process in the table and starts reading its output.
-    pub fn insert(mut self, spawned: Spawned) -> Arc<Process> {
+    /// Enters the spawned process, recorded at `end`'s step, in the table and starts
+    /// reading its output.
+    pub fn insert(mut self, spawned: Spawned, end: EndRecord) -> Arc<Process> {
         let new = self.new.take().expect("inserted once");
         let (changed, _) = watch::channel(());
         let process = Arc::new(Process {
             pid: spawned.pid,
             tag: new.tag,
             cmd: new.cmd,
+            cwd: new.cwd,
             pty: new.pty,
+            spawn_step: end.step.step,
             started_at: new.started_at,
             control: spawned.control,
             output: Mutex::default(),
@@ -424,6 +491,7 @@ impl Admitted {
             Arc::downgrade(&self.table),
             Arc::clone(&process),
             spawned.output,
+            end,
         ));
         process
     }
@@ -442,13 +510,55 @@ impl Drop for Admitted {
     }
 }
 
-/// Reads a process's output into its buffer to the end, then moves it to the ended ones
-/// (forgetting the oldest past [`MAX_EXITED`]). Holds the table weakly: a stopped
-/// sandbox's table goes, and so does the rest of its processes' output.
+/// What records a process's end in its spawn step: the step as appended, and the
+/// process's output as the log keeps it (bounded as a run's).
+pub struct EndRecord {
+    log: TrajectoryLog,
+    step: Step,
+    stdout: OutputCapture,
+    stderr: OutputCapture,
+}
+
+impl EndRecord {
+    /// The end of the process spawned at `step` (as recorded), for `log`.
+    pub fn new(log: &TrajectoryLog, step: Step) -> EndRecord {
+        EndRecord {
+            stdout: log.capture(),
+            stderr: log.capture(),
+            log: log.clone(),
+            step,
+        }
+    }
+
+    /// Records the end; waits until it is durable, so that a client that saw the exit
+    /// finds it in the log.
+    async fn record(mut self, exit: &ProcessExit) {
+        let status = ExitStatus {
+            exit_code: exit.exit_code,
+            oom_killed: exit.oom_killed,
+            duration_ms: exit.duration_ms,
+            ..ExitStatus::default()
+        };
+        self.step.result = StepResult {
+            pid: self.step.result.pid,
+            ..StepResult::new(status, self.stdout.finish(), self.stderr.finish())
+        };
+        self.step.finished_at = super::unix_now();
+        let (sandbox, step) = (self.step.sandbox_id.clone(), self.step.step);
+        if let Err(e) = self.log.ended(self.step).wait().await {
+            tracing::warn!(%sandbox, step, error = %e, "trajectory log: a process's end could not be recorded");
+        }
+    }
+}
+
+/// Reads a process's output into its buffer to the end, records its end in the log, then
+/// moves it to the ended ones (forgetting the oldest past [`MAX_EXITED`]). Holds the table
+/// weakly: a stopped sandbox's table goes, and so does the rest of its processes' output.
 async fn relay(
     table: std::sync::Weak<Mutex<Table>>,
     process: Arc<Process>,
     mut output: Box<dyn crate::backend::ProcessStream>,
+    mut end: EndRecord,
 ) {
     let stream = if process.pty {
         Stream::Pty
@@ -457,8 +567,14 @@ async fn relay(
     };
     let exit = loop {
         match output.next().await {
-            Some(Ok(ProcessOutput::Stdout(data))) => process.push(stream, data),
-            Some(Ok(ProcessOutput::Stderr(data))) => process.push(Stream::Stderr, data),
+            Some(Ok(ProcessOutput::Stdout(data))) => {
+                end.stdout.push(&data);
+                process.push(stream, data);
+            }
+            Some(Ok(ProcessOutput::Stderr(data))) => {
+                end.stderr.push(&data);
+                process.push(Stream::Stderr, data);
+            }
             Some(Ok(ProcessOutput::Exit(exit))) => break exit,
             Some(Err(e)) => {
                 break ProcessExit {
@@ -474,6 +590,7 @@ async fn relay(
             }
         }
     };
+    end.record(&exit).await;
     process.end(exit);
     let Some(table) = table.upgrade() else {
         return;
@@ -508,6 +625,22 @@ pub struct SpawnRequest {
     /// The user of the sandbox to run as: a name, a uid or `uid:gid`, looked up in the
     /// sandbox's own `/etc/passwd` and `/etc/group`; root when omitted.
     pub user: Option<String>,
+    /// Its step in the sandbox's trajectory (see `exec`'s `step`).
+    pub step: Option<i64>,
+}
+
+/// An act on a spawned process, recorded as a step of its sandbox's trajectory.
+pub enum Act {
+    /// Bytes for its standard input.
+    Stdin(Vec<u8>),
+    /// The end of its standard input.
+    CloseStdin,
+    /// A signal, by number.
+    Signal(i32),
+    /// A kill of it and everything it started.
+    Kill,
+    /// A new terminal size.
+    Resize(WinSize),
 }
 
 /// A terminal's size in character cells, as requests give it.
@@ -565,9 +698,29 @@ impl super::Edge {
             &super::env_pairs(&req.env, "environment")?,
             run_as.is_some(),
         );
+        let request = StepRequest {
+            argv: argv.clone(),
+            env: req.env.clone(),
+            cwd: cwd.clone(),
+            run_as: run_as.as_ref().map(|r| r.user.clone()),
+            kind: StepKind::Spawn,
+            process: Some(ProcessRequest {
+                tag: req.tag.clone(),
+                pty: pty.map(|p| [p.cols, p.rows]),
+                stdin_open: req.stdin,
+                ..ProcessRequest::default()
+            }),
+            ..StepRequest::default()
+        };
+        let recorder =
+            match trajectory::decide(&self.log, id, &entry.position, req.step, request).await? {
+                Decision::Replay(step) => return Ok(entry.processes.replayed(&step)),
+                Decision::Run(recorder) => recorder,
+            };
         let admitted = entry.processes.admit(NewProcess {
             tag: req.tag.clone(),
             cmd: argv.clone(),
+            cwd: cwd.clone(),
             pty: pty.is_some(),
             started_at: super::unix_now(),
         })?;
@@ -591,11 +744,93 @@ impl super::Edge {
                 run_as,
             })
             .await;
-        let process = admitted.insert(entry.or_failed(spawned).await?);
+        let spawned = entry.or_failed(spawned).await?;
+        let started = StepResult {
+            pid: Some(spawned.pid),
+            running: true,
+            ..StepResult::default()
+        };
+        let step = match recorder.record_now(started).await {
+            Ok(step) => step,
+            Err(e) => {
+                // Unrecorded, it would be a process no replay knows of.
+                let _ = spawned.control.kill().await;
+                return Err(e);
+            }
+        };
+        let process = admitted.insert(spawned, EndRecord::new(&self.log, step));
         if !req.stdin {
             process.close_stdin().await?;
         }
         Ok(process.info())
+    }
+
+    /// Does `act` to the process `pid_or_tag` names in sandbox `id`, as step `step` of its
+    /// trajectory (the next one when `None`): not again when the trajectory recorded it.
+    pub async fn act(
+        &self,
+        id: &str,
+        pid_or_tag: &str,
+        step: Option<i64>,
+        act: Act,
+    ) -> Result<(), ApiError> {
+        let entry = self.live_entry(id).await?;
+        let process = entry.processes.get(pid_or_tag)?;
+        let mut target = ProcessRequest {
+            spawn_step: Some(process.spawn_step),
+            ..ProcessRequest::default()
+        };
+        let mut stdin_sha256 = None;
+        let kind = match &act {
+            Act::Stdin(data) => {
+                let mut input = self.log.capture();
+                input.push(data);
+                let kept = input.finish();
+                stdin_sha256 = Some(kept.sha256);
+                (target.input, target.input_bytes, target.input_elided) =
+                    (kept.text, kept.bytes, kept.elided);
+                StepKind::Stdin
+            }
+            Act::CloseStdin => StepKind::CloseStdin,
+            Act::Signal(n) => {
+                target.signal = Some(*n);
+                StepKind::Signal
+            }
+            Act::Kill => StepKind::Kill,
+            Act::Resize(size) => {
+                target.pty = Some([size.cols, size.rows]);
+                StepKind::Resize
+            }
+        };
+        let request = StepRequest {
+            argv: process.cmd.clone(),
+            cwd: process.cwd.clone(),
+            stdin_sha256,
+            kind,
+            process: Some(target),
+            ..StepRequest::default()
+        };
+        let recorder =
+            match trajectory::decide(&self.log, id, &entry.position, step, request).await? {
+                Decision::Replay(_) => return Ok(()),
+                Decision::Run(recorder) => recorder,
+            };
+        let started = Instant::now();
+        match act {
+            Act::Stdin(data) => process.send_stdin(&data).await?,
+            Act::CloseStdin => process.close_stdin().await?,
+            Act::Signal(n) => process.signal(n).await?,
+            Act::Kill => process.kill().await?,
+            Act::Resize(size) => process.resize(size).await?,
+        }
+        let done = StepResult {
+            exit: ExitStatus {
+                duration_ms: started.elapsed().as_secs_f64() * 1e3,
+                ..ExitStatus::default()
+            },
+            ..StepResult::default()
+        };
+        recorder.record_now(done).await.map(drop)
     }
 
     /// The sandbox's processes: running ones and those that ended lately.
@@ -606,11 +841,5 @@ impl super::Edge {
     /// The process `pid_or_tag` names in sandbox `id`.
     pub fn process(&self, id: &str, pid_or_tag: &str) -> Result<Arc<Process>, ApiError> {
         self.entry(id)?.processes.get(pid_or_tag)
-    }
-
-    /// The process `pid_or_tag` names in sandbox `id`, the sandbox resumed if it is
-    /// paused: for requests that steer it.
-    pub async fn live_process(&self, id: &str, pid_or_tag: &str) -> Result<Arc<Process>, ApiError> {
-        self.live_entry(id).await?.processes.get(pid_or_tag)
     }
 }

@@ -34,6 +34,8 @@ fn raw_step(r: &Row) -> RawStep {
         files: r.get(7),
         timeout_s: r.get(8),
         run_as: r.get(25),
+        kind: r.get(26),
+        process: r.get(27),
         result: StepResult {
             exit: ExitStatus {
                 exit_code: r.get(9),
@@ -50,6 +52,8 @@ fn raw_step(r: &Row) -> RawStep {
             stderr_bytes: count(r, 21),
             stderr_sha256: r.get(22),
             stderr_elided: count(r, 23),
+            pid: r.get(28),
+            running: r.get(29),
         },
         started_at: r.get(16),
         finished_at: r.get(17),
@@ -82,8 +86,8 @@ pub(super) async fn sandbox_log(
 ) -> Result<Option<SandboxLog>, LogError> {
     let row = client
         .query_opt(
-            "SELECT id, trajectory_id, image, backend, created_at, env, stopped_at, bytes \
-             FROM dsec_sandboxes WHERE id = $1",
+            "SELECT id, trajectory_id, image, backend, created_at, env, stopped_at, bytes, \
+             project FROM dsec_sandboxes WHERE id = $1",
             &[&id],
         )
         .await
@@ -102,6 +106,7 @@ pub(super) async fn sandbox_log(
             source,
         })?,
         created_at: row.get(4),
+        project: row.get(8),
         fork_of: None,
     };
     let trajectory = sandbox.trajectory().to_owned();

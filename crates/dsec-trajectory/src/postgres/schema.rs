@@ -9,7 +9,7 @@ use crate::model::SandboxRecord;
 use crate::row::{sql_count, sql_int};
 
 /// The schema this build writes (`dsec_schema.version`).
-const SCHEMA_VERSION: i64 = 2;
+const SCHEMA_VERSION: i64 = 3;
 
 /// The same tables as SQLite's, prefixed (the database may hold others), plus what a
 /// database shared by servers needs: each sandbox's edge, and each edge's share of the log.
@@ -24,7 +24,8 @@ CREATE TABLE IF NOT EXISTS dsec_sandboxes (
     created_at    DOUBLE PRECISION NOT NULL,
     edge          TEXT NOT NULL,
     stopped_at    DOUBLE PRECISION,
-    bytes         BIGINT NOT NULL DEFAULT 0
+    bytes         BIGINT NOT NULL DEFAULT 0,
+    project       TEXT
 );
 CREATE INDEX IF NOT EXISTS dsec_sandboxes_by_stop ON dsec_sandboxes (stopped_at)
     WHERE stopped_at IS NOT NULL;
@@ -58,10 +59,21 @@ CREATE TABLE IF NOT EXISTS dsec_steps (
     stderr_elided BIGINT NOT NULL,
     bytes         BIGINT NOT NULL,
     run_as        TEXT,
+    kind          TEXT NOT NULL DEFAULT 'run',
+    process       TEXT,
+    pid           INTEGER,
+    running       BOOLEAN NOT NULL DEFAULT false,
     PRIMARY KEY (trajectory, step)
 );
 -- Version 2: the user a step ran as (none before: root).
 ALTER TABLE dsec_steps ADD COLUMN IF NOT EXISTS run_as TEXT;
+-- Version 3: process steps (every step before was a run), and each sandbox's project
+-- (none before: the admin's).
+ALTER TABLE dsec_steps ADD COLUMN IF NOT EXISTS kind TEXT NOT NULL DEFAULT 'run';
+ALTER TABLE dsec_steps ADD COLUMN IF NOT EXISTS process TEXT;
+ALTER TABLE dsec_steps ADD COLUMN IF NOT EXISTS pid INTEGER;
+ALTER TABLE dsec_steps ADD COLUMN IF NOT EXISTS running BOOLEAN NOT NULL DEFAULT false;
+ALTER TABLE dsec_sandboxes ADD COLUMN IF NOT EXISTS project TEXT;
 CREATE TABLE IF NOT EXISTS dsec_usage (edge TEXT PRIMARY KEY, bytes BIGINT NOT NULL);
 ";
 
@@ -128,7 +140,7 @@ pub(super) async fn stop_earlier_sandboxes(
         .map_err(err("marking earlier sandboxes stopped"))?;
     let rows = tx
         .query(
-            "SELECT id, trajectory_id, image, backend, env FROM dsec_sandboxes \
+            "SELECT id, trajectory_id, image, backend, env, project FROM dsec_sandboxes \
              WHERE edge = $1 AND stopped_at IS NULL",
             &[&edge],
         )
@@ -143,6 +155,7 @@ pub(super) async fn stop_earlier_sandboxes(
             backend: r.get(3),
             env: serde_json::from_str(r.get(4)).unwrap_or_default(),
             created_at: 0.0,
+            project: r.get(5),
             fork_of: None,
         };
         tx.execute(

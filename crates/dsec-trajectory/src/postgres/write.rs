@@ -11,7 +11,7 @@ use crate::budget::{record_bytes, Change, Delta, PruneRound, StepJson};
 use crate::error::LogError;
 use crate::job::{Job, Write};
 use crate::model::{json, SandboxRecord, Step};
-use crate::row::{sql_count, sql_int, STEP_COLUMNS};
+use crate::row::{sql_count, sql_int, COPIED_COLUMNS, STEP_COLUMNS};
 use crate::SyncMode;
 
 /// The writer's connection, holding its edge name, with its prepared statements.
@@ -84,10 +84,10 @@ impl Session {
                  $12::bytea[], $13::bytea[], $14::bool[], $15::bool[], $16::bool[], \
                  $17::float8[], $18::float8[], $19::float8[], $20::int8[], $21::text[], \
                  $22::int8[], $23::int8[], $24::text[], $25::int8[], $26::int8[], \
-                 $27::text[]) \
+                 $27::text[], $28::text[], $29::text[], $30::int4[], $31::bool[]) \
                  ON CONFLICT DO NOTHING RETURNING trajectory, step, bytes), \
                  counted AS (INSERT INTO dsec_usage (edge, bytes) \
-                 SELECT $28::text, sum(bytes) FROM inserted HAVING count(*) > 0 \
+                 SELECT $32::text, sum(bytes) FROM inserted HAVING count(*) > 0 \
                  ON CONFLICT (edge) DO UPDATE SET bytes = dsec_usage.bytes + EXCLUDED.bytes) \
                  SELECT trajectory, step FROM inserted"
             ))
@@ -209,7 +209,7 @@ impl<'a> BatchWrite<'a> {
             }
             // Earlier steps first: a fork copies its parent's steps, a stop counts them.
             self.insert_admitted(c).await?;
-            let outcome = match &self.batch[i].write {
+            let outcome = match &mut self.batch[i].write {
                 Write::Register(r) => register(c, &store.db, &store.edge, r).await?,
                 Write::Stopped { id, at } => {
                     let share = store
@@ -225,6 +225,7 @@ impl<'a> BatchWrite<'a> {
                     .map_err(|e| pg_detail(&e))?;
                     Ok(Change::Stopped(id.clone()))
                 }
+                Write::Ended(step) => ended(c, store, &self.admitted_delta, step).await?,
                 Write::Append(_) => unreachable!("appends are admitted above"),
             };
             self.outcomes[i] = Some(outcome.map(|change| {
@@ -297,14 +298,79 @@ async fn admit<C: GenericClient + Sync>(
             sql_count(row.get::<_, i64>(0))
         }
     };
-    let row = StepJson::new(step);
-    let (bytes, over_budget) = store.usage.admit(step, &row, share, live, batch);
+    let mut row = StepJson::new(step);
+    let (bytes, over_budget) = store.usage.admit(step, &mut row, share, live, batch);
     Ok(Some(Admitted {
         job: 0,
         bytes,
         live: live.is_some(),
         over_budget,
     }))
+}
+
+/// Puts a spawned process's end in its spawn step's row; the row's growth counts against
+/// the budgets as an append does (`dsec_usage` gets it with the batch's other uncounted
+/// bytes).
+async fn ended<C: GenericClient + Sync>(
+    c: &C,
+    store: &Store,
+    batch: &Delta,
+    step: &mut Step,
+) -> Result<Result<Change, LogError>, String> {
+    let old = c
+        .query_opt(
+            "SELECT bytes FROM dsec_steps WHERE trajectory = $1 AND step = $2",
+            &[&step.trajectory(), &step.step],
+        )
+        .await
+        .map_err(|e| pg_detail(&e))?;
+    let Some(old) = old.map(|r| sql_count(r.get::<_, i64>(0))) else {
+        return Ok(Ok(Change::None));
+    };
+    let Some(mut a) = admit(c, store, batch, step).await? else {
+        return Ok(Ok(Change::None));
+    };
+    let r = &step.result;
+    c.execute(
+        "UPDATE dsec_steps SET exit_code = $3, stdout = $4, stderr = $5, timed_out = $6, \
+         truncated = $7, oom_killed = $8, duration_ms = $9, finished_at = $10, \
+         stdout_bytes = $11, stdout_sha256 = $12, stdout_elided = $13, stderr_bytes = $14, \
+         stderr_sha256 = $15, stderr_elided = $16, bytes = $17, pid = $18, running = $19 \
+         WHERE trajectory = $1 AND step = $2",
+        &[
+            &step.trajectory(),
+            &step.step,
+            &r.exit.exit_code,
+            &r.stdout.as_bytes(),
+            &r.stderr.as_bytes(),
+            &r.exit.timed_out,
+            &r.exit.truncated,
+            &r.exit.oom_killed,
+            &r.exit.duration_ms,
+            &step.finished_at,
+            &sql_int(r.stdout_bytes),
+            &r.stdout_sha256,
+            &sql_int(r.stdout_elided),
+            &sql_int(r.stderr_bytes),
+            &r.stderr_sha256,
+            &sql_int(r.stderr_elided),
+            &sql_int(a.bytes),
+            &r.pid,
+            &r.running,
+        ],
+    )
+    .await
+    .map_err(|e| pg_detail(&e))?;
+    a.bytes = a.bytes.saturating_sub(old);
+    if !a.live {
+        c.execute(
+            "UPDATE dsec_sandboxes SET bytes = bytes + $2 WHERE id = $1",
+            &[&step.sandbox_id, &sql_int(a.bytes)],
+        )
+        .await
+        .map_err(|e| pg_detail(&e))?;
+    }
+    Ok(Ok(change_of(step, &a)))
 }
 
 /// Inserts the admitted steps in one statement, which also adds their bytes to the edge's
@@ -350,6 +416,9 @@ async fn insert_steps<C: GenericClient + Sync>(
         .iter()
         .map(|(s, _)| s.request.run_as.as_deref())
         .collect();
+    let kind = col(|s| s.request.kind.as_str());
+    let process: Vec<Option<&str>> = steps.iter().map(|(_, j)| j.process.as_deref()).collect();
+    let pid: Vec<Option<i32>> = steps.iter().map(|(s, _)| s.result.pid).collect();
     let exit_code: Vec<Option<i32>> = steps.iter().map(|(s, _)| s.result.exit.exit_code).collect();
     let stdout: Vec<&[u8]> = steps
         .iter()
@@ -394,6 +463,10 @@ async fn insert_steps<C: GenericClient + Sync>(
                 &int(|s| s.result.stderr_elided),
                 &bytes,
                 &run_as,
+                &kind,
+                &process,
+                &pid,
+                &flag(|s| s.result.running),
                 &edge,
             ],
         )
@@ -445,8 +518,8 @@ async fn register<C: GenericClient + Sync>(
     let inserted = tx
         .query_opt(
             "INSERT INTO dsec_sandboxes (id, trajectory_id, image, backend, env, created_at, \
-             edge, bytes) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING \
-             RETURNING id",
+             edge, bytes, project) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
+             ON CONFLICT DO NOTHING RETURNING id",
             &[
                 &s.id,
                 &s.trajectory_id,
@@ -456,6 +529,7 @@ async fn register<C: GenericClient + Sync>(
                 &s.created_at,
                 &edge,
                 &sql_int(own),
+                &s.project,
             ],
         )
         .await
@@ -489,11 +563,7 @@ async fn register<C: GenericClient + Sync>(
             tx.execute(
                 &format!(
                     "INSERT INTO dsec_steps (trajectory, {STEP_COLUMNS}) \
-                     SELECT $1, step, $1, $2, argv, env, cwd, stdin_sha256, files, timeout_s, \
-                     exit_code, stdout, stderr, timed_out, truncated, oom_killed, duration_ms, \
-                     started_at, finished_at, stdout_bytes, stdout_sha256, stdout_elided, \
-                     stderr_bytes, stderr_sha256, stderr_elided, bytes, run_as \
-                     FROM dsec_steps WHERE trajectory = $3 AND step < $4"
+                     SELECT $1, step, $1, $2, {COPIED_COLUMNS} FROM dsec_steps WHERE trajectory = $3 AND step < $4"
                 ),
                 &[child, &s.id, &fork.trajectory_id, &fork.steps],
             )

@@ -22,6 +22,8 @@ pub(super) fn raw_step(r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<Raw
         files: r.get(at + 7)?,
         timeout_s: r.get(at + 8)?,
         run_as: r.get(at + 25)?,
+        kind: r.get(at + 26)?,
+        process: r.get(at + 27)?,
         result: StepResult {
             exit: ExitStatus {
                 exit_code: r.get(at + 9)?,
@@ -38,6 +40,8 @@ pub(super) fn raw_step(r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<Raw
             stderr_bytes: r.get(at + 21)?,
             stderr_sha256: r.get(at + 22)?,
             stderr_elided: r.get(at + 23)?,
+            pid: r.get(at + 28)?,
+            running: r.get(at + 29)?,
         },
         started_at: r.get(at + 16)?,
         finished_at: r.get(at + 17)?,
@@ -74,8 +78,8 @@ pub(super) fn sandbox_log(
 ) -> Result<Option<SandboxLog>, LogError> {
     let sandbox = conn
         .query_row(
-            "SELECT id, trajectory_id, image, backend, created_at, env, stopped_at, bytes \
-             FROM sandboxes WHERE id = ?1",
+            "SELECT id, trajectory_id, image, backend, created_at, env, stopped_at, bytes, \
+             project FROM sandboxes WHERE id = ?1",
             params![id],
             |r| {
                 let record = SandboxRecord {
@@ -85,6 +89,7 @@ pub(super) fn sandbox_log(
                     backend: r.get(3)?,
                     env: Default::default(),
                     created_at: r.get(4)?,
+                    project: r.get(8)?,
                     fork_of: None,
                 };
                 Ok((

@@ -12,7 +12,7 @@ use crate::model::{digest, SandboxRecord};
 use crate::row::{sql_count, STEP_COLUMNS};
 
 /// The schema this build writes (`PRAGMA user_version`).
-pub(super) const SCHEMA_VERSION: i64 = 2;
+pub(super) const SCHEMA_VERSION: i64 = 3;
 
 const SCHEMA: &str = "
 CREATE TABLE sandboxes (
@@ -23,7 +23,8 @@ CREATE TABLE sandboxes (
     env           TEXT NOT NULL,
     created_at    REAL NOT NULL,
     stopped_at    REAL,
-    bytes         INTEGER NOT NULL DEFAULT 0
+    bytes         INTEGER NOT NULL DEFAULT 0,
+    project       TEXT
 );
 CREATE TABLE steps (
     trajectory    TEXT NOT NULL,
@@ -53,6 +54,10 @@ CREATE TABLE steps (
     stderr_elided INTEGER NOT NULL DEFAULT 0,
     bytes         INTEGER NOT NULL DEFAULT 0,
     run_as        TEXT,
+    kind          TEXT NOT NULL DEFAULT 'run',
+    process       TEXT,
+    pid           INTEGER,
+    running       INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (trajectory, step)
 );
 ";
@@ -74,6 +79,16 @@ ALTER TABLE steps ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
 
 /// Upgrades a log written before version 2: the user a step ran as (none before: root).
 const MIGRATE_V1: &str = "ALTER TABLE steps ADD COLUMN run_as TEXT;";
+
+/// Upgrades a log written before version 3: process steps (every step before was a run),
+/// and the project that owns each sandbox (none before: the admin's).
+const MIGRATE_V2: &str = "
+ALTER TABLE steps ADD COLUMN kind TEXT NOT NULL DEFAULT 'run';
+ALTER TABLE steps ADD COLUMN process TEXT;
+ALTER TABLE steps ADD COLUMN pid INTEGER;
+ALTER TABLE steps ADD COLUMN running INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE sandboxes ADD COLUMN project TEXT;
+";
 
 /// Serves pruning: the stopped sandboxes, oldest stop first.
 const INDEXES: &str = "
@@ -106,15 +121,19 @@ pub(super) fn migrate(conn: &mut Connection, path: &Path) -> Result<(), LogError
         if has_steps {
             tx.execute_batch(MIGRATE_V0)
                 .and_then(|()| tx.execute_batch(MIGRATE_V1))
+                .and_then(|()| tx.execute_batch(MIGRATE_V2))
                 .map_err(err("migrating the schema"))?;
             account_v0_rows(&tx, path)?;
         } else {
             tx.execute_batch(SCHEMA)
                 .map_err(err("creating the schema"))?;
         }
-    } else if version == 1 {
-        tx.execute_batch(MIGRATE_V1)
-            .map_err(err("migrating the schema"))?;
+    } else if version < SCHEMA_VERSION {
+        let steps = [MIGRATE_V1, MIGRATE_V2];
+        for migration in &steps[usize::try_from(version - 1).unwrap_or(0)..] {
+            tx.execute_batch(migration)
+                .map_err(err("migrating the schema"))?;
+        }
     }
     tx.execute_batch(INDEXES)
         .and_then(|()| tx.pragma_update(None, "user_version", SCHEMA_VERSION))
@@ -174,7 +193,7 @@ pub(super) fn stop_earlier_sandboxes(conn: &mut Connection, path: &Path) -> Resu
         .map_err(err("marking earlier sandboxes stopped"))?;
     let earlier: Vec<SandboxRecord> = tx
         .prepare(
-            "SELECT id, trajectory_id, image, backend, env, created_at FROM sandboxes \
+            "SELECT id, trajectory_id, image, backend, env, created_at, project FROM sandboxes \
              WHERE stopped_at IS NULL",
         )
         .and_then(|mut st| st.query_map([], sandbox_record)?.collect())
@@ -198,7 +217,7 @@ pub(super) fn stop_earlier_sandboxes(conn: &mut Connection, path: &Path) -> Resu
     Ok(sql_count(stored))
 }
 
-/// A `sandboxes` row of `id, trajectory_id, image, backend, env, created_at` (an `env`
+/// A `sandboxes` row of `id, trajectory_id, image, backend, env, created_at, project` (an `env`
 /// that does not decode reads as empty: the record only sizes the row).
 fn sandbox_record(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
     Ok(SandboxRecord {
@@ -208,6 +227,7 @@ fn sandbox_record(r: &rusqlite::Row<'_>) -> rusqlite::Result<SandboxRecord> {
         backend: r.get(3)?,
         env: serde_json::from_str(&r.get::<_, String>(4)?).unwrap_or_default(),
         created_at: r.get(5)?,
+        project: r.get(6)?,
         fork_of: None,
     })
 }

@@ -5,11 +5,11 @@ use std::path::Path;
 use rusqlite::{params, Connection, OptionalExtension};
 
 use super::sqlite_err;
-use crate::budget::{record_bytes, Change, Delta, StepJson, Usage};
+use crate::budget::{record_bytes, Change, Delta, LiveSandbox, StepJson, Usage};
 use crate::error::LogError;
 use crate::job::{CommitCounter, Job, Write};
 use crate::model::{json, SandboxRecord, Step};
-use crate::row::{sql_count, STEP_COLUMNS};
+use crate::row::{sql_count, COPIED_COLUMNS, STEP_COLUMNS};
 
 /// Writes `batch` in one transaction, applies what it changed to `usage`, counts the
 /// commit, and answers each job once it is committed.
@@ -84,6 +84,7 @@ fn write_one(
     match write {
         Write::Register(s) => register(conn, path, s),
         Write::Append(s) => append(conn, path, usage, batch, s),
+        Write::Ended(s) => ended(conn, path, usage, batch, s),
         Write::Stopped { id, at } => {
             // The share of a sandbox of this process is written now; any other keeps the
             // share its row holds.
@@ -103,8 +104,8 @@ fn register(conn: &Connection, path: &Path, s: &SandboxRecord) -> Result<Change,
     let own = record_bytes(s);
     let inserted = conn
         .prepare_cached(
-            "INSERT INTO sandboxes (id, trajectory_id, image, backend, env, created_at, bytes) \
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            "INSERT INTO sandboxes (id, trajectory_id, image, backend, env, created_at, bytes, \
+             project) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
         )
         .and_then(|mut st| {
             st.execute(params![
@@ -114,7 +115,8 @@ fn register(conn: &Connection, path: &Path, s: &SandboxRecord) -> Result<Change,
                 s.backend,
                 json(&s.env),
                 s.created_at,
-                own
+                own,
+                s.project,
             ])
         });
     match inserted {
@@ -138,10 +140,7 @@ fn register(conn: &Connection, path: &Path, s: &SandboxRecord) -> Result<Change,
         (Some(fork), Some(child)) => conn
             .prepare_cached(&format!(
                 "INSERT INTO steps (trajectory, {STEP_COLUMNS}) \
-                 SELECT ?1, step, ?1, ?2, argv, env, cwd, stdin_sha256, files, timeout_s, \
-                 exit_code, stdout, stderr, timed_out, truncated, oom_killed, duration_ms, \
-                 started_at, finished_at, stdout_bytes, stdout_sha256, stdout_elided, \
-                 stderr_bytes, stderr_sha256, stderr_elided, bytes, run_as \
+                 SELECT ?1, step, ?1, ?2, {COPIED_COLUMNS} \
                  FROM steps WHERE trajectory = ?3 AND step < ?4"
             ))
             .and_then(|mut st| st.execute(params![child, s.id, fork.trajectory_id, fork.steps]))
@@ -163,6 +162,31 @@ fn register(conn: &Connection, path: &Path, s: &SandboxRecord) -> Result<Change,
     })
 }
 
+/// What the log of `s`'s sandbox takes, and its live entry if it is live; `None` when
+/// the log does not hold the sandbox (its log was pruned after it stopped).
+fn share(
+    conn: &Connection,
+    path: &Path,
+    usage: &Usage,
+    batch: &Delta,
+    s: &Step,
+) -> Result<Option<(u64, Option<LiveSandbox>)>, LogError> {
+    let live = usage.live(&s.sandbox_id, batch);
+    if let Some(l) = live {
+        return Ok(Some((l.bytes, live)));
+    }
+    // Not a live sandbox of this process: one that stopped with this command still
+    // running, whose row may be gone (pruned) by now.
+    let bytes: Option<i64> = conn
+        .prepare_cached("SELECT bytes FROM sandboxes WHERE id = ?1")
+        .and_then(|mut st| st.query_row(params![s.sandbox_id], |r| r.get(0)).optional())
+        .map_err(sqlite_err(path, "appending a step"))?;
+    if bytes.is_none() {
+        tracing::debug!(sandbox = %s.sandbox_id, step = s.step, "trajectory log: step of a sandbox it does not hold (pruned after it stopped) not stored");
+    }
+    Ok(bytes.map(|b| (sql_count(b), None)))
+}
+
 fn append(
     conn: &Connection,
     path: &Path,
@@ -170,30 +194,16 @@ fn append(
     batch: &Delta,
     s: &mut Step,
 ) -> Result<Change, LogError> {
-    let live = usage.live(&s.sandbox_id, batch);
-    let share = match live {
-        Some(l) => l.bytes,
-        // Not a live sandbox of this process: one that stopped with this command still
-        // running, whose row may be gone (pruned) by now.
-        None => {
-            let bytes: Option<i64> = conn
-                .prepare_cached("SELECT bytes FROM sandboxes WHERE id = ?1")
-                .and_then(|mut st| st.query_row(params![s.sandbox_id], |r| r.get(0)).optional())
-                .map_err(sqlite_err(path, "appending a step"))?;
-            let Some(bytes) = bytes else {
-                tracing::debug!(sandbox = %s.sandbox_id, step = s.step, "trajectory log: step of a sandbox it does not hold (pruned after it stopped) not stored");
-                return Ok(Change::None);
-            };
-            sql_count(bytes)
-        }
+    let Some((share, live)) = share(conn, path, usage, batch, s)? else {
+        return Ok(Change::None);
     };
-    let row = StepJson::new(s);
-    let (bytes, over_budget) = usage.admit(s, &row, share, live, batch);
+    let mut row = StepJson::new(s);
+    let (bytes, over_budget) = usage.admit(s, &mut row, share, live, batch);
     let inserted = conn
         .prepare_cached(&format!(
             "INSERT INTO steps (trajectory, {STEP_COLUMNS}) VALUES \
              (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, \
-              ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27)"
+              ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31)"
         ))
         .and_then(|mut st| {
             let r = &s.result;
@@ -225,6 +235,10 @@ fn append(
                 r.stderr_elided,
                 bytes,
                 s.request.run_as,
+                s.request.kind.as_str(),
+                row.process,
+                r.pid,
+                r.running,
             ])
         });
     match inserted {
@@ -245,6 +259,77 @@ fn append(
     Ok(Change::Grew {
         id: s.sandbox_id.clone(),
         bytes,
+        live: live.is_some(),
+        over_budget,
+    })
+}
+
+/// Puts a spawned process's end in its spawn step's row; the row's growth counts against
+/// the budgets as an append does.
+fn ended(
+    conn: &Connection,
+    path: &Path,
+    usage: &Usage,
+    batch: &Delta,
+    s: &mut Step,
+) -> Result<Change, LogError> {
+    let err = sqlite_err(path, "recording a process's end");
+    let old: Option<i64> = conn
+        .prepare_cached("SELECT bytes FROM steps WHERE trajectory = ?1 AND step = ?2")
+        .and_then(|mut st| {
+            st.query_row(params![s.trajectory(), s.step], |r| r.get(0))
+                .optional()
+        })
+        .map_err(sqlite_err(path, "recording a process's end"))?;
+    let Some(old) = old.map(sql_count) else {
+        return Ok(Change::None);
+    };
+    let Some((share, live)) = share(conn, path, usage, batch, s)? else {
+        return Ok(Change::None);
+    };
+    let mut row = StepJson::new(s);
+    let (bytes, over_budget) = usage.admit(s, &mut row, share.saturating_sub(old), live, batch);
+    let r = &s.result;
+    conn.prepare_cached(
+        "UPDATE steps SET exit_code = ?3, stdout = ?4, stderr = ?5, timed_out = ?6, \
+         truncated = ?7, oom_killed = ?8, duration_ms = ?9, finished_at = ?10, \
+         stdout_bytes = ?11, stdout_sha256 = ?12, stdout_elided = ?13, stderr_bytes = ?14, \
+         stderr_sha256 = ?15, stderr_elided = ?16, bytes = ?17, pid = ?18, running = ?19 \
+         WHERE trajectory = ?1 AND step = ?2",
+    )
+    .and_then(|mut st| {
+        st.execute(params![
+            s.trajectory(),
+            s.step,
+            r.exit.exit_code,
+            r.stdout,
+            r.stderr,
+            r.exit.timed_out,
+            r.exit.truncated,
+            r.exit.oom_killed,
+            r.exit.duration_ms,
+            s.finished_at,
+            r.stdout_bytes,
+            r.stdout_sha256,
+            r.stdout_elided,
+            r.stderr_bytes,
+            r.stderr_sha256,
+            r.stderr_elided,
+            bytes,
+            r.pid,
+            r.running,
+        ])
+    })
+    .map_err(err)?;
+    let grew = bytes.saturating_sub(old);
+    if live.is_none() {
+        conn.prepare_cached("UPDATE sandboxes SET bytes = bytes + ?2 WHERE id = ?1")
+            .and_then(|mut st| st.execute(params![s.sandbox_id, grew]))
+            .map_err(sqlite_err(path, "recording a process's end"))?;
+    }
+    Ok(Change::Grew {
+        id: s.sandbox_id.clone(),
+        bytes: grew,
         live: live.is_some(),
         over_budget,
     })

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use dsec_trajectory::{
     digest, Budgets, Database, ExitStatus, FileDigest, LogConfig, OutputCapture, SandboxRecord,
-    Step, StepRequest, StepResult, SyncMode, TrajectoryLog,
+    Step, StepKind, StepRequest, StepResult, SyncMode, TrajectoryLog,
 };
 
 /// The store a test runs on.
@@ -143,6 +143,7 @@ pub fn sandbox(id: &str, trajectory_id: Option<&str>) -> SandboxRecord {
         backend: "container".into(),
         env: BTreeMap::from([("K".into(), "V".into())]),
         created_at: 1.0,
+        project: None,
         fork_of: None,
     }
 }
@@ -180,6 +181,8 @@ pub fn step(trajectory_id: Option<&str>, sandbox: &str, n: i64, cmd: &str) -> St
             }],
             timeout_s: Some(5.0),
             run_as: None,
+            kind: StepKind::Run,
+            process: None,
         },
         result: output(64 << 10, format!("{cmd}\n").as_bytes()),
         started_at: 1.0,

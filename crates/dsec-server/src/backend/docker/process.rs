@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bollard::exec::{CreateExecOptions, ResizeExecOptions, StartExecOptions, StartExecResults};
 use tokio::io::AsyncWriteExt;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 use super::host::exec_error;
 use super::output::DockerOutput;
@@ -29,9 +29,10 @@ const START_WAIT: Duration = Duration::from_secs(10);
 /// What a terminal reads as end-of-file at the start of a line (Ctrl-D).
 const EOF_CHAR: u8 = 0x04;
 
-/// What the stdin writer task is told.
+/// What the stdin writer task is told: data holds its share of the queue's bound until
+/// it is written.
 enum Input {
-    Data(Vec<u8>),
+    Data(Vec<u8>, OwnedSemaphorePermit),
     Close,
 }
 
@@ -110,7 +111,7 @@ pub(super) async fn spawn(
             tokio::spawn(async move {
                 while let Some(chunk) = rx.recv().await {
                     match chunk {
-                        Input::Data(data) => {
+                        Input::Data(data, _queued) => {
                             if input.write_all(&data).await.is_err() {
                                 return;
                             }
@@ -128,6 +129,7 @@ pub(super) async fn spawn(
             });
             tx
         },
+        queued: Arc::new(Semaphore::new(dsec_runtime::proto::MAX_STDIN_QUEUED)),
     };
     // Docker's exec create takes no terminal size: it is set once the exec runs. One that
     // already ended (`id -u`) cannot be resized, and that is no error: its output and its
@@ -232,12 +234,21 @@ struct DockerControl {
     /// The container's pid namespace: a signal goes to `host_pid` only while it is there.
     pidns: u64,
     input: mpsc::UnboundedSender<Input>,
+    /// Bytes of input the writer task may hold before `send_stdin` waits (as init bounds
+    /// a native process's: [`dsec_runtime::proto::MAX_STDIN_QUEUED`]).
+    queued: Arc<Semaphore>,
 }
 
 #[async_trait]
 impl ProcessControl for DockerControl {
     async fn send_stdin(&self, data: &[u8]) -> Result<(), ApiError> {
-        let _ = self.input.send(Input::Data(data.to_vec()));
+        // A write larger than the bound takes all of it: it waits for an empty queue.
+        let share = data.len().min(dsec_runtime::proto::MAX_STDIN_QUEUED);
+        let permit = Arc::clone(&self.queued)
+            .acquire_many_owned(u32::try_from(share).unwrap_or(u32::MAX))
+            .await
+            .map_err(|_| ApiError::internal("the stdin queue is closed"))?;
+        let _ = self.input.send(Input::Data(data.to_vec(), permit));
         Ok(())
     }
 
