@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Create → first exec with sandbox networking off, on, and with an allow-list (issue 7).
+"""Create → first exec with sandbox networking off, on, and with an allow-list (issue 7),
+on the container backend or (`--backend microvm|vm`, issue 19) a VM backend, whose creates
+are boot-template restores.
 
 Starts its own `dsec serve` (release build by default; $DSEC_BIN) on a scratch state dir
 with an address pool no host route overlaps, imports a busybox rootfs, then times about N
@@ -8,7 +10,7 @@ sequential `create` → `run(['/bin/true'])` for each setting, in rounds of 10 p
 network namespace's teardown is asynchronous and would land in the next create). Prints
 a Markdown table, stop latency included.
 
-    sudo python3 bench/net_bench.py [-n 200]
+    sudo python3 bench/net_bench.py [-n 200] [--backend container|microvm|vm]
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def pct(values: list[float], q: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=200)
+    ap.add_argument("--backend", default="container")
     args = ap.parse_args()
     exe = os.environ.get("DSEC_BIN", str(REPO / "target/release/dsec"))
     tmp = Path(tempfile.mkdtemp(prefix="dsec-netbench-"))
@@ -104,7 +107,7 @@ def main() -> None:
         # Rounds of `batch` creations per setting, in rotating order; each round's
         # sandboxes are stopped only after the round, so a stop (and the kernel's
         # asynchronous teardown of a network namespace) never lands inside a timed create.
-        batch = 10
+        batch = min(10, args.n)
         for rnd in range(args.n // batch + 1):
             order = list(SETTINGS.items())
             k = rnd % len(order)
@@ -112,7 +115,7 @@ def main() -> None:
                 made = []
                 for _ in range(batch):
                     t0 = time.perf_counter()
-                    sb = client.create(image="busybox", network=network)
+                    sb = client.create(image="busybox", backend=args.backend, network=network)
                     sb.run(["/bin/true"])
                     dt = (time.perf_counter() - t0) * 1000
                     made.append(sb)
@@ -124,7 +127,10 @@ def main() -> None:
                     stops[name].append((time.perf_counter() - t0) * 1000)
                 time.sleep(0.5)  # let the kernel finish tearing namespaces down
         base = statistics.median(times["network=False"])
-        print(f"create → first exec, {len(times['network=False'])} sequential runs each\n")
+        print(
+            f"{args.backend}: create → first exec, {len(times['network=False'])} sequential "
+            "runs each\n"
+        )
         print("| setting | p50 ms | p99 ms | p50 vs network=False | stop p50 ms |")
         print("|---|---|---|---|---|")
         for name, ms in times.items():

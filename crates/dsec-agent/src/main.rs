@@ -15,6 +15,10 @@
 //! `mount`, no `ptrace` of the non-dumpable agent) under the same seccomp filter as a
 //! container.
 //!
+//! The guest has no network but loopback until the host gives it one: the network
+//! driver's modules are opened at boot, before the root replaces the initramfs, and
+//! loaded by the identity that first carries an address (see `dsec_vm::qemu`).
+//!
 //! When the host closes the channel the guest has no further purpose: the agent exits.
 //! Having confined itself it may not call `reboot(2)` any more, so its exit panics the
 //! kernel, which `panic=-1` turns into an immediate reboot, which ends QEMU (started with
@@ -58,6 +62,7 @@ fn run() -> Result<(), String> {
     let cmdline = fs::read_to_string("/proc/cmdline").map_err(|e| format!("/proc/cmdline: {e}"))?;
     let args = BootArgs::parse(&cmdline);
     load_modules(&cmdline)?;
+    let net_modules = open_net_modules()?;
     let control = open_channel()?;
     if args.probe {
         let mut ready = Vec::new();
@@ -86,7 +91,25 @@ fn run() -> Result<(), String> {
             return Err(message);
         }
     };
-    dsec_runtime::init::serve_guest(control, seccomp, cgroup).map_err(|e| e.message)
+    dsec_runtime::init::serve_guest(control, seccomp, cgroup, net_modules).map_err(|e| e.message)
+}
+
+/// Opens the network driver's modules ([`guest::NET_MODULE_ORDER`]), dependencies first,
+/// while the initramfs is still the root: they are loaded only when the sandbox is given
+/// a network. None when the kernel has the driver built in.
+fn open_net_modules() -> Result<Vec<OwnedFd>, String> {
+    let dir = Path::new(guest::MODULE_DIR);
+    let order = fs::read_to_string(dir.join(guest::NET_MODULE_ORDER)).unwrap_or_default();
+    order
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(|name| {
+            let path = dir.join(name);
+            fs::File::open(&path)
+                .map(OwnedFd::from)
+                .map_err(|e| format!("{}: {e}", path.display()))
+        })
+        .collect()
 }
 
 fn mount_early() -> Result<(), String> {

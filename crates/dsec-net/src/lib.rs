@@ -1,4 +1,5 @@
-//! Sandbox networking for the native container backend.
+//! Sandbox networking for the native container backend and the VM backends (whose
+//! QEMU's network namespace is plugged in as a container's is; see `dsec_vm::qemu`).
 //!
 //! One bridge per server (`dsec<tag>`, the pool's first address), one veth pair per
 //! sandbox with a network (`dv<tag><n>` on the host, `eth0` in the sandbox), NAT for
@@ -832,6 +833,15 @@ impl Attachment {
         Ok(())
     }
 
+    /// Removes the sandbox's veth, keeping its address and policy, before the network
+    /// namespace it was plugged into goes (a VM guest saved to disk ends its QEMU, whose
+    /// namespace it is): the next [`Attachment::plug`] makes it anew. The kernel would
+    /// remove it with the namespace, but later, and the name must be free for the next.
+    pub async fn unplug(&self) {
+        let veth = self.veth.clone();
+        let _ = tokio::task::spawn_blocking(move || delete_link(&veth)).await;
+    }
+
     /// Removes the sandbox's veth (if its namespace has not taken it already), rules and
     /// address. Call after the sandbox's processes are gone.
     pub async fn release(self) {
@@ -839,9 +849,7 @@ impl Attachment {
         let active = Arc::clone(&self.active);
         let (n, ip, veth) = (self.n, self.ip, self.veth.clone());
         let _ = tokio::task::spawn_blocking(move || {
-            if let (Ok(mut rtnl), Ok(i)) = (Rtnl::open(), netlink::index(&veth)) {
-                let _ = rtnl.delete(i);
-            }
+            delete_link(&veth);
             let before = active.refused_by(n);
             if let Err(e) = nft::apply(&nft::detach(&active.names, n, ip)) {
                 tracing::warn!(error = %e, "removing a sandbox's nftables rules");
@@ -851,6 +859,13 @@ impl Attachment {
             active.used.lock().expect("lock").0.remove(&n);
         })
         .await;
+    }
+}
+
+/// Deletes host interface `name` if it exists (a veth's peer goes with it).
+fn delete_link(name: &str) {
+    if let (Ok(mut rtnl), Ok(i)) = (Rtnl::open(), netlink::index(name)) {
+        let _ = rtnl.delete(i);
     }
 }
 

@@ -15,6 +15,20 @@ pub const MODULE_DIR: &str = "/lib/modules/dsec";
 /// File in [`MODULE_DIR`] naming the modules, one per line, dependencies first.
 pub const MODULE_ORDER: &str = "order";
 
+/// File in [`MODULE_DIR`] naming the network driver's modules (virtio-net and what it
+/// needs beyond [`MODULE_ORDER`]'s), dependencies first. The agent loads them only when
+/// the sandbox is given a network: until then the guest has no interface but loopback,
+/// as a container without a network has none.
+pub const NET_MODULE_ORDER: &str = "net-order";
+
+/// The guest's network interface, once its driver is loaded (the VM's only NIC).
+pub const NET_INTERFACE: &str = "eth0";
+
+/// The gateway of every guest's interface: the host side of QEMU's user-mode network
+/// (`-netdev user`, its default `10.0.2.2`), which makes each of the guest's
+/// connections from the sandbox's own network namespace (see `dsec_vm::qemu`).
+pub const NET_GATEWAY: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 0, 2, 2);
+
 /// Serial number of the read-only disk holding the image (`virtio-blk,serial=...`), or
 /// its top layer when each layer is a disk of its own (see [`image_disk_serial`]).
 pub const BASE_DISK_SERIAL: &str = "dsec-base";

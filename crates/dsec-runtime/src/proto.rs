@@ -533,7 +533,8 @@ pub struct InitError {
 }
 
 /// What a VM guest takes on when it is restored from a snapshot that other sandboxes
-/// share: its own name, fresh randomness and the current time.
+/// share: its own name, fresh randomness, the current time and its network. The host
+/// sends it again when the sandbox's network changes ([`GuestNetwork`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Identity {
     /// The new hostname (the sandbox id).
@@ -546,6 +547,19 @@ pub struct Identity {
     /// The sandbox's process limit for its commands.
     #[serde(default)]
     pub pids_max: Option<u64>,
+    /// Its network interface, when it has one; `None` leaves the guest with loopback
+    /// only (an interface it had is taken down).
+    #[serde(default)]
+    pub network: Option<GuestNetwork>,
+}
+
+/// A VM guest's network interface (see [`crate::guest`]): the sandbox's own address,
+/// alone on `eth0`, and a default route through the VMM's user-mode network, whose
+/// connections the host makes from the sandbox's network namespace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestNetwork {
+    /// The sandbox's address (a /32: every destination is reached through the gateway).
+    pub address: std::net::Ipv4Addr,
 }
 
 /// What a VM guest's commands use, as its agent reads it ([`FrameKind::Usage`]): the

@@ -493,8 +493,8 @@ fn network_policy(
     };
     if !policy.is_off() && !backend.has_networking() {
         return Err(ApiError::unavailable(format!(
-            "backend {name:?} has no sandbox networking yet: only \"container\" sandboxes \
-             take network=True or an allow-list"
+            "backend {name:?} has no sandbox networking yet: only \"container\", \"microvm\" \
+             and \"vm\" sandboxes take network=True or an allow-list"
         )));
     }
     Ok(policy)

@@ -438,11 +438,16 @@ pub async fn run_with(
             Arc::new(VmBackend::new(
                 Arc::clone(&vm_host),
                 dsec_vm::qemu::Machine::Microvm,
+                Arc::clone(&net),
             )),
         )
         .register(
             BackendKind::Vm,
-            Arc::new(VmBackend::new(vm_host, dsec_vm::qemu::Machine::Q35)),
+            Arc::new(VmBackend::new(
+                vm_host,
+                dsec_vm::qemu::Machine::Q35,
+                Arc::clone(&net),
+            )),
         );
     let sandboxfusion = Arc::new(sandboxfusion::SandboxFusion::new(
         Arc::clone(&fncall),

@@ -3,7 +3,8 @@
 //! The kernel is Debian's `linux-image-cloud-amd64` (or one the operator brings, see
 //! [`KernelSource`]); the initramfs is built here: the static `dsec-agent` as `/init`, a
 //! `/dev/console` node, and the few modules the agent loads (virtio transports, block,
-//! console, vsock, overlay, erofs) with their dependencies, in load order. It is cached
+//! console, vsock, overlay, erofs; virtio-net only once the sandbox is given a network)
+//! with their dependencies, in load order. It is cached
 //! in the state directory under a digest of everything that went into it, so a new
 //! agent or kernel gets a new initramfs and an unchanged one is never rebuilt.
 
@@ -27,6 +28,10 @@ const WANTED_MODULES: &[&str] = &[
     "overlay",
     "erofs",
 ];
+
+/// The network driver, loaded by the agent only when a sandbox is given a network
+/// ([`guest::NET_MODULE_ORDER`]).
+const NET_MODULES: &[&str] = &["virtio_net"];
 
 /// Where the guest kernel comes from.
 #[derive(Clone, Debug, Default)]
@@ -77,26 +82,41 @@ impl GuestAssets {
             ))
         })?;
         check_static(&agent_bytes, agent)?;
-        let modules = match &modules_dir {
-            Some(dir) if dir.join("modules.dep").is_file() => resolve_modules(dir, WANTED_MODULES)?,
-            _ => Vec::new(),
+        let (modules, net_modules) = match &modules_dir {
+            Some(dir) if dir.join("modules.dep").is_file() => {
+                let boot = resolve_modules(dir, WANTED_MODULES)?;
+                let net: Vec<PathBuf> = resolve_modules(dir, NET_MODULES)?
+                    .into_iter()
+                    .filter(|m| !boot.contains(m))
+                    .collect();
+                (boot, net)
+            }
+            _ => (Vec::new(), Vec::new()),
         };
         let mut digest = Sha256::new();
         digest.update(&agent_bytes);
-        for m in &modules {
-            digest.update(m.as_os_str().as_encoded_bytes());
-            digest.update(
-                std::fs::metadata(m)
-                    .map(|md| md.len())
-                    .unwrap_or(0)
-                    .to_le_bytes(),
-            );
+        // Each list under the name of its order file: a module moved from one list to
+        // the other makes another initramfs.
+        for (list, order) in [
+            (&modules, guest::MODULE_ORDER),
+            (&net_modules, guest::NET_MODULE_ORDER),
+        ] {
+            digest.update(order.as_bytes());
+            for m in list {
+                digest.update(m.as_os_str().as_encoded_bytes());
+                digest.update(
+                    std::fs::metadata(m)
+                        .map(|md| md.len())
+                        .unwrap_or(0)
+                        .to_le_bytes(),
+                );
+            }
         }
         let name = format!("initramfs-{}.cpio", &hex::encode(digest.finalize())[..16]);
         std::fs::create_dir_all(cache).map_err(VmError::io("create", cache))?;
         let initramfs = cache.join(name);
         if !initramfs.exists() {
-            write_initramfs(&initramfs, &agent_bytes, &modules)?;
+            write_initramfs(&initramfs, &agent_bytes, &modules, &net_modules)?;
         }
         Ok(GuestAssets { kernel, initramfs })
     }
@@ -212,7 +232,12 @@ pub fn resolve_modules(dir: &Path, wanted: &[&str]) -> Result<Vec<PathBuf>, VmEr
 }
 
 /// Writes the initramfs atomically: a temporary file renamed into place.
-fn write_initramfs(target: &Path, agent: &[u8], modules: &[PathBuf]) -> Result<(), VmError> {
+fn write_initramfs(
+    target: &Path,
+    agent: &[u8],
+    modules: &[PathBuf],
+    net_modules: &[PathBuf],
+) -> Result<(), VmError> {
     let tmp = target.with_extension(format!("tmp-{}", std::process::id()));
     let write = || -> std::io::Result<()> {
         let mut out = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
@@ -256,25 +281,30 @@ fn write_initramfs(target: &Path, agent: &[u8], modules: &[PathBuf]) -> Result<(
             .rdev_minor(1)
             .write(&mut out as &mut dyn Write, 0)
             .finish()?;
-        let mut order = String::new();
-        for m in modules {
-            let name = m.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-            let data = std::fs::read(m)?;
+        for (list, order_file) in [
+            (modules, guest::MODULE_ORDER),
+            (net_modules, guest::NET_MODULE_ORDER),
+        ] {
+            let mut order = String::new();
+            for m in list {
+                let name = m.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+                let data = std::fs::read(m)?;
+                file(
+                    &mut out,
+                    &format!("{}/{name}", &guest::MODULE_DIR[1..]),
+                    0o644,
+                    &data,
+                )?;
+                order.push_str(name);
+                order.push('\n');
+            }
             file(
                 &mut out,
-                &format!("{}/{name}", &guest::MODULE_DIR[1..]),
+                &format!("{}/{order_file}", &guest::MODULE_DIR[1..]),
                 0o644,
-                &data,
+                order.as_bytes(),
             )?;
-            order.push_str(name);
-            order.push('\n');
         }
-        file(
-            &mut out,
-            &format!("{}/{}", &guest::MODULE_DIR[1..], guest::MODULE_ORDER),
-            0o644,
-            order.as_bytes(),
-        )?;
         file(&mut out, "init", 0o755, agent)?;
         cpio::newc::trailer(&mut out as &mut dyn Write)?;
         out.into_inner().map_err(|e| e.into_error())?.sync_all()

@@ -17,6 +17,21 @@
 //! Restoring is a copy of the small scratch qcow2, that mapping, and an incoming
 //! migration of the device state; the guest then takes a fresh
 //! [`Identity`](dsec_runtime::proto::Identity).
+//!
+//! Networking: every QEMU runs in a network namespace of its own, empty when it starts,
+//! and every guest has one virtio-net device on QEMU's user-mode network (`-netdev
+//! user`, libslirp), so that a boot template serves sandboxes with and without a network
+//! alike. The guest's packets never reach the host's stack as packets: QEMU makes each
+//! of the guest's connections itself, with its own sockets, from its namespace. A
+//! sandbox with a network has that namespace plugged into the server's bridge exactly
+//! as a container's is (`dsec_net::Attachment::plug`: a veth, the sandbox's address, the
+//! same nftables policy, resolver and name-checking proxy), so the guest meets the
+//! container's enforcement, not a second one; without a network the namespace has no
+//! interface at all, and the guest has not even loaded its driver (loopback only). The
+//! guest's `eth0` carries the sandbox's address (a /32) and routes everything through
+//! [`guest::NET_GATEWAY`]; it is set by the guest's identity, so a restored or forked
+//! guest takes its own address as it takes its own name. Nothing of it is on the host
+//! once QEMU is gone: the namespace, and the veth in it, go with the process.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -272,6 +287,16 @@ fn qemu_args(
         format!("socket,id=qmp,fd={qmp_fd}"),
         "-mon".into(),
         "chardev=qmp,mode=control".into(),
+        // The same device in every guest (see the module docs); no IPv6, which the
+        // sandbox's namespace does not route.
+        "-netdev".into(),
+        "user,id=net0,ipv6=off".into(),
+        "-device".into(),
+        match hw.machine {
+            Machine::Microvm => "virtio-net-device,netdev=net0".into(),
+            // No option ROM: the kernel is booted directly.
+            Machine::Q35 => "virtio-net-pci,netdev=net0,romfile=".into(),
+        },
     ]);
     if let Some(d) = disks {
         for (i, image) in d.image.iter().enumerate() {
@@ -346,6 +371,8 @@ pub struct GuestIdentity<'a> {
     pub hostname: &'a str,
     /// The process limit of its commands.
     pub pids_max: u64,
+    /// Its address, when it has a network (see the module docs).
+    pub network: Option<std::net::Ipv4Addr>,
 }
 
 /// A boot template's saved guest (see the module docs).
@@ -502,6 +529,7 @@ fn identity_payload(guest: GuestIdentity<'_>) -> Vec<u8> {
     let identity = proto::Identity {
         hostname: guest.hostname.to_owned(),
         pids_max: Some(guest.pids_max),
+        network: guest.network.map(|address| proto::GuestNetwork { address }),
         entropy: (0..64).map(|_| rand::random::<u8>()).collect(),
         unix_time_ns: SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -553,17 +581,21 @@ impl Vm {
             .stderr(log)
             .kill_on_drop(true);
         let inherited = [agent_qemu.as_raw_fd(), qmp_qemu.as_raw_fd()];
+        // Its own network namespace, empty (see the module docs).
         // PR_SET_PDEATHSIG fires when the *thread* that forked exits: this runs on the
         // runtime's worker threads, which live as long as the server — as long as no
         // one calls `block_in_place` on them (it turns the worker into a blocking-pool
         // thread, which exits when idle) and this is never called from spawn_blocking,
         // whose threads come and go. The server calls neither.
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
-        // syscalls (fcntl, prctl) on descriptors and state of the child.
+        // syscalls (fcntl, prctl, unshare) on descriptors and state of the child.
         unsafe {
             cmd.pre_exec(move || {
                 for fd in inherited {
                     clear_cloexec(fd)?;
+                }
+                if libc::unshare(libc::CLONE_NEWNET) < 0 {
+                    return Err(std::io::Error::last_os_error());
                 }
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) < 0 {
                     return Err(std::io::Error::last_os_error());
@@ -691,6 +723,40 @@ impl Vm {
     /// QEMU's host pid.
     pub fn pid(&self) -> i32 {
         self.pid
+    }
+
+    /// QEMU's network namespace (see the module docs), for plugging it into the bridge.
+    pub fn netns(&self) -> Result<OwnedFd, VmError> {
+        let path = format!("/proc/{}/ns/net", self.pid);
+        let netns: OwnedFd = std::fs::File::open(&path)
+            .map_err(|e| VmError::Qemu(format!("opening {path}: {e}")))?
+            .into();
+        // The pid was QEMU's when the namespace was opened if QEMU (alive, or a zombie
+        // not reaped yet, whose pid cannot be reused) is still there now.
+        // SAFETY: pidfd_send_signal(2) with signal 0 (a check only) on our own pidfd.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.pidfd.as_raw_fd(),
+                0,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        if rc < 0 {
+            return Err(VmError::Qemu(format!(
+                "QEMU is gone: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        Ok(netns)
+    }
+
+    /// Has the running guest take `identity` again: how its network changes.
+    pub async fn identify(&self, identity: GuestIdentity<'_>) -> Result<(), VmError> {
+        send_identity(&self.channel, identity)
+            .await
+            .map_err(VmError::Qemu)
     }
 
     /// The guest agent's channel.

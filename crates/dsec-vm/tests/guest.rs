@@ -133,6 +133,7 @@ async fn cold_then_restore(machine: Machine) {
         Start::Cold(GuestIdentity {
             hostname: "cold",
             pids_max: 64,
+            network: None,
         }),
         &cold_dir,
         None,
@@ -181,6 +182,7 @@ async fn cold_then_restore(machine: Machine) {
                 GuestIdentity {
                     hostname: name,
                     pids_max: 64,
+                    network: None,
                 },
                 files,
             ),

@@ -56,10 +56,15 @@ impl GuestCgroup {
 /// does (capabilities, no_new_privs, `seccomp`): commands inherit all of it for free,
 /// and installing a filter per command would cost a BPF JIT compile each time, which is
 /// slow under binary translation.
+///
+/// `net_modules` are the network driver's modules ([`crate::guest::NET_MODULE_ORDER`]),
+/// opened before the guest's root replaced the initramfs: the identity loads them when it
+/// first gives the guest a network.
 pub fn serve_guest(
     control: OwnedFd,
     seccomp: SeccompProfile,
     cgroup: GuestCgroup,
+    net_modules: Vec<OwnedFd>,
 ) -> Result<(), InitError> {
     // SAFETY: restoring default dispositions; no handler code is involved.
     unsafe {
@@ -108,7 +113,7 @@ pub fn serve_guest(
         .json::<proto::Identity>()
         .map_err(|e| setup_error(InitStage::Identity, e, None))
         .and_then(|id| {
-            take_identity(&id).map_err(|e| io_setup_error(InitStage::Identity, e))?;
+            take_identity(&id, &net_modules).map_err(|e| io_setup_error(InitStage::Identity, e))?;
             cgroup
                 .set_pids_max(id.pids_max)
                 .map_err(|e| io_setup_error(InitStage::PidsLimit, e))
@@ -120,8 +125,8 @@ pub fn serve_guest(
     write_all_blocking(&control, &answer)
         .map_err(|e| io_setup_error(InitStage::AnswerIdentity, e))?;
     taken?;
-    let identity_keeper =
-        IdentityKeeper::start(&control).map_err(|e| io_setup_error(InitStage::Identity, e))?;
+    let identity_keeper = IdentityKeeper::start(&control, net_modules)
+        .map_err(|e| io_setup_error(InitStage::Identity, e))?;
     crate::caps::drop_to_default()
         .map_err(|e| setup_error(InitStage::DropCapabilities, e, None))?;
     seccomp
@@ -153,7 +158,7 @@ pub fn serve_guest(
 const MAX_IDENTITY: usize = 16 << 10;
 
 /// A child of the agent forked before it confines itself, which keeps the privileges
-/// a new identity needs (hostname, entropy, clock) and nothing else: a guest restored
+/// a new identity needs (hostname, entropy, clock, network interface) and nothing else: a guest restored
 /// from a snapshot of its running self — a fork's child — is already confined when it
 /// is told who it is now. It serves only the agent, over a socket pair no command can
 /// reach (the agent is not dumpable, so its descriptors are closed to them), and takes
@@ -163,7 +168,7 @@ pub(super) struct IdentityKeeper {
 }
 
 impl IdentityKeeper {
-    fn start(control: &OwnedFd) -> std::io::Result<IdentityKeeper> {
+    fn start(control: &OwnedFd, net_modules: Vec<OwnedFd>) -> std::io::Result<IdentityKeeper> {
         use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
         let (ours, theirs) = socketpair(
             AddressFamily::UNIX,
@@ -180,17 +185,18 @@ impl IdentityKeeper {
                 // The channel stays the agent's alone.
                 // SAFETY: closing a descriptor this process inherited and never uses.
                 unsafe { libc::close(control.as_raw_fd()) };
-                Self::serve(&theirs);
+                Self::serve(&theirs, &net_modules);
                 // SAFETY: the keeper's end; nothing of the agent's is left to unwind.
                 unsafe { libc::_exit(0) }
             }
+            // The agent itself keeps no module: only the keeper loads them.
             _ => Ok(IdentityKeeper { socket: ours }),
         }
     }
 
     /// The keeper's loop: one identity per message, answered with `0`, or `1` and the
     /// error's text; ends when the agent's end closes.
-    fn serve(socket: &OwnedFd) {
+    fn serve(socket: &OwnedFd, net_modules: &[OwnedFd]) {
         use rustix::net::{recv, send, RecvFlags, SendFlags};
         let mut buf = vec![0u8; MAX_IDENTITY];
         loop {
@@ -202,7 +208,7 @@ impl IdentityKeeper {
             };
             let answer = serde_json::from_slice::<proto::Identity>(&buf[..n])
                 .map_err(|e| e.to_string())
-                .and_then(|id| take_identity(&id).map_err(|e| e.to_string()));
+                .and_then(|id| take_identity(&id, net_modules).map_err(|e| e.to_string()));
             let reply = match answer {
                 Ok(()) => vec![0],
                 Err(e) => [&[1], e.as_bytes()].concat(),
@@ -315,9 +321,10 @@ pub(super) fn oom_kills() -> Option<u64> {
 }
 
 /// Makes a restored guest distinct from its siblings: hostname, credited entropy and a
-/// forced reseed of the kernel's generator, and the current time.
-fn take_identity(identity: &proto::Identity) -> std::io::Result<()> {
+/// forced reseed of the kernel's generator, the current time, and its network.
+fn take_identity(identity: &proto::Identity, net_modules: &[OwnedFd]) -> std::io::Result<()> {
     crate::rootfs::set_hostname(&identity.hostname)?;
+    take_network(identity.network.as_ref(), net_modules)?;
     let urandom = std::fs::OpenOptions::new()
         .write(true)
         .open("/dev/urandom")?;
@@ -349,4 +356,125 @@ fn take_identity(identity: &proto::Identity) -> std::io::Result<()> {
         tv_nsec: (identity.unix_time_ns % 1_000_000_000) as i64,
     };
     Ok(rustix::time::clock_settime(ClockId::Realtime, now)?)
+}
+
+/// Gives the guest the interface `network` describes: its driver loaded (until then the
+/// guest has loopback only), the sandbox's address alone on it, a route to the gateway
+/// and the default route through it. `None` takes an interface the guest has down, its
+/// routes with it (a restored snapshot of a guest that had a network keeps the device,
+/// never a route out).
+fn take_network(network: Option<&proto::GuestNetwork>, modules: &[OwnedFd]) -> std::io::Result<()> {
+    use crate::guest::{NET_GATEWAY, NET_INTERFACE};
+    let socket = rustix::net::socket_with(
+        rustix::net::AddressFamily::INET,
+        rustix::net::SocketType::DGRAM,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let Some(network) = network else {
+        return match set_interface_up(&socket, NET_INTERFACE, false) {
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => Ok(()),
+            other => other,
+        };
+    };
+    for module in modules {
+        // SAFETY: finit_module(2) on a descriptor we own, with an empty parameter string.
+        let rc =
+            unsafe { libc::syscall(libc::SYS_finit_module, module.as_raw_fd(), c"".as_ptr(), 0) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EEXIST) {
+                return Err(e);
+            }
+        }
+    }
+    let mut ifr = ifreq(NET_INTERFACE);
+    ifr.ifr_ifru.ifru_addr = sockaddr(network.address);
+    interface_ioctl(&socket, libc::SIOCSIFADDR, &mut ifr)?;
+    ifr.ifr_ifru.ifru_netmask = sockaddr(std::net::Ipv4Addr::BROADCAST);
+    interface_ioctl(&socket, libc::SIOCSIFNETMASK, &mut ifr)?;
+    set_interface_up(&socket, NET_INTERFACE, true)?;
+    let mut dev = *b"eth0\0";
+    debug_assert_eq!(&dev[..4], NET_INTERFACE.as_bytes());
+    let unspecified = std::net::Ipv4Addr::UNSPECIFIED;
+    // The gateway on the link, then everything through it.
+    for (dst, mask, gateway, flags) in [
+        (
+            NET_GATEWAY,
+            std::net::Ipv4Addr::BROADCAST,
+            unspecified,
+            libc::RTF_HOST,
+        ),
+        (unspecified, unspecified, NET_GATEWAY, libc::RTF_GATEWAY),
+    ] {
+        // SAFETY: rtentry is plain old data; all-zeroes is a valid value.
+        let mut route: libc::rtentry = unsafe { std::mem::zeroed() };
+        route.rt_dst = sockaddr(dst);
+        route.rt_genmask = sockaddr(mask);
+        route.rt_gateway = sockaddr(gateway);
+        route.rt_flags = libc::RTF_UP | flags;
+        route.rt_dev = dev.as_mut_ptr().cast();
+        // SAFETY: SIOCADDRT reads a valid rtentry whose device name outlives the call.
+        let rc = unsafe { libc::ioctl(socket.as_raw_fd(), libc::SIOCADDRT, &route) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EEXIST) {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An `ifreq` naming interface `name` (ASCII, shorter than `IFNAMSIZ`).
+fn ifreq(name: &str) -> libc::ifreq {
+    // SAFETY: ifreq is plain old data; all-zeroes is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    // ASCII, byte for byte (c_char is i8 or u8 by architecture).
+    #[allow(clippy::cast_possible_wrap)]
+    for (dst, src) in ifr.ifr_name.iter_mut().zip(name.bytes()) {
+        *dst = src as libc::c_char;
+    }
+    ifr
+}
+
+/// `addr` as the `sockaddr` the interface and route ioctls take.
+fn sockaddr(addr: std::net::Ipv4Addr) -> libc::sockaddr {
+    // AF_INET is 2.
+    #[allow(clippy::cast_possible_truncation)]
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(addr).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: sockaddr_in and sockaddr have the same size; the kernel reads it as the
+    // family says.
+    unsafe { std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(sin) }
+}
+
+fn interface_ioctl(
+    socket: &OwnedFd,
+    request: libc::c_ulong,
+    ifr: &mut libc::ifreq,
+) -> std::io::Result<()> {
+    // SAFETY: an interface ioctl on a valid, initialised ifreq that outlives the call.
+    if unsafe { libc::ioctl(socket.as_raw_fd(), request, ifr as *mut libc::ifreq) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sets or clears `IFF_UP` on interface `name`, keeping its other flags.
+fn set_interface_up(socket: &OwnedFd, name: &str, up: bool) -> std::io::Result<()> {
+    let mut ifr = ifreq(name);
+    interface_ioctl(socket, libc::SIOCGIFFLAGS, &mut ifr)?;
+    // SAFETY: SIOCGIFFLAGS filled in the flags member.
+    let flags = unsafe { ifr.ifr_ifru.ifru_flags };
+    #[allow(clippy::cast_possible_truncation)] // IFF_UP is 1
+    let bit = libc::IFF_UP as libc::c_short;
+    ifr.ifr_ifru.ifru_flags = if up { flags | bit } else { flags & !bit };
+    interface_ioctl(socket, libc::SIOCSIFFLAGS, &mut ifr)
 }

@@ -65,18 +65,7 @@ async fn plug(
 ) -> Result<(), ApiError> {
     let netns = container.open_netns()?;
     attachment.plug(netns).await?;
-    let channel = container.channel();
-    let resolv = attachment.resolv_conf().into_bytes();
-    write_served(channel, dsec_net::RESOLV_CONF, 0o644, Upload::whole(resolv)).await?;
-    if ca_bundle {
-        match tokio::fs::read(dsec_net::CA_BUNDLE).await {
-            Ok(pem) => {
-                write_served(channel, dsec_net::CA_BUNDLE, 0o644, Upload::whole(pem)).await?
-            }
-            Err(e) => tracing::warn!(error = %e, "host CA bundle unreadable; not copied"),
-        }
-    }
-    Ok(())
+    super::write_network_files(container.channel(), attachment, ca_bundle).await
 }
 
 #[async_trait]

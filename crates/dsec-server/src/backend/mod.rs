@@ -574,3 +574,23 @@ pub(crate) fn image_info(images: &ImageStore, image: Image) -> ImageInfo {
         created_at: image.created_at,
     }
 }
+
+/// Writes what a sandbox just given a network needs, through its init or guest agent:
+/// `/etc/resolv.conf` naming dsec's resolver and, when asked, the host's CA bundle.
+pub(crate) async fn write_network_files(
+    channel: &dsec_runtime::channel::Channel,
+    attachment: &dsec_net::Attachment,
+    ca_bundle: bool,
+) -> Result<(), ApiError> {
+    let resolv = attachment.resolv_conf().into_bytes();
+    files::write_served(channel, dsec_net::RESOLV_CONF, 0o644, Upload::whole(resolv)).await?;
+    if ca_bundle {
+        match tokio::fs::read(dsec_net::CA_BUNDLE).await {
+            Ok(pem) => {
+                files::write_served(channel, dsec_net::CA_BUNDLE, 0o644, Upload::whole(pem)).await?
+            }
+            Err(e) => tracing::warn!(error = %e, "host CA bundle unreadable; not copied"),
+        }
+    }
+    Ok(())
+}

@@ -9,6 +9,11 @@
 //! [`dsec_vm::qemu`]); with `--vm-boot cold` each sandbox boots its kernel instead. The guest's agent speaks the
 //! container backend's protocol, so exec, timeouts, output bounds and files behave alike.
 //!
+//! A sandbox with a network has its QEMU's network namespace plugged into the server's
+//! bridge as a container's namespace is ([`dsec_net::Attachment`]): the same address
+//! pool, nftables policy, resolver, name-checking proxy and refusal events, and
+//! `set_network` changes the same policy (see [`dsec_vm::qemu`] for the guest's side).
+//!
 //! Everything a VM makes lives in `<state>/vm/sandboxes/<id>/` (scratch disk, console
 //! log, a record naming its QEMU) and goes at stop; a restarted server kills the QEMUs
 //! its records name (checking each one's start time, so a recycled pid is never hit)
@@ -24,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use dsec_api::{FileInfo, ImageInfo, Usage};
 use dsec_image::{GuestSnapshot, HeldBlobs, Image, ImageStore};
+use dsec_net::{Attachment, Networking, Policy};
 use dsec_runtime::channel::{ExecEvent, ExecHandle};
 use dsec_runtime::guest::MAX_IMAGE_DISKS;
 use dsec_runtime::procfs::{self, Stat};
@@ -101,9 +107,10 @@ pub struct VmConfig {
     pub pause: PauseMode,
 }
 
-/// The layout of a boot template's directory; part of its name, so that templates an
-/// older dsec saved differently are never restored (and are removed at start).
-const TEMPLATE_FORMAT: u32 = 2;
+/// The layout of a boot template's directory and the devices of its guest (3: the NIC
+/// every guest has); part of its name, so that templates an older dsec saved differently
+/// are never restored (and are removed at start), and recorded with each saved guest.
+const TEMPLATE_FORMAT: u32 = 3;
 
 /// The files of a boot template directory: its scratch disk, memory and device state.
 fn template_files(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
@@ -185,6 +192,10 @@ struct SavedGuest {
     image_disks: Vec<PathBuf>,
     /// Their filesystem.
     base_fs: BaseFs,
+    /// The [`TEMPLATE_FORMAT`] it was saved in (0: before the record said): a guest saved
+    /// with other devices cannot be restored.
+    #[serde(default)]
+    format: u32,
 }
 
 /// Where the files of saved guest `saved` are.
@@ -617,13 +628,22 @@ fn dir_bytes(dir: &Path) -> u64 {
 pub struct VmBackend {
     host: Arc<VmHost>,
     machine: Machine,
+    net: Arc<Networking>,
 }
 
 impl VmBackend {
-    /// The backend running `machine`s on `host`.
-    pub fn new(host: Arc<VmHost>, machine: Machine) -> VmBackend {
-        VmBackend { host, machine }
+    /// The backend running `machine`s on `host`, giving networks through `net`.
+    pub fn new(host: Arc<VmHost>, machine: Machine, net: Arc<Networking>) -> VmBackend {
+        VmBackend { host, machine, net }
     }
+}
+
+/// Connects a running guest to the network: its QEMU's namespace to the bridge, then the
+/// guest's `/etc/resolv.conf` and CA bundle as a container's (its address and routes came
+/// with its identity).
+async fn plug(vm: &Vm, attachment: &Attachment, ca_bundle: bool) -> Result<(), ApiError> {
+    attachment.plug(vm.netns().map_err(vm_error)?).await?;
+    super::write_network_files(vm.channel(), attachment, ca_bundle).await
 }
 
 impl VmBackend {
@@ -678,6 +698,12 @@ impl VmBackend {
         }
         let dir = saved_dir(&self.host.dir, &guest.saved);
         match read_saved(&dir) {
+            Some(saved) if saved.format != TEMPLATE_FORMAT => Err(ApiError::invalid(format!(
+                "image {name} is a snapshot of a running guest saved by an older dsec, with \
+                 other devices (format {}, this server restores {TEMPLATE_FORMAT}): it cannot \
+                 be restored; delete it, and snapshot the guest again from its image",
+                saved.format
+            ))),
             Some(saved) => Ok((dir, saved)),
             None => Err(ApiError::internal(format!(
                 "the saved guest of image {name} is missing from {}",
@@ -691,6 +717,10 @@ impl VmBackend {
 impl Backend for VmBackend {
     fn host_tasks(&self, _pids: u64) -> u64 {
         crate::admission::VM_HOST_TASKS
+    }
+
+    fn has_networking(&self) -> bool {
+        true
     }
 
     async fn prune_images(&self, live: &HashSet<String>) -> u64 {
@@ -753,13 +783,16 @@ impl Backend for VmBackend {
             scratch: dir.join("scratch.qcow2"),
             ..base_disks.clone()
         };
-        let identity = GuestIdentity {
-            hostname: &req.id,
-            pids_max: req.pids,
+        // The address and the nftables rules are set up while the disk is prepared.
+        let reserve = async {
+            match req.network.is_off() {
+                true => Ok(None),
+                false => self.net.reserve(&req.network).await.map(Some),
+            }
         };
-        let started = async {
+        let prepare = async {
             // The saved guest's memory and state files, which the restore borrows.
-            let (template_dir, first_request) = match (&saved, host.config.boot) {
+            Ok::<_, ApiError>(match (&saved, host.config.boot) {
                 (Some((saved_dir, guest)), _) => {
                     let (saved_scratch, _, _) = template_files(saved_dir);
                     let target = disks.scratch.clone();
@@ -792,7 +825,31 @@ impl Backend for VmBackend {
                     create_scratch(&scratch_base, &disks.scratch).await?;
                     (None, 0)
                 }
-            };
+            })
+        };
+        let (prepared, attachment) = tokio::join!(prepare, reserve);
+        let (prepared, attachment) = match (prepared, attachment) {
+            (Ok(p), Ok(a)) => (p, a),
+            (p, a) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                let net_failed = match a {
+                    Ok(Some(a)) => {
+                        a.release().await;
+                        None
+                    }
+                    Ok(None) => None,
+                    Err(e) => Some(ApiError::from(e)),
+                };
+                return Err(net_failed.or(p.err()).expect("one of the two failed"));
+            }
+        };
+        let identity = GuestIdentity {
+            hostname: &req.id,
+            pids_max: req.pids,
+            network: attachment.as_ref().map(Attachment::ip),
+        };
+        let started = async {
+            let (template_dir, first_request) = prepared;
             let files = template_dir.as_deref().map(template_files);
             let start = match &files {
                 Some((_, memory, state)) => Start::Restore(
@@ -808,7 +865,11 @@ impl Backend for VmBackend {
             let vm = Vm::start(&hardware, &assets, Some(&disks), start, &dir, None)
                 .await
                 .map_err(vm_error)?;
-            if let Err(e) = write_record(&dir, &vm) {
+            let plugged = match &attachment {
+                Some(a) => plug(&vm, a, req.ca_bundle).await,
+                None => Ok(()),
+            };
+            if let Err(e) = plugged.and_then(|()| write_record(&dir, &vm)) {
                 vm.kill().await;
                 return Err(e);
             }
@@ -818,6 +879,9 @@ impl Backend for VmBackend {
             Ok(vm) => vm,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
+                if let Some(a) = attachment {
+                    a.release().await;
+                }
                 return Err(e);
             }
         };
@@ -837,6 +901,9 @@ impl Backend for VmBackend {
                 disks,
                 disk_mb: req.disk_mb,
                 _restored_from: in_use,
+                net: Arc::clone(&self.net),
+                attachment: tokio::sync::Mutex::new(attachment),
+                ca_bundle: req.ca_bundle,
             }),
             image: ImageDefaults {
                 env: image.config.env,
@@ -869,6 +936,12 @@ struct VmSandbox {
     disk_mb: u64,
     /// The saved guest it was restored from, if any.
     _restored_from: Option<SavedInUse>,
+    net: Arc<Networking>,
+    /// Its place on the network; `None` while it has never had one. Locked after
+    /// `on_disk` where both are.
+    attachment: tokio::sync::Mutex<Option<Attachment>>,
+    /// Whether a network given later brings the host's CA bundle.
+    ca_bundle: bool,
 }
 
 /// How old the guest's usage may be before a read asks the guest again.
@@ -916,10 +989,12 @@ impl VmSandbox {
         Arc::clone(&self.vm.read().expect("lock"))
     }
 
-    fn identity(&self) -> GuestIdentity<'_> {
+    /// What its guest is told: its name, limits and address on `attachment`.
+    fn identity(&self, attachment: Option<&Attachment>) -> GuestIdentity<'_> {
         GuestIdentity {
             hostname: &self.id,
             pids_max: self.pids,
+            network: attachment.map(Attachment::ip),
         }
     }
 
@@ -946,6 +1021,10 @@ impl VmSandbox {
         // Its channel outlives it: the guest goes on over the next QEMU's.
         vm.channel().suspend();
         self.saved_to_disk.store(true, Ordering::SeqCst);
+        // Its veth goes with this QEMU's namespace: the next QEMU's is plugged anew.
+        if let Some(a) = self.attachment.lock().await.as_ref() {
+            a.unplug().await;
+        }
         vm.kill().await;
         Ok(())
     }
@@ -1003,16 +1082,20 @@ impl VmSandbox {
             channel: old.channel().clone(),
             hold,
         };
+        let attachment = self.attachment.lock().await;
         let vm = Vm::start(
             &self.hardware,
             &assets,
             Some(&self.disks),
-            Start::Resume(self.identity(), files, resumed),
+            Start::Resume(self.identity(attachment.as_ref()), files, resumed),
             &self.dir,
             None,
         )
         .await
         .map_err(vm_error)?;
+        if let Some(a) = attachment.as_ref() {
+            a.plug(vm.netns().map_err(vm_error)?).await?;
+        }
         write_record(&self.dir, &vm)?;
         // The new QEMU maps them: unlinked, they stay its until it exits, and the next
         // pause writes new ones.
@@ -1061,6 +1144,7 @@ impl VmSandbox {
                 .wrapping_add(rand::random_range(1 << 16..1 << 24)),
             image_disks: self.disks.image.clone(),
             base_fs: self.disks.base_fs,
+            format: TEMPLATE_FORMAT,
         };
         let written = dir.clone();
         tokio::task::spawn_blocking(move || {
@@ -1239,6 +1323,12 @@ impl Sandbox for VmSandbox {
         let cpu_ms = Stat::read(pid).map_or(0.0, |s| s.cpu_ms());
         let guest = self.guest_usage.latest(vm.channel());
         let g = guest.clone().unwrap_or_default();
+        // Unknown for this sample while a network change holds the attachment.
+        let traffic = self
+            .attachment
+            .try_lock()
+            .ok()
+            .and_then(|a| a.as_ref()?.traffic());
         Usage {
             // What this guest holds alone: the pages it wrote, QEMU's heap, the
             // translator's code. The template's pages it only reads, and QEMU's binary,
@@ -1252,6 +1342,8 @@ impl Sandbox for VmSandbox {
             oom_kills: g.oom_kills,
             disk_bytes: guest.as_ref().map(|g| g.disk_bytes),
             disk_inodes: guest.as_ref().map(|g| g.disk_inodes),
+            network_rx_bytes: traffic.map(|t| t.rx_bytes),
+            network_tx_bytes: traffic.map(|t| t.tx_bytes),
             ..Usage::default()
         }
     }
@@ -1301,8 +1393,47 @@ impl Sandbox for VmSandbox {
         Some(self.hardware.accel.name())
     }
 
+    async fn set_network(&self, policy: Policy) -> Result<(), ApiError> {
+        let on_disk = self.on_disk.lock().await;
+        let mut attachment = self.attachment.lock().await;
+        match &*attachment {
+            Some(a) => Ok(a.set_policy(&policy).await?),
+            None if policy.is_off() => Ok(()),
+            None if *on_disk => Err(ApiError::unavailable(
+                "this sandbox is paused and saved to disk: resume it before giving it a \
+                 network",
+            )),
+            None => {
+                let a = self.net.reserve(&policy).await?;
+                let vm = self.vm();
+                let given = async {
+                    plug(&vm, &a, self.ca_bundle).await?;
+                    vm.identify(self.identity(Some(&a))).await.map_err(vm_error)
+                };
+                if let Err(e) = given.await {
+                    a.release().await;
+                    return Err(e);
+                }
+                *attachment = Some(a);
+                Ok(())
+            }
+        }
+    }
+
+    async fn network_refused(&self) -> Vec<dsec_net::Refused> {
+        self.attachment
+            .lock()
+            .await
+            .as_ref()
+            .map(Attachment::refused)
+            .unwrap_or_default()
+    }
+
     async fn stop(&self) {
         self.vm().kill().await;
+        if let Some(a) = self.attachment.lock().await.take() {
+            a.release().await;
+        }
         let dir = self.dir.clone();
         let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(dir)).await;
     }
