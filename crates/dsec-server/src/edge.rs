@@ -719,12 +719,18 @@ impl Edge {
         let (kind, _) = self.backends.get(&req.backend)?;
         let mut req = req;
         // Docker's images are its own references, not the store's.
-        if kind != BackendKind::Docker {
-            if let Some(own) = self.own_image(&req.image, caller).await {
-                req.image = own;
+        let own = match kind {
+            BackendKind::Docker => None,
+            _ => self.own_image(&req.image, caller).await,
+        };
+        let image = match own {
+            Some(own) => {
+                req.image.clone_from(&own.name);
+                Ok(own)
             }
-        }
-        if let Ok(image) = self.images.get(&req.image) {
+            None => self.images.get(&req.image),
+        };
+        if let Ok(image) = image {
             // A fork's children, made from the saved guest by its own backend, need no check.
             if let Some(guest) = &image.guest {
                 if guest.backend != kind.name() {
@@ -1590,12 +1596,12 @@ impl Edge {
         Ok(image_info(&self.images, image))
     }
 
-    /// The name of `caller`'s own image that `name` means, if it has one: a project's
+    /// The image of `caller`'s own that `name` means, if it has one: a project's
     /// own image shadows the admin's of the same name, for that project only.
-    async fn own_image(&self, name: &str, caller: &Caller) -> Option<String> {
+    async fn own_image(&self, name: &str, caller: &Caller) -> Option<dsec_image::Image> {
         let own = dsec_image::owned_name(Some(caller.project()?), name);
         match self.images.resolve(&own).await {
-            Ok(image) if image.project.as_deref() == caller.project().map(|p| &**p) => Some(own),
+            Ok(image) if image.project.as_deref() == caller.project().map(|p| &**p) => Some(image),
             _ => None,
         }
     }
@@ -1612,11 +1618,11 @@ impl Edge {
 
     /// One image, as `caller` means `name` (its own first).
     pub async fn image(&self, name: &str, caller: &Caller) -> Result<ImageInfo, ApiError> {
-        let name = self
-            .own_image(name, caller)
-            .await
-            .unwrap_or_else(|| name.to_owned());
-        let info = image_info(&self.images, self.images.get(&name)?);
+        let image = match self.own_image(name, caller).await {
+            Some(own) => own,
+            None => self.images.get(name)?,
+        };
+        let info = image_info(&self.images, image);
         if shown(caller, &info) {
             Ok(info)
         } else {

@@ -1356,10 +1356,12 @@ impl Sandbox for VmSandbox {
             .unwrap_or_default()
             .into_iter()
             .filter(|path| {
-                dirs.iter().any(|d| {
-                    path.strip_prefix(d.trim_end_matches('/'))
-                        .is_some_and(|rest| rest.starts_with('/'))
-                })
+                // The guest names these: at most a path's length each.
+                path.len() <= 4096
+                    && dirs.iter().any(|d| {
+                        path.strip_prefix(d.trim_end_matches('/'))
+                            .is_some_and(|rest| rest.starts_with('/'))
+                    })
             })
             .collect()
     }

@@ -147,14 +147,25 @@ fn disk(entry: &Entry, was_full: bool, now: &Usage) -> bool {
     was_full && fill >= DISK_REARM
 }
 
+/// The most replaced image files reported per sandbox: the first ones trip the Watcher,
+/// and a VM guest names its own (a hostile one could name new ones every second).
+const MAX_BINARIES_REPORTED: usize = 1024;
+
 /// `file.write` (`by: layer`) for each of the image's files in its binary directories that
-/// the sandbox overwrote or removed (seen in its writable layer), once.
+/// the sandbox overwrote or removed (seen in its writable layer), once, up to
+/// [`MAX_BINARIES_REPORTED`].
 fn binaries(entry: &Entry, reported: &mut HashSet<String>) {
+    if reported.len() >= MAX_BINARIES_REPORTED {
+        return;
+    }
     let dirs: Vec<&str> = crate::watcher::BINARY_DIRS
         .iter()
         .map(|d| d.trim_end_matches('/'))
         .collect();
     for path in entry.sandbox.replaced_image_files(&dirs) {
+        if reported.len() >= MAX_BINARIES_REPORTED {
+            break;
+        }
         if reported.insert(path.clone()) {
             entry.emit(
                 kind::FILE_WRITE,
