@@ -193,7 +193,13 @@ class Dsec:
         # Admission is not under test: the parts keep hundreds to a thousand busybox
         # sandboxes of the default 512 MiB open at once (a few MiB used each), past the
         # default budget of 4 × a small host's memory.
-        admission = ["--memory-overcommit", "64", "--pids-overcommit", "64"]
+        # A part that needs more says so in its server_args.
+        admission = [
+            arg
+            for flag, ratio in (("--memory-overcommit", "64"), ("--pids-overcommit", "64"))
+            if flag not in self.server_args
+            for arg in (flag, ratio)
+        ]
         server = dsec_local.Server(
             state,
             log_path=log_path,

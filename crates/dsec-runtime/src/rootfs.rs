@@ -119,11 +119,12 @@ pub const WORKER_DIR: &str = "/.dsec";
 pub fn setup(spec: &SandboxSpec) -> Result<OwnedFd, RootfsError> {
     make_private()?;
     let rootfs = spec.dir.join("rootfs");
-    let upper = build_overlay(&spec.dir.join("rw"), &rootfs, &spec.layers, spec.disk_bytes)?;
+    let rw = spec.dir.join("rw");
+    let upper = build_overlay(&rw, &rootfs, &spec.layers, spec.disk_bytes)?;
     if spec.worker {
         expose_layers(&rootfs, &spec.layers)?;
     } else {
-        build_view(&rootfs, Pid1::Protected)?;
+        build_view(&rootfs, &rw, Pid1::Protected)?;
     }
     pivot(&rootfs)?;
     Ok(upper)
@@ -138,9 +139,9 @@ pub fn setup_call(layer_count: usize, disk_bytes: u64) -> Result<(), RootfsError
     let layers: Vec<PathBuf> = (0..layer_count)
         .map(|i| base.join("layers").join(i.to_string()))
         .collect();
-    let rootfs = base.join("root");
-    build_overlay(&base.join("rw"), &rootfs, &layers, disk_bytes)?;
-    build_view(&rootfs, Pid1::Alone)?;
+    let (rootfs, rw) = (base.join("root"), base.join("rw"));
+    build_overlay(&rw, &rootfs, &layers, disk_bytes)?;
+    build_view(&rootfs, &rw, Pid1::Alone)?;
     pivot(&rootfs)
 }
 
@@ -148,8 +149,9 @@ pub fn setup_call(layer_count: usize, disk_bytes: u64) -> Result<(), RootfsError
 /// (PID 1, still in its initramfs), after it mounted the image's read-only disks on
 /// `lowers` (top layer first) and the sandbox's own scratch disk on `scratch`: an
 /// overlay of the scratch disk's `upper/` over the image, then the container backend's `/proc`, `/dev`, `/sys`,
-/// masked and read-only paths. An initramfs cannot be `pivot_root`ed: the new root is
-/// moved over `/` and the agent chroots into it, as `switch_root` does.
+/// masked and read-only paths (their `/dev` on the initramfs, which the guest's root then
+/// hides). An initramfs cannot be `pivot_root`ed: the new root is moved over `/` and the
+/// agent chroots into it, as `switch_root` does.
 pub fn setup_guest(lowers: &[PathBuf], scratch: &Path, rootfs: &Path) -> Result<(), RootfsError> {
     let (upper, work) = (scratch.join("upper"), scratch.join("work"));
     for dir in [&upper, &work, &rootfs.to_path_buf()] {
@@ -160,7 +162,8 @@ pub fn setup_guest(lowers: &[PathBuf], scratch: &Path, rootfs: &Path) -> Result<
         .map(|l| l.to_string_lossy().into_owned())
         .collect();
     mount_overlay(&lowerdir.join(":"), &upper, &work, rootfs)?;
-    build_view(rootfs, Pid1::Protected)?;
+    let view = ensure_dir(Path::new("/.view"))?;
+    build_view(rootfs, &view, Pid1::Protected)?;
     rustix::process::chdir(rootfs).step("chdir", rootfs)?;
     mount_move(".", "/").step("move the new root over", Path::new("/"))?;
     rustix::process::chroot(".").step("chroot", rootfs)?;
@@ -283,14 +286,22 @@ enum Pid1 {
     Alone,
 }
 
-fn build_view(rootfs: &Path, pid1: Pid1) -> Result<(), RootfsError> {
-    mount_proc_dev_sys(rootfs)?;
-    let mut empty_dir = None;
+///
+/// `scratch` is a directory on a filesystem the root's processes can never name (the
+/// writable layer's tmpfs, outside its `upper/`): `/dev` and the empty directory masks
+/// bind are made there rather than on filesystems of their own. Each superblock costs the
+/// host more than its memory: every memory cgroup on the host keeps a slot for each one
+/// (1 KiB per 64), and reclaim visits those slots, so on an edge of thousands of sandboxes
+/// a superblock per sandbox costs as much as the rest of the sandbox.
+fn build_view(rootfs: &Path, scratch: &Path, pid1: Pid1) -> Result<(), RootfsError> {
+    mount_proc_dev_sys(rootfs, scratch)?;
+    let empty = scratch.join("empty");
+    fs::create_dir(&empty).step("mkdir", &empty)?;
     let masked = MASKED_PATHS
         .iter()
         .chain((pid1 == Pid1::Protected).then_some(&PID1_MASKED));
     for path in masked {
-        mask(rootfs, path, &mut empty_dir)?;
+        mask(rootfs, path, &empty)?;
     }
     let readonly = READONLY_PATHS
         .iter()
@@ -322,20 +333,16 @@ fn expose_layers(rootfs: &Path, layers: &[PathBuf]) -> Result<(), RootfsError> {
     Ok(())
 }
 
-fn mount_proc_dev_sys(rootfs: &Path) -> Result<(), RootfsError> {
+/// `/proc`, `/dev` (made in `scratch`, then bound: its files and `/dev/shm` count against
+/// the writable layer's size) and `/sys`.
+fn mount_proc_dev_sys(rootfs: &Path, scratch: &Path) -> Result<(), RootfsError> {
     let proc_dir = ensure_dir(&rootfs.join("proc"))?;
     mount("proc", &proc_dir, "proc", NOSUID_NODEV_NOEXEC, None).step("mount proc on", &proc_dir)?;
 
-    let dev = ensure_dir(&rootfs.join("dev"))?;
-    mount(
-        "tmpfs",
-        &dev,
-        "tmpfs",
-        MountFlags::NOSUID | MountFlags::NOEXEC | MountFlags::STRICTATIME,
-        // Device nodes, /dev/pts and /dev/shm: a few files, bounded like a layer.
-        c"mode=755,size=67108864,nr_inodes=16384",
-    )
-    .step("mount tmpfs on", &dev)?;
+    let dev = scratch.join("dev");
+    fs::create_dir(&dev).step("mkdir", &dev)?;
+    fs::set_permissions(&dev, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .step("chmod", &dev)?;
     for (name, major, minor) in DEVICES {
         let node = dev.join(name);
         rustix::fs::mknodat(
@@ -359,7 +366,18 @@ fn mount_proc_dev_sys(rootfs: &Path) -> Result<(), RootfsError> {
         let path = dev.join(link);
         symlink(target, &path).step("symlink", &path)?;
     }
-    let pts = ensure_dir(&dev.join("pts"))?;
+    // POSIX shared memory only needs a world-writable directory on a tmpfs.
+    let shm = ensure_dir(&dev.join("shm"))?;
+    fs::set_permissions(&shm, std::os::unix::fs::PermissionsExt::from_mode(0o1777))
+        .step("chmod", &shm)?;
+    ensure_dir(&dev.join("pts"))?;
+    // The writable layer's tmpfs is `nodev`; this one view of it is where the nodes open.
+    let dev = bind_with(
+        &dev,
+        &ensure_dir(&rootfs.join("dev"))?,
+        MountFlags::NOSUID | MountFlags::NOEXEC | MountFlags::STRICTATIME,
+    )?;
+    let pts = dev.join("pts");
     mount(
         "devpts",
         &pts,
@@ -368,11 +386,6 @@ fn mount_proc_dev_sys(rootfs: &Path) -> Result<(), RootfsError> {
         c"newinstance,ptmxmode=0666,mode=0620",
     )
     .step("mount devpts on", &pts)?;
-    // POSIX shared memory only needs a world-writable directory on a tmpfs: /dev is one,
-    // which saves a superblock per sandbox.
-    let shm = ensure_dir(&dev.join("shm"))?;
-    fs::set_permissions(&shm, std::os::unix::fs::PermissionsExt::from_mode(0o1777))
-        .step("chmod", &shm)?;
 
     let sys = ensure_dir(&rootfs.join("sys"))?;
     mount(
@@ -396,34 +409,25 @@ fn ensure_dir(path: &Path) -> Result<PathBuf, RootfsError> {
     }
 }
 
-/// Hides `path`: a file under a bind of `/dev/null`, a directory under an empty
-/// read-only tmpfs. The first masked directory gets the tmpfs; the others bind it, since a
-/// bind is much cheaper than a new superblock.
-fn mask(rootfs: &Path, path: &str, empty_dir: &mut Option<PathBuf>) -> Result<(), RootfsError> {
+/// Hides `path`: a file under a bind of `/dev/null`, a directory under a read-only bind
+/// of `empty`.
+fn mask(rootfs: &Path, path: &str, empty: &Path) -> Result<(), RootfsError> {
     let target = rootfs.join(&path[1..]);
     let Ok(meta) = fs::symlink_metadata(&target) else {
         return Ok(());
     };
     if !meta.is_dir() {
-        return bind(&rootfs.join("dev/null"), &target);
+        return mount_bind(&rootfs.join("dev/null"), &target).step("mask", &target);
     }
-    if let Some(empty) = empty_dir {
-        return bind(empty, &target);
-    }
-    mount(
-        "tmpfs",
-        &target,
-        "tmpfs",
-        MountFlags::RDONLY | NOSUID_NODEV_NOEXEC,
-        c"size=0,nr_inodes=1",
-    )
-    .step("mask", &target)?;
-    *empty_dir = Some(target);
-    Ok(())
+    bind_with(empty, &target, MountFlags::RDONLY | NOSUID_NODEV_NOEXEC).map(drop)
 }
 
-fn bind(source: &Path, target: &Path) -> Result<(), RootfsError> {
-    mount_bind(source, target).step("mask", target)
+/// Binds `source` on `target` with exactly `flags` (a bind starts with its source mount's);
+/// returns `target`.
+fn bind_with(source: &Path, target: &Path, flags: MountFlags) -> Result<PathBuf, RootfsError> {
+    mount_bind(source, target).step("bind", target)?;
+    mount_remount(target, MountFlags::BIND | flags, "").step("remount", target)?;
+    Ok(target.to_owned())
 }
 
 fn make_readonly(target: &Path) -> Result<(), RootfsError> {

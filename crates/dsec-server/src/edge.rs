@@ -86,6 +86,9 @@ const MIN_MEMORY_MB: u64 = 8;
 const MAX_TTL_S: f64 = 30.0 * 86400.0;
 const MAX_OUTPUT_BYTES: u64 = 1 << 30;
 const MAX_FORKS: i64 = 256;
+/// How old the usage a list shows may be: two rounds of the usage sampler, which keeps it
+/// current. Older (the sampler is off, or behind), a list reads it afresh.
+const LISTED_USAGE_AGE: Duration = Duration::from_secs(2);
 const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 struct Entry {
@@ -119,6 +122,8 @@ struct Entry {
     /// OOM kills its commands reported since the usage sampler last looked (see
     /// [`usage`]), so that a kill makes one `limit.oom` event, not two.
     oom_reported: std::sync::atomic::AtomicU64,
+    /// Its usage as last read, and when: what a list shows (see [`Entry::listed`]).
+    sampled: Mutex<Option<(Instant, dsec_api::Usage)>>,
     /// Labels the Watcher added (`watcher.<rule>`), shown with those it was created with.
     flags: Mutex<BTreeMap<String, String>>,
     /// Its spawned processes; they go with it.
@@ -165,11 +170,46 @@ impl Entry {
     }
 
     fn snapshot(&self) -> SandboxInfo {
+        self.with_usage(None)
+    }
+
+    /// The snapshot a list shows: its usage as the usage sampler last read it, if that is
+    /// recent, since reading every sandbox's cgroup files on each list would take seconds
+    /// on an edge of ten thousand.
+    fn listed(&self) -> SandboxInfo {
+        self.with_usage(Some(LISTED_USAGE_AGE))
+    }
+
+    fn with_usage(&self, max_age: Option<Duration>) -> SandboxInfo {
         let mut info = self.brief();
         if matches!(info.state, SandboxState::Running | SandboxState::Paused) {
-            info.usage = self.sandbox.usage();
+            let cached = max_age.and_then(|age| {
+                self.sampled
+                    .lock()
+                    .expect("lock")
+                    .as_ref()
+                    .filter(|(at, _)| at.elapsed() <= age)
+                    .map(|(_, usage)| usage.clone())
+            });
+            info.usage = cached.unwrap_or_else(|| {
+                let usage = self.sandbox.usage();
+                self.sampled_now(&usage);
+                usage
+            });
         }
         info
+    }
+
+    /// Keeps `usage` as read now.
+    fn sampled_now(&self, usage: &dsec_api::Usage) {
+        *self.sampled.lock().expect("lock") = Some((Instant::now(), usage.clone()));
+    }
+
+    /// Marks the usage last read as still current: the sampler saw no CPU time spent since.
+    fn still_current(&self) {
+        if let Some((at, _)) = self.sampled.lock().expect("lock").as_mut() {
+            *at = Instant::now();
+        }
     }
 
     /// The snapshot without the usage, which reads the sandbox's cgroup files.
@@ -889,6 +929,7 @@ impl Edge {
             sandbox,
             events: Arc::clone(&self.events),
             oom_reported: Default::default(),
+            sampled: Mutex::new(None),
             flags: Mutex::default(),
             processes: processes::Processes::default(),
         });
@@ -937,7 +978,7 @@ impl Edge {
             .filter(|e| caller.sees(e.project.as_deref()) && has_labels(e, labels))
             .cloned()
             .collect();
-        let mut infos: Vec<SandboxInfo> = entries.iter().map(|e| e.snapshot()).collect();
+        let mut infos: Vec<SandboxInfo> = entries.iter().map(|e| e.listed()).collect();
         infos.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
         infos
     }

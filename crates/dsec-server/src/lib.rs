@@ -257,6 +257,7 @@ impl HostSetup {
             pids: capacity.pids,
         })?;
         let zygote = Zygote::spawn(exe)?;
+        raise_descriptor_limit();
         Ok(HostSetup {
             _lock: lock,
             layout,
@@ -265,6 +266,46 @@ impl HostSetup {
             exe: exe.to_owned(),
             seal,
         })
+    }
+}
+
+/// How many descriptors the server asks to hold: an edge keeps two per sandbox (its
+/// control channel and init's pidfd) and more per request, stream and VM.
+const WANTED_DESCRIPTORS: u64 = 1 << 20;
+
+/// Raises the server's own limit on open descriptors to [`WANTED_DESCRIPTORS`] (bounded by
+/// `fs.nr_open`), or at least its soft limit to its hard one: a host's usual 1,024, or the
+/// 20,000 of some images, stops an edge short of the sandboxes its memory holds. Called
+/// after the zygote started, so sandboxes keep the limit the server was started with.
+fn raise_descriptor_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let before = getrlimit(Resource::Nofile);
+    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(WANTED_DESCRIPTORS);
+    let hard = before.maximum.unwrap_or(u64::MAX);
+    let wanted = hard.max(WANTED_DESCRIPTORS.min(nr_open));
+    let raised = setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(wanted),
+            maximum: Some(wanted),
+        },
+    )
+    .or_else(|_| {
+        setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: before.maximum,
+                maximum: before.maximum,
+            },
+        )
+    });
+    let after = getrlimit(Resource::Nofile).current;
+    match raised {
+        Ok(()) => tracing::debug!(before = ?before.current, after = ?after, "descriptor limit raised"),
+        Err(e) => tracing::warn!(limit = ?after, error = %e, "cannot raise the descriptor limit; it bounds how many sandboxes this server holds"),
     }
 }
 

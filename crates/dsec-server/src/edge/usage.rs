@@ -62,11 +62,13 @@ impl Sampler {
             let mut prev = self.seen.remove(&entry.info.id).unwrap_or_default();
             let cpu_ns = entry.sandbox.cpu_ns();
             if cpu_ns.is_some() && cpu_ns == prev.cpu_ns {
+                entry.still_current();
                 seen.insert(entry.info.id.clone(), prev);
                 continue;
             }
             prev.cpu_ns = cpu_ns;
             let usage = entry.sandbox.usage();
+            entry.sampled_now(&usage);
             limits(entry, &prev.usage, &usage);
             prev.disk_full = disk(entry, prev.disk_full, &usage);
             binaries(entry, &mut prev.binaries);
