@@ -25,7 +25,7 @@ from pathlib import Path
 import dsec
 import httpx
 import pytest
-from dsec_fleet import Apiserver, Edge, Etcd, etcd_unavailable_reason, start_edges
+from dsec_fleet import Apiserver, Edge, Etcd, edge_of, etcd_unavailable_reason, start_edges
 from dsec_local import DSEC_BIN, free_port, safe_rmtree
 from dsec_testlib import make_tempdir, require, wait_until
 
@@ -41,10 +41,6 @@ class Fleet:
     a: Apiserver
     b: Apiserver
     tmp: Path
-
-
-def edge_of(sandbox_id: str) -> str:
-    return sandbox_id.rsplit("-", 1)[0]
 
 
 @pytest.fixture(scope="module")

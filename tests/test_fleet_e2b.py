@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from dsec_fleet import Apiserver, Edge, Etcd, etcd_unavailable_reason, start_edges
+from dsec_fleet import Apiserver, Edge, Etcd, edge_of, etcd_unavailable_reason, start_edges
 from dsec_local import free_port, safe_rmtree
 from dsec_testlib import make_tempdir, point_e2b_sdk, require, wait_until
 
@@ -50,10 +50,6 @@ class E2bFleet:
     api: Apiserver
     api_url: str
     sandbox_url: str
-
-
-def edge_of(sandbox_id: str) -> str:
-    return sandbox_id.rsplit("-", 1)[0]
 
 
 def e2b_listeners() -> tuple[list[str], str, str]:
@@ -171,9 +167,10 @@ def test_commands_stream_run_in_the_background_and_time_out(fleet: E2bFleet) -> 
         assert (exc.value.exit_code, exc.value.stdout) == (3, "partial\n")
         handle = sb.commands.run("cat", background=True, stdin=True)
         sb.commands.send_stdin(handle.pid, "typed\n")
+        sb.commands.stream_input(handle.pid, ["str", b"eamed\n"])  # a client stream
         assert handle.pid in [p.pid for p in sb.commands.list()]
         sb.commands.close_stdin(handle.pid)
-        assert handle.wait().stdout == "typed\n"
+        assert handle.wait().stdout == "typed\nstreamed\n"
         t0 = time.monotonic()
         with pytest.raises(TimeoutException):
             sb.commands.run("sleep 30", timeout=1)

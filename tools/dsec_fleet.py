@@ -25,6 +25,7 @@ __all__ = [
     "Edge",
     "Etcd",
     "OciRegistry",
+    "edge_of",
     "etcd_unavailable_reason",
     "start_edges",
 ]
@@ -33,6 +34,11 @@ __all__ = [
 ETCD_BIN = os.environ.get("DSEC_ETCD_BIN") or shutil.which("etcd") or "etcd"
 #: The OCI registry binary (Debian's docker-registry, the CNCF distribution registry).
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+
+
+def edge_of(sandbox_id: str) -> str:
+    """The edge a sandbox id names: ids are ``<edge>-<12 hex digits>``."""
+    return sandbox_id.rsplit("-", 1)[0]
 
 
 def etcd_unavailable_reason() -> str | None:
