@@ -24,7 +24,6 @@ use dsec_api::{
 use dsec_server::api::{
     check_bearer, constant_time_eq, idempotency_key, presented_token, ApiJson, IDEMPOTENCY_KEY,
 };
-use dsec_server::e2b::control as e2b_control;
 use dsec_server::e2b::serve as e2b_serve;
 use dsec_server::edge::{batch_item, batch_item_key, check_batch};
 use dsec_server::error::ApiError;
@@ -90,6 +89,9 @@ static ANSWER_HEADERS: [header::HeaderName; 3] = [
     header::CONTENT_LENGTH,
     header::CACHE_CONTROL,
 ];
+
+/// The E2B API key sent to edges that have no token (any non-empty key is their admin's).
+const TOKENLESS_EDGE_KEY: &str = "dsec-apiserver";
 
 /// envd's header for a sandbox's access token.
 const ACCESS_TOKEN: &str = "x-access-token";
@@ -303,13 +305,11 @@ impl Fleet {
                 Some(token) => request.bearer_auth(token),
                 None => request,
             },
-            // An edge without a token takes any non-empty key as its admin's: the client's,
-            // which this apiserver accepted.
+            // An edge without a token takes any non-empty key as its admin's; the client's
+            // own key stays here.
             Listener::E2b => request.header(
                 "x-api-key",
-                self.edge_token
-                    .as_deref()
-                    .unwrap_or_else(|| e2b_control::api_key(headers)),
+                self.edge_token.as_deref().unwrap_or(TOKENLESS_EDGE_KEY),
             ),
             // The sandbox's own access token goes through; this apiserver's token, dsec's
             // own credential for every sandbox, becomes the edge's.
