@@ -66,6 +66,7 @@ __all__ = [
     "metric",
     "mountinfo",
     "mounts_under",
+    "point_e2b_sdk",
     "proc_cgroups",
     "procs_in",
     "qemu_procs",
@@ -130,6 +131,18 @@ FEATURES = {
 }
 #: The features this machine was set up for ($DSEC_SETUP_FEATURES, blank- or comma-separated).
 SETUP_FEATURES = frozenset(os.environ.get("DSEC_SETUP_FEATURES", "").replace(",", " ").split())
+
+
+def point_e2b_sdk(
+    monkeypatch: pytest.MonkeyPatch, api_url: str, sandbox_url: str, api_key: str
+) -> None:
+    """The environment a user sets to point the e2b SDK at dsec's E2B listeners (a
+    `dsec serve`'s, or a fleet apiserver's), out of the SDK's debug mode."""
+    monkeypatch.setenv("E2B_API_URL", api_url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", sandbox_url)
+    monkeypatch.setenv("E2B_API_KEY", api_key)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+    monkeypatch.delenv("E2B_DOMAIN", raising=False)
 
 
 def require(feature: str, why: str | None) -> None:

@@ -37,6 +37,7 @@ from dsec_testlib import (
     assert_no_leftovers,
     free_port,
     make_tempdir,
+    point_e2b_sdk,
     require,
     safe_rmtree,
     wait_until,
@@ -119,11 +120,7 @@ def e2b_server(base_rootfs: Path) -> Iterator[E2bServer]:
 @pytest.fixture
 def e2b_env(e2b_server: E2bServer, monkeypatch: pytest.MonkeyPatch) -> E2bServer:
     """The environment a user sets to point the e2b SDK at dsec."""
-    monkeypatch.setenv("E2B_API_URL", e2b_server.api_url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", e2b_server.sandbox_url)
-    monkeypatch.setenv("E2B_API_KEY", API_KEY)
-    monkeypatch.delenv("E2B_DEBUG", raising=False)
-    monkeypatch.delenv("E2B_DOMAIN", raising=False)
+    point_e2b_sdk(monkeypatch, e2b_server.api_url, e2b_server.sandbox_url, API_KEY)
     return e2b_server
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import dsec
 import httpx
 import pytest
-from dsec_fleet import Apiserver, Edge, Etcd, etcd_unavailable_reason
+from dsec_fleet import Apiserver, Edge, Etcd, edge_of, etcd_unavailable_reason, start_edges
 from dsec_local import DSEC_BIN, free_port, safe_rmtree
 from dsec_testlib import make_tempdir, require, wait_until
 
@@ -43,10 +43,6 @@ class Fleet:
     tmp: Path
 
 
-def edge_of(sandbox_id: str) -> str:
-    return sandbox_id.rsplit("-", 1)[0]
-
-
 @pytest.fixture(scope="module")
 def etcd_tmp() -> Iterator[Path]:
     require("etcd", etcd_unavailable_reason())
@@ -60,18 +56,7 @@ def fleet(etcd_tmp: Path, busybox_rootfs: Path) -> Iterator[Fleet]:
     etcd = Etcd(etcd_tmp / "etcd", log_path=etcd_tmp / "etcd.log").start()
     started: list[Edge | Apiserver] = []
     try:
-        edges = {}
-        for name in EDGES:
-            e = Edge(
-                etcd_tmp / name,
-                etcd=etcd.url,
-                name=name,
-                lease_ttl=LEASE_TTL,
-                log_path=etcd_tmp / f"{name}.log",
-            )
-            started.append(e)
-            e.start()
-            edges[name] = e
+        edges = start_edges(etcd_tmp, etcd.url, EDGES, started, lease_ttl=LEASE_TTL)
         a, b = (
             Apiserver(etcd_tmp / f"api-{x}", etcd=etcd.url, log_path=etcd_tmp / f"api-{x}.log")
             for x in "ab"

@@ -12,7 +12,7 @@ from pathlib import Path
 import dsec
 import dsec_local
 import pytest
-from dsec_fleet import Apiserver, Edge, Etcd, etcd_unavailable_reason
+from dsec_fleet import Apiserver, Etcd, etcd_unavailable_reason, start_edges
 from dsec_testlib import DSEC_BIN, make_tempdir, require, safe_rmtree
 from postgres_cluster import PostgresCluster, pg_bin_dir
 
@@ -37,19 +37,14 @@ def test_a_log_outlives_its_edge_and_its_trajectory_replays_elsewhere(
     started: list[dsec_local.Server] = []
     try:
         db = cluster.database("fleet")
-        edges = {}
-        for name in ("l1", "l2"):
-            e = Edge(
-                tmp / name,
-                etcd=etcd.url,
-                name=name,
-                lease_ttl=LEASE_TTL,
-                extra_args=["--trajectory-db", db],
-                log_path=tmp / f"{name}.log",
-            )
-            started.append(e)
-            e.start()
-            edges[name] = e
+        edges = start_edges(
+            tmp,
+            etcd.url,
+            ("l1", "l2"),
+            started,
+            args_of=lambda name: ["--trajectory-db", db],
+            lease_ttl=LEASE_TTL,
+        )
         api = Apiserver(
             tmp / "api", etcd=etcd.url, extra_args=["--trajectory-db", db], log_path=tmp / "a.log"
         )

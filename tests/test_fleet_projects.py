@@ -17,7 +17,7 @@ from pathlib import Path
 import dsec
 import httpx
 import pytest
-from dsec_fleet import Apiserver, Edge, Etcd, etcd_unavailable_reason
+from dsec_fleet import Apiserver, Edge, Etcd, etcd_unavailable_reason, start_edges
 from dsec_local import safe_rmtree
 from dsec_testlib import make_tempdir, require, wait_until
 
@@ -42,18 +42,7 @@ def fleet(busybox_rootfs: Path) -> Iterator[Fleet]:
     etcd = Etcd(tmp / "etcd", log_path=tmp / "etcd.log").start()
     started: list[Edge | Apiserver] = []
     try:
-        edges = {}
-        for name in EDGES:
-            e = Edge(
-                tmp / name,
-                etcd=etcd.url,
-                name=name,
-                token_file=tmp / "edge",
-                log_path=tmp / f"{name}.log",
-            )
-            started.append(e)
-            e.start()
-            edges[name] = e
+        edges = start_edges(tmp, etcd.url, EDGES, started, token_file=tmp / "edge")
         a, b = (
             Apiserver(
                 tmp / f"api-{x}",

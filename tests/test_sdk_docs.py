@@ -1,6 +1,7 @@
 """docs/SDK.md stays in step with the code: every public SDK method, exported name, CLI
-command, `dsec serve` option and HTTP route is named there, and what it documents as built
-exists. No server needed (the CLI's own --help is read)."""
+command, `dsec serve`, `dsec edge` and `dsec apiserver` option and HTTP route is named
+there, and what it documents as built exists. No server needed (the CLI's own --help is
+read)."""
 
 from __future__ import annotations
 
@@ -46,11 +47,12 @@ def _help(*args: str) -> str:
     ).stdout
 
 
-def test_every_serve_option_is_documented() -> None:
-    options = set(re.findall(r"^\s+(?:-\w, )?(--[\w-]+)", _help("serve"), re.M)) - {"--help"}
+@pytest.mark.parametrize("command", ["serve", "edge", "apiserver"])
+def test_every_server_option_is_documented(command: str) -> None:
+    options = set(re.findall(r"^\s+(?:-\w, )?(--[\w-]+)", _help(command), re.M)) - {"--help"}
     assert options
     missing = sorted(o for o in options if o not in BUILT)
-    assert not missing, f"dsec serve options missing from docs/SDK.md: {missing}"
+    assert not missing, f"dsec {command} options missing from docs/SDK.md: {missing}"
 
 
 def test_every_command_is_documented() -> None:

@@ -11,7 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +25,20 @@ __all__ = [
     "Edge",
     "Etcd",
     "OciRegistry",
+    "edge_of",
     "etcd_unavailable_reason",
+    "start_edges",
 ]
 
 #: The etcd server binary: $DSEC_ETCD_BIN, else `etcd` on PATH (Debian's etcd-server).
 ETCD_BIN = os.environ.get("DSEC_ETCD_BIN") or shutil.which("etcd") or "etcd"
 #: The OCI registry binary (Debian's docker-registry, the CNCF distribution registry).
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+
+
+def edge_of(sandbox_id: str) -> str:
+    """The edge a sandbox id names: ids are ``<edge>-<12 hex digits>``."""
+    return sandbox_id.rsplit("-", 1)[0]
 
 
 def etcd_unavailable_reason() -> str | None:
@@ -205,3 +212,31 @@ class Apiserver(Server):
 
         if not wait_until(seen, timeout):
             raise AssertionError(f"apiserver sees {self.edges()}, not {sorted(names)}")
+
+
+def start_edges(
+    tmp: Path,
+    etcd: str,
+    names: Sequence[str],
+    started: list[Any],
+    *,
+    args_of: Callable[[str], Sequence[str]] = lambda name: (),
+    **kw: Any,
+) -> dict[str, Edge]:
+    """Start an edge per name on ``etcd``, its state directory and log under ``tmp``, its
+    extra arguments ``args_of(name)``; each is appended to ``started`` before it starts, so
+    that the caller stops it even if a later one fails to start."""
+    edges = {}
+    for name in names:
+        e = Edge(
+            tmp / name,
+            etcd=etcd,
+            name=name,
+            extra_args=args_of(name),
+            log_path=tmp / f"{name}.log",
+            **kw,
+        )
+        started.append(e)
+        e.start()
+        edges[name] = e
+    return edges

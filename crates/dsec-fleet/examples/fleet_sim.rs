@@ -223,6 +223,7 @@ impl Sim {
                 ..Default::default()
             },
             updated_at: self.now as f64 / 1e9,
+            e2b: None,
         }
     }
 

@@ -34,6 +34,7 @@ fn table(edges: usize) -> Members {
             ..Default::default()
         },
         updated_at: 0.0,
+        e2b: None,
     }))
 }
 

@@ -21,7 +21,10 @@ use dsec_api::{
     BackendKind, CreateManyRequest, CreateManyResponse, CreateProjectRequest, ErrorBody, ErrorKind,
     ProjectInfo, ProjectToken, ProjectUsage, Quotas, SandboxInfo, SandboxState,
 };
-use dsec_server::api::{check_bearer, idempotency_key, presented_token, ApiJson, IDEMPOTENCY_KEY};
+use dsec_server::api::{
+    check_bearer, constant_time_eq, idempotency_key, presented_token, ApiJson, IDEMPOTENCY_KEY,
+};
+use dsec_server::e2b::serve as e2b_serve;
 use dsec_server::edge::{batch_item, batch_item_key, check_batch};
 use dsec_server::error::ApiError;
 use dsec_server::projects::{Caller, ACTING_FOR};
@@ -31,8 +34,10 @@ use futures::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::membership::{EdgeRecord, EdgeTable, Member};
-use crate::placement::{place, NoPlacement};
+use crate::placement::{place_where, NoPlacement};
 use crate::projects::FleetProjects;
+
+mod e2b;
 
 /// Everything `dsec apiserver` is configured with.
 #[derive(Clone, Debug)]
@@ -49,6 +54,10 @@ pub struct ApiserverConfig {
     pub max_upload_bytes: usize,
     /// The fleet's PostgreSQL trajectory log, read for sandboxes whose edge is gone.
     pub trajectory_db: Option<String>,
+    /// E2B's control plane on this address, forwarded to the edges' (`--e2b-listen`).
+    pub e2b_listen: Option<SocketAddr>,
+    /// One envd endpoint for every sandbox of the fleet (`--e2b-envd-listen`).
+    pub e2b_envd_listen: Option<SocketAddr>,
 }
 
 /// What every handler shares.
@@ -66,7 +75,7 @@ pub struct Fleet {
 
 /// Headers a forwarded request keeps; everything else (hop-by-hop, the client's token)
 /// stays here. [`ACTING_FOR`] is the apiserver's own, set by [`authenticate`].
-const FORWARDED_HEADERS: [header::HeaderName; 5] = [
+static FORWARDED_HEADERS: [header::HeaderName; 5] = [
     header::CONTENT_TYPE,
     header::CONTENT_LENGTH,
     header::ACCEPT,
@@ -75,11 +84,109 @@ const FORWARDED_HEADERS: [header::HeaderName; 5] = [
 ];
 
 /// Headers of an edge's answer passed back to the client.
-const ANSWER_HEADERS: [header::HeaderName; 3] = [
+static ANSWER_HEADERS: [header::HeaderName; 3] = [
     header::CONTENT_TYPE,
     header::CONTENT_LENGTH,
     header::CACHE_CONTROL,
 ];
+
+/// The E2B API key sent to edges that have no token (any non-empty key is their admin's).
+const TOKENLESS_EDGE_KEY: &str = "dsec-apiserver";
+
+/// envd's header for a sandbox's access token.
+const ACCESS_TOKEN: &str = "x-access-token";
+
+/// Headers a forwarded envd request keeps: its body's form, the Connect protocol's, the
+/// user (`Authorization: Basic`) and the sandbox named; the access token is handled apart.
+static ENVD_HEADERS: [header::HeaderName; 11] = [
+    header::CONTENT_TYPE,
+    header::CONTENT_LENGTH,
+    header::CONTENT_ENCODING,
+    header::ACCEPT,
+    header::ACCEPT_ENCODING,
+    header::AUTHORIZATION,
+    header::HeaderName::from_static("e2b-sandbox-id"),
+    header::HeaderName::from_static("connect-protocol-version"),
+    header::HeaderName::from_static("connect-timeout-ms"),
+    header::HeaderName::from_static("connect-content-encoding"),
+    header::HeaderName::from_static("keepalive-ping-interval"),
+];
+
+/// Headers of an envd answer passed back: a download's and a Connect stream's.
+static ENVD_ANSWER_HEADERS: [header::HeaderName; 6] = [
+    header::CONTENT_TYPE,
+    header::CONTENT_LENGTH,
+    header::CONTENT_ENCODING,
+    header::CONTENT_DISPOSITION,
+    header::CACHE_CONTROL,
+    header::VARY,
+];
+
+/// Which of an edge's listeners a request goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Listener {
+    /// dsec's API (`/v1`, `/run_code`), the edge token sent as the bearer token.
+    Api,
+    /// E2B's control plane, the edge token sent as the API key.
+    E2b,
+    /// The envd endpoint: the sandbox's own credentials, passed on.
+    Envd,
+}
+
+impl Listener {
+    /// Where `member` serves it.
+    fn url(self, member: &Member) -> Result<&str, ApiError> {
+        let record = &member.record;
+        match (self, &record.e2b) {
+            (Listener::Api, _) => Ok(&record.url),
+            (Listener::E2b, Some(e2b)) => Ok(&e2b.api_url),
+            (Listener::Envd, Some(e2b)) => Ok(&e2b.envd_url),
+            (_, None) => Err(ApiError::unavailable(format!(
+                "edge {:?} serves no E2B API (start it with --e2b-listen and --e2b-envd-listen)",
+                record.name
+            ))),
+        }
+    }
+
+    /// The headers of a request passed on, and of its answer passed back.
+    fn headers(self) -> (&'static [header::HeaderName], &'static [header::HeaderName]) {
+        match self {
+            Listener::Api | Listener::E2b => (&FORWARDED_HEADERS, &ANSWER_HEADERS),
+            Listener::Envd => (&ENVD_HEADERS, &ENVD_ANSWER_HEADERS),
+        }
+    }
+}
+
+/// The edges' lists, merged.
+enum Lists {
+    /// Every item of the edges that answered, and each one's answer headers.
+    Merged {
+        items: Vec<serde_json::Value>,
+        heads: Vec<HeaderMap>,
+    },
+    /// An edge's refusal, passed on.
+    Refused(Response),
+}
+
+/// An edge's answer, read whole.
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    /// The answer as this apiserver's, its content type kept.
+    fn into_response(self) -> Response {
+        let mut response = (self.status, self.body).into_response();
+        if let Some(v) = self.headers.get(header::CONTENT_TYPE) {
+            response
+                .headers_mut()
+                .insert(header::CONTENT_TYPE, v.clone());
+        }
+        response
+    }
+}
 
 impl Fleet {
     /// A fleet front over `table`.
@@ -173,39 +280,65 @@ impl Fleet {
         self
     }
 
-    /// Sends a request to `member` and passes its answer back as a stream.
+    /// Sends a request to `member`'s `listener` and passes its answer back as a stream.
     async fn forward(
         &self,
         member: &Member,
+        listener: Listener,
         method: Method,
         path_and_query: &str,
         headers: &HeaderMap,
         body: reqwest::Body,
     ) -> Result<Response, ApiError> {
         let started = Instant::now();
-        let url = format!(
-            "{}{path_and_query}",
-            member.record.url.trim_end_matches('/')
-        );
+        let base = listener.url(member)?;
+        let url = format!("{}{path_and_query}", base.trim_end_matches('/'));
         let mut request = self.http.request(method, &url).body(body);
-        for name in &FORWARDED_HEADERS {
+        let (passed, answered) = listener.headers();
+        for name in passed {
             if let Some(v) = headers.get(name) {
                 request = request.header(name, v);
             }
         }
-        if let Some(token) = &self.edge_token {
-            request = request.bearer_auth(token);
-        }
+        request = match listener {
+            Listener::Api => match &self.edge_token {
+                Some(token) => request.bearer_auth(token),
+                None => request,
+            },
+            // An edge without a token takes any non-empty key as its admin's; the client's
+            // own key stays here.
+            Listener::E2b => request.header(
+                "x-api-key",
+                self.edge_token.as_deref().unwrap_or(TOKENLESS_EDGE_KEY),
+            ),
+            // The sandbox's own access token goes through; this apiserver's token, dsec's
+            // own credential for every sandbox, becomes the edge's.
+            Listener::Envd => match headers.get(ACCESS_TOKEN) {
+                Some(given)
+                    if self
+                        .token
+                        .as_deref()
+                        .is_some_and(|t| constant_time_eq(given.as_bytes(), t.as_bytes())) =>
+                {
+                    match &self.edge_token {
+                        Some(token) => request.header(ACCESS_TOKEN, token.as_ref()),
+                        None => request,
+                    }
+                }
+                Some(given) => request.header(ACCESS_TOKEN, given),
+                None => request,
+            },
+        };
         let answer = request.send().await.map_err(|e| {
             metrics::counter!("dsec_fleet_edge_unreachable_total").increment(1);
             ApiError::unavailable(format!(
-                "edge {:?} at {} is unreachable: {e}",
-                member.record.name, member.record.url
+                "edge {:?} at {base} is unreachable: {e}",
+                member.record.name
             ))
         })?;
         metrics::histogram!("dsec_fleet_forward_seconds").record(started.elapsed().as_secs_f64());
         let mut response = Response::builder().status(answer.status().as_u16());
-        for name in &ANSWER_HEADERS {
+        for name in answered {
             if let Some(v) = answer.headers().get(name) {
                 response = response.header(name, v);
             }
@@ -213,6 +346,85 @@ impl Fleet {
         Ok(response
             .body(Body::from_stream(answer.bytes_stream()))
             .expect("a response builds"))
+    }
+
+    /// Every one of `members`' list at `path` (a JSON array), merged; the first that
+    /// refuses is the answer instead. An edge that cannot be reached is left out.
+    async fn lists(
+        &self,
+        members: &[Arc<Member>],
+        listener: Listener,
+        path: &str,
+        headers: &HeaderMap,
+    ) -> Result<Lists, ApiError> {
+        let answers = self
+            .ask_all(
+                members,
+                listener,
+                &Method::GET,
+                |_| path.to_owned(),
+                headers,
+                &Bytes::new(),
+            )
+            .await;
+        let mut items = Vec::new();
+        let mut heads = Vec::new();
+        for (member, answer) in members.iter().zip(answers) {
+            match answer {
+                Ok(answer) if answer.status.is_success() => {
+                    let some: Vec<serde_json::Value> = serde_json::from_slice(&answer.body)
+                        .map_err(|e| {
+                            ApiError::internal(format!(
+                                "edge {:?} answered a list that does not parse: {e}",
+                                member.record.name
+                            ))
+                        })?;
+                    items.extend(some);
+                    heads.push(answer.headers);
+                }
+                Ok(answer) => return Ok(Lists::Refused(answer.into_response())),
+                Err(e) => {
+                    tracing::warn!(edge = %member.record.name, error = %e, "list: leaving out an edge that does not answer")
+                }
+            }
+        }
+        Ok(Lists::Merged { items, heads })
+    }
+
+    /// Sends one request to each of `members` at once (`path` for each), and reads each
+    /// answer whole; an edge that cannot be reached answers its error.
+    async fn ask_all(
+        &self,
+        members: &[Arc<Member>],
+        listener: Listener,
+        method: &Method,
+        path: impl Fn(&Member) -> String,
+        headers: &HeaderMap,
+        body: &Bytes,
+    ) -> Vec<Result<Answer, ApiError>> {
+        join_all(members.iter().map(|m| async {
+            let response = self
+                .forward(
+                    m,
+                    listener,
+                    method.clone(),
+                    &path(m),
+                    headers,
+                    reqwest::Body::from(body.clone()),
+                )
+                .await?;
+            let status = response.status();
+            let headers = response.headers().clone();
+            let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+                .await
+                .map_err(|e| ApiError::unavailable(format!("edge {:?}: {e}", m.record.name)))?;
+            Ok(Answer {
+                status,
+                headers,
+                body,
+            })
+        }))
+        .await
     }
 
     /// The live edge called `name`, or why a request for its sandbox cannot be served.
@@ -228,6 +440,16 @@ impl Fleet {
         Err(ApiError::unavailable(format!(
             "sandbox {sandbox:?} is on edge {name:?}, which {why}: the sandbox is lost"
         )))
+    }
+
+    /// The live edge sandbox `id` names, or why a request for it cannot be served.
+    fn edge_of_sandbox(&self, id: &str) -> Result<Arc<Member>, ApiError> {
+        let edge = crate::edge_of(id).ok_or_else(|| {
+            ApiError::not_found(format!(
+                "sandbox {id:?} not found: a sandbox id is <edge>-<12 hex digits>"
+            ))
+        })?;
+        self.member(edge, id)
     }
 
     fn ready_members(&self) -> Vec<Arc<Member>> {
@@ -248,21 +470,44 @@ impl Fleet {
     }
 }
 
-/// Serves the fleet's API until SIGINT or SIGTERM.
+/// Serves the fleet's API, and E2B's where configured, until SIGINT or SIGTERM.
 pub async fn serve(config: ApiserverConfig, fleet: Fleet) -> anyhow::Result<()> {
-    if !config.listen.ip().is_loopback() && config.token.is_none() {
+    let listens = [
+        Some(config.listen),
+        config.e2b_listen,
+        config.e2b_envd_listen,
+    ];
+    if let Some(open) = listens
+        .into_iter()
+        .flatten()
+        .find(|a| !a.ip().is_loopback())
+        .filter(|_| config.token.is_none())
+    {
         anyhow::bail!(
-            "refusing to listen on {} without --token-file: anyone who can reach it could run commands as root in sandboxes; pass --token-file or listen on 127.0.0.1",
-            config.listen
+            "refusing to listen on {open} without --token-file: anyone who can reach it could run commands as root in sandboxes; pass --token-file or listen on 127.0.0.1",
         );
     }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| anyhow::anyhow!("listening on {}: {e}", config.listen))?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut e2b_servers = Vec::new();
+    if let Some(addr) = config.e2b_listen {
+        let app = e2b::control_router(fleet.clone());
+        e2b_servers.push(e2b_serve(addr, app, "E2B control plane", stopped.clone()).await?);
+    }
+    if let Some(addr) = config.e2b_envd_listen {
+        let app = e2b::envd_router(fleet.clone());
+        e2b_servers.push(e2b_serve(addr, app, "E2B envd endpoint", stopped.clone()).await?);
+    }
     tracing::info!(listen = %config.listen, etcd = %fleet.table.endpoints, "dsec apiserver serving");
     axum::serve(listener, router(fleet, config.max_upload_bytes))
-        .with_graceful_shutdown(shutdown_signal())
+        .with_graceful_shutdown(async move {
+            shutdown_signal().await;
+            let _ = stop.send(true);
+        })
         .await?;
+    join_all(e2b_servers).await;
     Ok(())
 }
 
@@ -320,18 +565,23 @@ async fn authenticate(State(fleet): State<Fleet>, mut request: Request, next: Ne
             return e.into_response();
         }
     }
-    let headers = request.headers_mut();
-    headers.remove(ACTING_FOR);
-    if let Some(acting) = caller.acting_for() {
-        match HeaderValue::from_str(&acting) {
-            Ok(v) => {
-                headers.insert(ACTING_FOR, v);
-            }
-            Err(e) => return ApiError::internal(format!("{ACTING_FOR}: {e}")).into_response(),
-        }
+    if let Err(e) = act_for(request.headers_mut(), &caller) {
+        return e.into_response();
     }
     request.extensions_mut().insert(caller);
     next.run(request).await
+}
+
+/// Names `caller`'s project to the edges in [`ACTING_FOR`], dropping a client's own such
+/// header: the edges take it from their admin only, which this apiserver is to them.
+fn act_for(headers: &mut HeaderMap, caller: &Caller) -> Result<(), ApiError> {
+    headers.remove(ACTING_FOR);
+    if let Some(acting) = caller.acting_for() {
+        let v = HeaderValue::from_str(&acting)
+            .map_err(|e| ApiError::internal(format!("{ACTING_FOR}: {e}")))?;
+        headers.insert(ACTING_FOR, v);
+    }
+    Ok(())
 }
 
 async fn create_project(
@@ -455,6 +705,17 @@ async fn edges(State(fleet): State<Fleet>) -> Json<Vec<EdgeRecord>> {
     )
 }
 
+/// A request body to pass on to an edge: streamed, or empty where the client sent none (a
+/// stream of unknown length would go out chunked, even under a `GET`).
+fn passed_on(body: Body) -> reqwest::Body {
+    use axum::body::HttpBody;
+    if body.is_end_stream() {
+        reqwest::Body::from("")
+    } else {
+        reqwest::Body::wrap_stream(body.into_data_stream())
+    }
+}
+
 fn path_and_query(request: &Request) -> String {
     request.uri().path_and_query().map_or_else(
         || request.uri().path().to_owned(),
@@ -462,31 +723,45 @@ fn path_and_query(request: &Request) -> String {
     )
 }
 
-/// Every request about one sandbox: to the edge its id names, streamed both ways.
-async fn by_id(State(fleet): State<Fleet>, request: Request) -> Result<Response, ApiError> {
-    let target = path_and_query(&request);
-    let id = request
-        .uri()
-        .path()
-        .trim_start_matches("/v1/sandboxes/")
+/// The sandbox id of a route `{prefix}{id}[/...]`.
+fn sandbox_in(path: &str, prefix: &str) -> String {
+    path.trim_start_matches(prefix)
         .split('/')
         .next()
         .unwrap_or_default()
-        .to_owned();
-    let edge = crate::edge_of(&id).ok_or_else(|| {
-        ApiError::not_found(format!(
-            "sandbox {id:?} not found: a sandbox id is <edge>-<12 hex digits>"
-        ))
-    })?;
-    let member = fleet.member(edge, &id)?;
+        .to_owned()
+}
+
+/// Forwards `request`, about sandbox `id`, to `member`'s `listener`, streamed both ways.
+async fn about_sandbox(
+    fleet: &Fleet,
+    member: &Member,
+    listener: Listener,
+    id: &str,
+    request: Request,
+) -> Result<Response, ApiError> {
+    let target = path_and_query(&request);
     let (parts, body) = request.into_parts();
-    let body = reqwest::Body::wrap_stream(body.into_data_stream());
     fleet
-        .forward(&member, parts.method, &target, &parts.headers, body)
+        .forward(
+            member,
+            listener,
+            parts.method,
+            &target,
+            &parts.headers,
+            passed_on(body),
+        )
         .await
         .map_err(|e| {
             ApiError::unavailable(format!("sandbox {id:?} cannot be reached: {}", e.message))
         })
+}
+
+/// Every request about one sandbox: to the edge its id names, streamed both ways.
+async fn by_id(State(fleet): State<Fleet>, request: Request) -> Result<Response, ApiError> {
+    let id = sandbox_in(request.uri().path(), "/v1/sandboxes/");
+    let member = fleet.edge_of_sandbox(&id)?;
+    about_sandbox(&fleet, &member, Listener::Api, &id, request).await
 }
 
 /// The query of `GET /v1/sandboxes/{id}/log`.
@@ -562,44 +837,111 @@ async fn refusal(response: Response) -> Result<ApiError, Response> {
     let body = axum::body::to_bytes(response.into_body(), 1 << 20)
         .await
         .unwrap_or_default();
-    Ok(match serde_json::from_slice::<ErrorBody>(&body) {
-        Ok(b) => ApiError::new(b.error.kind, b.error.message),
-        Err(_) => ApiError::unavailable(String::from_utf8_lossy(&body).into_owned()),
-    })
+    Ok(edge_error(&body))
 }
 
-/// Places a create (or a call) of `backend`: the drawn edges first, then the others; an
+/// What an edge's error body says: dsec's shape, or E2B's (`{"code", "message"}`).
+fn edge_error(body: &[u8]) -> ApiError {
+    #[derive(serde::Deserialize)]
+    struct E2bBody {
+        message: String,
+    }
+    if let Ok(b) = serde_json::from_slice::<ErrorBody>(body) {
+        return ApiError::new(b.error.kind, b.error.message);
+    }
+    match serde_json::from_slice::<E2bBody>(body) {
+        Ok(b) => ApiError::unavailable(b.message),
+        Err(_) => ApiError::unavailable(String::from_utf8_lossy(body).into_owned()),
+    }
+}
+
+/// What a placed request asks of an edge.
+#[derive(Clone, Copy, Debug)]
+enum Wanted<'a> {
+    /// dsec's API, on an edge that runs this backend.
+    Backend(&'a str),
+    /// E2B's control plane, on an edge serving it that runs this backend (`None`: the
+    /// backend of the edge's templates that name none).
+    E2b(Option<&'a str>),
+}
+
+impl Wanted<'_> {
+    fn accepts(self, m: &Member) -> bool {
+        match self {
+            Wanted::Backend(backend) => m.offers(backend),
+            Wanted::E2b(backend) => m.offers_e2b(backend),
+        }
+    }
+
+    fn listener(self) -> Listener {
+        match self {
+            Wanted::Backend(_) => Listener::Api,
+            Wanted::E2b(_) => Listener::E2b,
+        }
+    }
+
+    /// What is made, for messages.
+    fn what(self) -> String {
+        match self {
+            Wanted::Backend(backend) => format!("a {backend:?} sandbox"),
+            Wanted::E2b(Some(backend)) => format!("an E2B sandbox on backend {backend:?}"),
+            Wanted::E2b(None) => "an E2B sandbox".to_owned(),
+        }
+    }
+
+    /// Which edges could make it, for messages.
+    fn offered_by(self) -> String {
+        match self {
+            Wanted::Backend(backend) => format!("runs backend {backend:?}"),
+            Wanted::E2b(Some(backend)) => {
+                format!("serves E2B (--e2b-listen, --e2b-envd-listen) and runs backend {backend:?}")
+            }
+            Wanted::E2b(None) => {
+                "serves E2B (--e2b-listen, --e2b-envd-listen) and runs its --e2b-backend".to_owned()
+            }
+        }
+    }
+}
+
+/// Places a create (or a call) as `wanted` says: the drawn edges first, then the others; an
 /// edge that vetoes (capacity), cannot run the backend or cannot be reached hands the
 /// request on. A keyed create first asks the drawn edges whether it was made already.
 async fn placed(
     fleet: &Fleet,
-    backend: &str,
+    wanted: Wanted<'_>,
     path: &str,
     headers: &HeaderMap,
     body: Bytes,
     key: Option<&str>,
 ) -> Result<Response, ApiError> {
     let members = fleet.table.members();
-    let placement = place(&members, backend, fleet.choices, key, &mut rand::rng()).map_err(
-        |why| match why {
-            NoPlacement::NoEdges => fleet.no_edges(),
-            NoPlacement::NoEdgeOffers => ApiError::unavailable(format!(
-                "no live edge runs backend {backend:?} (edges: {})",
-                members
-                    .list
-                    .iter()
-                    .map(|m| format!("{} [{}]", m.record.name, m.record.load.backends.join(",")))
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            )),
-        },
-    )?;
+    let placement = place_where(
+        &members,
+        |m| wanted.accepts(m),
+        fleet.choices,
+        key,
+        &mut rand::rng(),
+    )
+    .map_err(|why| match why {
+        NoPlacement::NoEdges => fleet.no_edges(),
+        NoPlacement::NoEdgeOffers => ApiError::unavailable(format!(
+            "no live edge {} (edges: {})",
+            wanted.offered_by(),
+            members
+                .list
+                .iter()
+                .map(|m| format!("{} [{}]", m.record.name, m.record.load.backends.join(",")))
+                .collect::<Vec<_>>()
+                .join("; ")
+        )),
+    })?;
     if let Some(key) = key {
         let lookup = format!("/v1/idempotency/{}", path_segment(key));
         let no_headers = HeaderMap::new();
         let found = join_all(placement.order[..placement.drawn].iter().map(|m| {
             fleet.forward(
                 m,
+                Listener::Api,
                 Method::GET,
                 &lookup,
                 &no_headers,
@@ -628,6 +970,7 @@ async fn placed(
         let answer = fleet
             .forward(
                 &member,
+                wanted.listener(),
                 Method::POST,
                 path,
                 headers,
@@ -648,7 +991,8 @@ async fn placed(
         refusals.push(format!("{}: {}", member.record.name, refused.message));
     }
     let message = format!(
-        "no edge could take a {backend:?} sandbox ({} tried: the drawn and the least loaded others): {}",
+        "no edge could take {} ({} tried: the drawn and the least loaded others): {}",
+        wanted.what(),
         placement.order.len(),
         refusals.join("; ")
     );
@@ -669,7 +1013,7 @@ async fn create(
     metrics::counter!("dsec_fleet_creates_total", "backend" => backend.clone()).increment(1);
     placed(
         &fleet,
-        &backend,
+        Wanted::Backend(&backend),
         "/v1/sandboxes",
         &headers,
         body,
@@ -718,7 +1062,7 @@ async fn create_many(
                 }
                 let placed = placed(
                     fleet,
-                    backend,
+                    Wanted::Backend(backend),
                     "/v1/sandboxes",
                     &headers,
                     body,
@@ -770,7 +1114,15 @@ async fn call(
     let body = axum::body::to_bytes(request.into_body(), usize::MAX)
         .await
         .map_err(|e| ApiError::invalid(format!("reading the request body: {e}")))?;
-    placed(&fleet, "fncall", &path, &headers, body, None).await
+    placed(
+        &fleet,
+        Wanted::Backend("fncall"),
+        &path,
+        &headers,
+        body,
+        None,
+    )
+    .await
 }
 
 /// `GET /v1/sandboxes`: every edge's list, merged oldest first.
@@ -783,52 +1135,17 @@ async fn list(
         Some(q) => format!("/v1/sandboxes?{q}"),
         None => "/v1/sandboxes".to_owned(),
     };
-    let members = fleet.ready_members();
-    let answers = join_all(members.iter().map(|m| async {
-        let response = fleet
-            .forward(m, Method::GET, &path, &headers, reqwest::Body::from(""))
-            .await?;
-        let status = response.status();
-        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
-            .await
-            .map_err(|e| ApiError::unavailable(format!("edge {:?}: {e}", m.record.name)))?;
-        Ok::<_, ApiError>((status, body))
-    }))
-    .await;
-    let mut all: Vec<serde_json::Value> = Vec::new();
-    for (member, answer) in members.iter().zip(answers) {
-        match answer {
-            Ok((status, body)) if status.is_success() => {
-                let items: Vec<serde_json::Value> = serde_json::from_slice(&body).map_err(|e| {
-                    ApiError::internal(format!(
-                        "edge {:?} answered a list that does not parse: {e}",
-                        member.record.name
-                    ))
-                })?;
-                all.extend(items);
-            }
-            Ok((status, body)) => return Ok(buffered(status, body)),
-            Err(e) => {
-                tracing::warn!(edge = %member.record.name, error = %e, "list: leaving out an edge that does not answer")
-            }
-        }
-    }
+    let mut all = match fleet
+        .lists(&fleet.ready_members(), Listener::Api, &path, &headers)
+        .await?
+    {
+        Lists::Merged { items, .. } => items,
+        Lists::Refused(answer) => return Ok(answer),
+    };
     let created =
         |v: &serde_json::Value| v.get("created_at").and_then(|c| c.as_f64()).unwrap_or(0.0);
     all.sort_by(|a, b| created(a).total_cmp(&created(b)));
     Ok(Json(all).into_response())
-}
-
-fn buffered(status: StatusCode, body: Bytes) -> Response {
-    (
-        status,
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        )],
-        body,
-    )
-        .into_response()
 }
 
 /// Reads that any edge answers the same (images, the store): the first live one.
@@ -840,6 +1157,7 @@ async fn from_any(State(fleet): State<Fleet>, request: Request) -> Result<Respon
     fleet
         .forward(
             member,
+            Listener::Api,
             parts.method,
             &path,
             &parts.headers,
@@ -863,9 +1181,16 @@ async fn import(State(fleet): State<Fleet>, request: Request) -> Result<Response
     }
     let path = path_and_query(&request);
     let (parts, body) = request.into_parts();
-    let body = reqwest::Body::wrap_stream(body.into_data_stream());
+    let body = passed_on(body);
     fleet
-        .forward(first, parts.method, &path, &parts.headers, body)
+        .forward(
+            first,
+            Listener::Api,
+            parts.method,
+            &path,
+            &parts.headers,
+            body,
+        )
         .await
 }
 
@@ -881,42 +1206,29 @@ async fn broadcast(State(fleet): State<Fleet>, request: Request) -> Result<Respo
     if members.is_empty() {
         return Err(fleet.no_edges());
     }
-    let answers = join_all(members.iter().map(|m| async {
-        let response = fleet
-            .forward(
-                m,
-                parts.method.clone(),
-                &path,
-                &parts.headers,
-                reqwest::Body::from(body.clone()),
-            )
-            .await?;
-        let status = response.status();
-        let headers = response.headers().clone();
-        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
-            .await
-            .map_err(|e| ApiError::unavailable(format!("edge {:?}: {e}", m.record.name)))?;
-        Ok::<_, ApiError>((status, headers, bytes))
-    }))
-    .await;
+    let answers = fleet
+        .ask_all(
+            &members,
+            Listener::Api,
+            &parts.method,
+            |_| path.clone(),
+            &parts.headers,
+            &body,
+        )
+        .await;
     let mut first = None;
     for answer in answers {
-        let (status, headers, bytes) = answer?;
+        let answer = answer?;
         // A progress stream reports a failure in its last line, under a success status.
-        let failed = !status.is_success()
-            || bytes
+        let failed = !answer.status.is_success()
+            || answer
+                .body
                 .split(|b| *b == b'\n')
                 .rev()
                 .find(|l| !l.is_empty())
                 .and_then(|l| serde_json::from_slice::<serde_json::Value>(l).ok())
                 .is_some_and(|v| v.get("kind").and_then(|k| k.as_str()) == Some("error"));
-        let mut response = Response::builder().status(status);
-        for name in &ANSWER_HEADERS[..1] {
-            if let Some(v) = headers.get(name) {
-                response = response.header(name, v);
-            }
-        }
-        let response = response.body(Body::from(bytes)).expect("a response builds");
+        let response = answer.into_response();
         if failed {
             return Ok(response);
         }
@@ -928,6 +1240,19 @@ async fn broadcast(State(fleet): State<Fleet>, request: Request) -> Result<Respo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn edge_errors_are_read_in_either_shape() {
+        let dsec = br#"{"error":{"kind":"capacity","message":"full"}}"#;
+        let e = edge_error(dsec);
+        assert_eq!((e.kind, e.message.as_str()), (ErrorKind::Capacity, "full"));
+        let e = edge_error(br#"{"code":503,"message":"no room"}"#);
+        assert_eq!(
+            (e.kind, e.message.as_str()),
+            (ErrorKind::Unavailable, "no room")
+        );
+        assert_eq!(edge_error(b"bad gateway").message, "bad gateway");
+    }
 
     #[test]
     fn keys_are_encoded_for_a_path() {

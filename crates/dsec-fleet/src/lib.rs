@@ -4,7 +4,8 @@
 //!   and publishes its load; apiservers watch the prefix into an in-memory [`EdgeTable`].
 //! - [`placement`]: power-of-k choices over the live edges that offer a backend.
 //! - [`apiserver`]: the `/v1` API, authenticated, each request forwarded to the edge its
-//!   sandbox id names (streams as streams), creates placed and retried past vetoes.
+//!   sandbox id names (streams as streams), creates placed and retried past vetoes; and
+//!   E2B's control plane and envd endpoint, forwarded alike to the edges' own.
 //! - [`projects`]: the projects and their token hashes in etcd, shared by every apiserver.
 //! - [`quotas`]: each edge's use of each project in etcd, so that quotas hold over the fleet.
 //!
@@ -17,7 +18,7 @@ pub mod placement;
 pub mod projects;
 pub mod quotas;
 
-pub use membership::{EdgeMembership, EdgeRecord, EdgeTable, FleetError};
+pub use membership::{EdgeE2b, EdgeMembership, EdgeRecord, EdgeTable, FleetError};
 
 /// The etcd prefix edges register under.
 pub const EDGE_PREFIX: &str = "/dsec/edges/";

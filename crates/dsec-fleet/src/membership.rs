@@ -64,6 +64,20 @@ pub struct EdgeRecord {
     pub load: EdgeLoad,
     /// When published, seconds since the Unix epoch.
     pub updated_at: f64,
+    /// Its E2B listeners, where it serves them (`--e2b-listen`, `--e2b-envd-listen`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub e2b: Option<EdgeE2b>,
+}
+
+/// Where an edge serves E2B's API, for apiservers to forward the e2b SDK's requests to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EdgeE2b {
+    /// Its control plane (`--e2b-listen`), as a URL.
+    pub api_url: String,
+    /// Its envd endpoint (`--e2b-envd-listen`), as a URL.
+    pub envd_url: String,
+    /// The backend of its templates that name none (`--e2b-backend`).
+    pub backend: String,
 }
 
 fn unix_now() -> f64 {
@@ -150,6 +164,7 @@ pub struct EdgeMembership {
     name: String,
     url: String,
     ttl_s: i64,
+    e2b: Option<EdgeE2b>,
     joined: Mutex<Option<(Client, i64)>>,
 }
 
@@ -164,8 +179,15 @@ impl EdgeMembership {
             name,
             url,
             ttl_s,
+            e2b: None,
             joined: Mutex::new(None),
         }
+    }
+
+    /// Publishes the edge's E2B listeners too.
+    pub fn with_e2b(mut self, e2b: EdgeE2b) -> EdgeMembership {
+        self.e2b = Some(e2b);
+        self
     }
 
     fn key(&self) -> String {
@@ -179,6 +201,7 @@ impl EdgeMembership {
             ready,
             load,
             updated_at: unix_now(),
+            e2b: self.e2b.clone(),
         };
         serde_json::to_vec(&record).expect("records serialize")
     }
@@ -383,6 +406,15 @@ impl Member {
             .score_with(self.placed.load(Ordering::Relaxed))
     }
 
+    /// Whether it serves E2B's API and runs `backend` there (`None`: the backend of its
+    /// templates that name none).
+    pub fn offers_e2b(&self, backend: Option<&str>) -> bool {
+        self.record
+            .e2b
+            .as_ref()
+            .is_some_and(|e| self.offers(backend.unwrap_or(&e.backend)))
+    }
+
     /// Whether it serves and runs `backend`.
     pub fn offers(&self, backend: &str) -> bool {
         self.record.ready && self.record.load.backends.iter().any(|b| b == backend)
@@ -549,5 +581,43 @@ impl Mirror for EdgeTable {
             self.apply(upserts, deletes);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(e2b: Option<EdgeE2b>) -> EdgeRecord {
+        EdgeRecord {
+            name: "e1".into(),
+            url: "http://127.0.0.1:7700".into(),
+            ready: true,
+            load: EdgeLoad {
+                backends: vec!["container".into(), "docker".into()],
+                ..Default::default()
+            },
+            updated_at: 0.0,
+            e2b,
+        }
+    }
+
+    #[test]
+    fn edges_offer_e2b_only_where_they_serve_it() {
+        let plain = Member::new(record(None));
+        assert!(!plain.offers_e2b(None) && !plain.offers_e2b(Some("container")));
+        let e2b = Member::new(record(Some(EdgeE2b {
+            api_url: "http://127.0.0.1:3000".into(),
+            envd_url: "http://127.0.0.1:49983".into(),
+            backend: "docker".into(),
+        })));
+        assert!(e2b.offers_e2b(None) && e2b.offers_e2b(Some("container")));
+        assert!(!e2b.offers_e2b(Some("vm")));
+        // A record from an edge that knows no E2B field still parses.
+        let mut old = serde_json::to_value(record(None)).unwrap();
+        assert!(old.get("e2b").is_none());
+        old.as_object_mut().unwrap().remove("e2b");
+        let parsed: EdgeRecord = serde_json::from_value(old).unwrap();
+        assert_eq!(parsed.e2b, None);
     }
 }

@@ -46,7 +46,7 @@ impl Placement {
 pub enum NoPlacement {
     /// The table is empty.
     NoEdges,
-    /// Edges exist, none (ready) runs the backend.
+    /// Edges exist, none (ready) accepts the create.
     NoEdgeOffers,
 }
 
@@ -69,15 +69,21 @@ pub fn place(
     key: Option<&str>,
     rng: &mut impl Rng,
 ) -> Result<Placement, NoPlacement> {
+    place_where(members, |m| m.offers(backend), k, key, rng)
+}
+
+/// Places a create over the `members` that `accept` it, with `k` choices.
+pub fn place_where(
+    members: &Members,
+    accept: impl Fn(&Member) -> bool,
+    k: usize,
+    key: Option<&str>,
+    rng: &mut impl Rng,
+) -> Result<Placement, NoPlacement> {
     if members.list.is_empty() {
         return Err(NoPlacement::NoEdges);
     }
-    let mut order: Vec<Arc<Member>> = members
-        .list
-        .iter()
-        .filter(|m| m.offers(backend))
-        .cloned()
-        .collect();
+    let mut order: Vec<Arc<Member>> = members.list.iter().filter(|m| accept(m)).cloned().collect();
     if order.is_empty() {
         return Err(NoPlacement::NoEdgeOffers);
     }
@@ -121,6 +127,7 @@ mod tests {
                 ..Default::default()
             },
             updated_at: 0.0,
+            e2b: None,
         }
     }
 

@@ -190,12 +190,7 @@ pub(crate) async fn authenticate(
 fn caller(state: &AppState, headers: &HeaderMap) -> Result<Caller, ApiError> {
     let refused = match check_bearer(state.token.as_deref(), headers) {
         // The admin may act for a project: a fleet apiserver forwarding its request.
-        Ok(()) => {
-            return match headers.get(crate::projects::ACTING_FOR) {
-                None => Ok(Caller::Admin),
-                Some(v) => Caller::from_acting_for(v.to_str().unwrap_or_default()),
-            }
-        }
+        Ok(()) => return Caller::admin_acting(headers),
         Err(e) => e,
     };
     presented_token(headers)

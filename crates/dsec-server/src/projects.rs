@@ -81,6 +81,15 @@ impl Caller {
         })
     }
 
+    /// Whom a request of the admin speaks for: the admin, or the project its
+    /// [`ACTING_FOR`] header names (a fleet apiserver forwarding a project's request).
+    pub fn admin_acting(headers: &axum::http::HeaderMap) -> Result<Caller, ApiError> {
+        match headers.get(ACTING_FOR) {
+            None => Ok(Caller::Admin),
+            Some(v) => Caller::from_acting_for(v.to_str().unwrap_or_default()),
+        }
+    }
+
     /// Refuses a project token on an admin's route.
     pub fn require_admin(&self, what: &str) -> Result<(), ApiError> {
         match self {

@@ -384,6 +384,14 @@ struct ApiserverArgs {
     /// log of a sandbox whose edge is gone is served from there.
     #[arg(long)]
     trajectory_db: Option<String>,
+    /// E2B's control-plane API for the whole fleet on this address, for the e2b SDK's
+    /// `E2B_API_URL` (forwarded to the edges' --e2b-listen).
+    #[arg(long)]
+    e2b_listen: Option<SocketAddr>,
+    /// One envd-compatible endpoint for every sandbox of the fleet on this address, routed
+    /// by the E2b-Sandbox-Id header to the sandbox's edge (`E2B_SANDBOX_URL`).
+    #[arg(long)]
+    e2b_envd_listen: Option<SocketAddr>,
 }
 
 #[derive(Subcommand)]
@@ -733,11 +741,40 @@ fn edge(args: EdgeArgs) -> Result<()> {
     if !(advertise.starts_with("http://") || advertise.starts_with("https://")) {
         bail!("--advertise {advertise:?} must be an http:// or https:// URL");
     }
-    let membership =
+    let e2b = edge_e2b(&args.serve, &advertise)?;
+    let mut membership =
         dsec_fleet::EdgeMembership::new(args.etcd, name.clone(), advertise, args.lease_ttl);
+    if let Some(e2b) = e2b {
+        membership = membership.with_e2b(e2b);
+    }
     let mut serve_args = args.serve;
     serve_args.edge_name = Some(name);
     serve(serve_args, Some(std::sync::Arc::new(membership)))
+}
+
+/// Where an edge's E2B listeners are reached, for its etcd record: each listener's address,
+/// its host taken from `--advertise` when it listens on every interface. Both or neither:
+/// apiservers forward the e2b SDK's control-plane and envd requests alike.
+fn edge_e2b(args: &ServeArgs, advertise: &str) -> Result<Option<dsec_fleet::EdgeE2b>> {
+    let (api, envd) = match (args.e2b_listen, args.e2b_envd_listen) {
+        (None, None) => return Ok(None),
+        (Some(api), Some(envd)) => (api, envd),
+        _ => bail!(
+            "dsec edge serves E2B with both --e2b-listen and --e2b-envd-listen, or neither: \
+             apiservers forward the e2b SDK's control-plane and envd requests to its edge"
+        ),
+    };
+    let advertised =
+        reqwest::Url::parse(advertise).with_context(|| format!("--advertise {advertise:?}"))?;
+    let url = |addr: SocketAddr| match advertised.host_str() {
+        Some(host) if addr.ip().is_unspecified() => format!("http://{host}:{}", addr.port()),
+        _ => format!("http://{addr}"),
+    };
+    Ok(Some(dsec_fleet::EdgeE2b {
+        api_url: url(api),
+        envd_url: url(envd),
+        backend: args.e2b_backend.clone(),
+    }))
 }
 
 /// The host name, as gethostname(2) reads it (the kernel's `uname` node name).
@@ -757,6 +794,8 @@ fn apiserver(args: ApiserverArgs) -> Result<()> {
         choices: args.choices.into(),
         max_upload_bytes: args.max_upload_mb << 20,
         trajectory_db: args.trajectory_db,
+        e2b_listen: args.e2b_listen,
+        e2b_envd_listen: args.e2b_envd_listen,
     };
     if let Some(db) = &config.trajectory_db {
         if !db.starts_with("postgres://") && !db.starts_with("postgresql://") {

@@ -36,7 +36,8 @@ pub struct E2bError {
 }
 
 impl E2bError {
-    fn new(status: StatusCode, message: impl Into<String>) -> E2bError {
+    /// An error of `status` saying `message`.
+    pub fn new(status: StatusCode, message: impl Into<String>) -> E2bError {
         E2bError {
             status,
             message: message.into(),
@@ -157,13 +158,9 @@ pub fn router(e2b: Arc<E2b>) -> Router {
 
 const TEMPLATES: &str = "building templates (import a rootfs or image with `dsec image import` and use its name as templateID)";
 
-async fn authenticate(
-    State(e2b): State<Arc<E2b>>,
-    headers: HeaderMap,
-    mut request: Request,
-    next: Next,
-) -> Response {
-    let key = headers
+/// The API key a control-plane request presents: `X-API-KEY`, else `Authorization: Bearer`.
+pub fn api_key(headers: &HeaderMap) -> &str {
+    headers
         .get("x-api-key")
         .and_then(|v| v.to_str().ok())
         .or_else(|| {
@@ -172,23 +169,57 @@ async fn authenticate(
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.strip_prefix("Bearer "))
         })
-        .unwrap_or_default();
-    let caller = match &e2b.token {
+        .unwrap_or_default()
+}
+
+/// Who presents API key `key` to a server whose own token is `token`: the admin (that
+/// token, or any non-empty key where there is none), a project (`project(key)`), or
+/// nobody. A `dsec serve` and a fleet apiserver decide alike.
+pub fn key_caller(
+    token: Option<&str>,
+    key: &str,
+    project: impl FnOnce(&str) -> Option<Caller>,
+) -> Option<Caller> {
+    match token {
         Some(token) if crate::api::constant_time_eq(key.as_bytes(), token.as_bytes()) => {
             Some(Caller::Admin)
         }
-        Some(_) => e2b.projects.authenticate(key),
+        Some(_) => project(key),
         None => (!key.is_empty()).then_some(Caller::Admin),
+    }
+}
+
+/// The 401 for a key [`key_caller`] refused.
+pub fn refused_key(has_token: bool) -> E2bError {
+    let why = if has_token {
+        "missing or wrong API key: set E2B_API_KEY to the dsec server's token or a \
+         project's"
+    } else {
+        "missing API key: set E2B_API_KEY (this dsec server takes any non-empty key)"
     };
-    let Some(caller) = caller else {
-        let why = if e2b.token.is_some() {
-            "missing or wrong API key: set E2B_API_KEY to the dsec server's token or a \
-             project's"
-        } else {
-            "missing API key: set E2B_API_KEY (this dsec server takes any non-empty key)"
-        };
-        let refused = E2bError::new(StatusCode::UNAUTHORIZED, why).into_response();
-        return drained(request.into_body(), refused).await;
+    E2bError::new(StatusCode::UNAUTHORIZED, why)
+}
+
+/// Tells who sent a request (the [`Caller`] handlers extract): the admin may act for a
+/// project, as a fleet apiserver forwarding a project's request does
+/// ([`crate::projects::ACTING_FOR`]).
+async fn authenticate(
+    State(e2b): State<Arc<E2b>>,
+    headers: HeaderMap,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let caller = key_caller(e2b.token.as_deref(), api_key(&headers), |key| {
+        e2b.projects.authenticate(key)
+    });
+    let caller = match caller {
+        Some(Caller::Admin) => Caller::admin_acting(&headers).map_err(E2bError::from),
+        Some(project) => Ok(project),
+        None => Err(refused_key(e2b.token.is_some())),
+    };
+    let caller = match caller {
+        Ok(caller) => caller,
+        Err(refused) => return drained(request.into_body(), refused.into_response()).await,
     };
     request.extensions_mut().insert(caller);
     next.run(request).await
@@ -410,13 +441,40 @@ fn rfc3339(unix: f64) -> String {
     )
 }
 
+/// The whole milliseconds of Unix time `unix`: a listed sandbox's `startedAt`, and the
+/// first part of the key lists are ordered and paged by, so that a page's end can be named
+/// from what was listed (an apiserver merging edges' lists does).
+// `as` from f64 saturates; a Unix time is far inside i64.
+#[allow(clippy::cast_possible_truncation)]
+fn started_ms(unix: f64) -> i64 {
+    (unix * 1000.0).floor() as i64
+}
+
+fn rfc3339_ms(ms: i64) -> String {
+    chrono::DateTime::from_timestamp_millis(ms).map_or_else(
+        || NEVER.to_owned(),
+        |t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+    )
+}
+
+/// The key a listed sandbox (`ListedSandbox` JSON) is ordered and paged by: its
+/// `startedAt` in milliseconds and its `sandboxID`.
+pub fn listed_key(sandbox: &serde_json::Value) -> Option<(i64, &str)> {
+    let started = sandbox.get("startedAt")?.as_str()?;
+    let started = chrono::DateTime::parse_from_rfc3339(started).ok()?;
+    Some((
+        started.timestamp_millis(),
+        sandbox.get("sandboxID")?.as_str()?,
+    ))
+}
+
 impl DetailBody {
     fn of(s: E2bSandbox, detail: bool) -> DetailBody {
         let limits = s.info.limits;
         DetailBody {
             alias: s.info.image.clone(),
             client_id: client_id(&s),
-            started_at: rfc3339(s.info.created_at),
+            started_at: rfc3339_ms(started_ms(s.info.created_at)),
             end_at: s.end_at.map_or_else(|| NEVER.to_owned(), rfc3339),
             cpu_count: limits.cpus.map_or(1, whole_cpus),
             memory_mb: limits.memory_mb.unwrap_or_default(),
@@ -574,7 +632,7 @@ async fn pause(State(e2b): State<Arc<E2b>>, Visible(id): Visible) -> Result<Stat
 
 /// The filters and page of a list request.
 #[derive(Debug, Default, PartialEq)]
-struct ListQuery {
+pub struct ListQuery {
     metadata: Vec<(String, String)>,
     running: bool,
     paused: bool,
@@ -585,17 +643,18 @@ struct ListQuery {
     limit: usize,
 }
 
-/// Where a page ends: the last sandbox's start time and id (the list's order).
+/// Where a page ends: the last sandbox's start time (whole milliseconds, as listed) and
+/// id (the list's order).
 #[derive(Clone, Debug, PartialEq)]
 struct Cursor {
-    started: f64,
+    started_ms: i64,
     id: String,
 }
 
 impl Cursor {
     fn encode(&self) -> String {
         base64::engine::general_purpose::URL_SAFE_NO_PAD
-            .encode(format!("{}/{}", self.started, self.id))
+            .encode(format!("{}/{}", self.started_ms, self.id))
     }
 
     fn decode(token: &str) -> Option<Cursor> {
@@ -604,7 +663,7 @@ impl Cursor {
             .ok()?;
         let (started, id) = std::str::from_utf8(&raw).ok()?.split_once('/')?;
         Some(Cursor {
-            started: started.parse().ok()?,
+            started_ms: started.parse().ok()?,
             id: id.to_owned(),
         })
     }
@@ -615,7 +674,8 @@ fn form_pairs(query: &str) -> impl Iterator<Item = (String, String)> + '_ {
 }
 
 impl ListQuery {
-    fn parse(query: &str) -> Result<ListQuery> {
+    /// Parses the query of `GET /v2/sandboxes`.
+    pub fn parse(query: &str) -> Result<ListQuery> {
         let mut q = ListQuery {
             newest_first: true,
             limit: 100,
@@ -699,59 +759,91 @@ impl ListQuery {
                 .is_none_or(|t| *t == s.template_id || *t == s.info.image)
     }
 
-    fn is_after(&self, s: &E2bSandbox) -> bool {
-        let Some(c) = &self.after else { return true };
-        let key = (s.info.created_at, s.info.id.as_str());
-        let cursor = (c.started, c.id.as_str());
-        let ord = key.0.total_cmp(&cursor.0).then(key.1.cmp(cursor.1));
+    /// The query of the old `GET /sandboxes`: running sandboxes only, no pages.
+    pub fn parse_v1(query: &str) -> Result<ListQuery> {
+        let mut q = ListQuery::parse(query)?;
+        (q.running, q.paused, q.limit, q.after) = (true, false, usize::MAX, None);
+        Ok(q)
+    }
+
+    /// Whether running sandboxes were asked for (the answer then counts them).
+    pub fn counts_running(&self) -> bool {
+        self.running
+    }
+
+    /// The page of `items` this query asks for, each keyed by its start time in whole
+    /// milliseconds and its id (they are ordered by that), and the `nextToken` of the
+    /// page after it, if there are more.
+    pub fn page<T>(
+        &self,
+        mut items: Vec<T>,
+        key: impl Fn(&T) -> (i64, &str),
+    ) -> (Vec<T>, Option<String>) {
+        items.sort_by(|a, b| key(a).cmp(&key(b)));
         if self.newest_first {
-            ord.is_lt()
-        } else {
-            ord.is_gt()
+            items.reverse();
         }
+        if let Some(c) = &self.after {
+            let cursor = (c.started_ms, c.id.as_str());
+            items.retain(|s| {
+                let ord = key(s).cmp(&cursor);
+                if self.newest_first {
+                    ord.is_lt()
+                } else {
+                    ord.is_gt()
+                }
+            });
+        }
+        let more = items.len() > self.limit;
+        items.truncate(self.limit);
+        let next = more.then(|| {
+            let (started_ms, id) = key(items.last().expect("a full page"));
+            Cursor {
+                started_ms,
+                id: id.to_owned(),
+            }
+            .encode()
+        });
+        (items, next)
     }
 }
 
 /// A page of sandboxes: `X-Next-Token` when there are more, `X-Total-Running` when running
 /// ones were asked for.
 fn list(e2b: &E2b, q: &ListQuery, caller: &Caller) -> Response {
-    let mut all: Vec<E2bSandbox> = e2b
+    let all: Vec<E2bSandbox> = e2b
         .list(&q.metadata, caller)
         .into_iter()
         .filter(|s| q.matches(s))
         .collect();
-    all.sort_by(|a, b| {
-        a.info
-            .created_at
-            .total_cmp(&b.info.created_at)
-            .then_with(|| a.info.id.cmp(&b.info.id))
-    });
-    if q.newest_first {
-        all.reverse();
-    }
     let running = all.iter().filter(|s| !s.paused()).count();
-    let rest: Vec<E2bSandbox> = all.into_iter().filter(|s| q.is_after(s)).collect();
-    let more = rest.len() > q.limit;
-    let page: Vec<E2bSandbox> = rest.into_iter().take(q.limit).collect();
-    let next = more.then(|| {
-        let last = page.last().expect("a full page");
-        Cursor {
-            started: last.info.created_at,
-            id: last.info.id.clone(),
-        }
-        .encode()
-    });
+    let (page, next) = q.page(all, |s| (started_ms(s.info.created_at), s.info.id.as_str()));
     let body: Vec<DetailBody> = page.into_iter().map(|s| DetailBody::of(s, false)).collect();
-    let mut response = Json(body).into_response();
+    list_response(&body, next, q.running.then_some(running))
+}
+
+/// A list's answer: the page, `X-Next-Token` when there are more, `X-Total-Running` when
+/// counted.
+pub fn list_response<T: Serialize>(
+    page: &[T],
+    next: Option<String>,
+    running: Option<usize>,
+) -> Response {
+    let mut response = Json(page).into_response();
     let headers = response.headers_mut();
     if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
-        headers.insert("x-next-token", token);
+        headers.insert(NEXT_TOKEN, token);
     }
-    if q.running {
-        headers.insert("x-total-running", HeaderValue::from(running));
+    if let Some(running) = running {
+        headers.insert(TOTAL_RUNNING, HeaderValue::from(running));
     }
     response
 }
+
+/// The header naming the next page of a list.
+pub const NEXT_TOKEN: &str = "x-next-token";
+/// The header counting a list's running sandboxes (over every page).
+pub const TOTAL_RUNNING: &str = "x-total-running";
 
 async fn list_v2(
     State(e2b): State<Arc<E2b>>,
@@ -768,8 +860,7 @@ async fn list_v1(
     caller: Caller,
     RawQuery(query): RawQuery,
 ) -> Result<Response> {
-    let mut q = ListQuery::parse(query.as_deref().unwrap_or_default())?;
-    (q.running, q.paused, q.limit, q.after) = (true, false, usize::MAX, None);
+    let q = ListQuery::parse_v1(query.as_deref().unwrap_or_default())?;
     Ok(list(&e2b, &q, &caller))
 }
 
@@ -876,9 +967,58 @@ mod tests {
     }
 
     #[test]
+    fn pages_follow_the_listed_order_whoever_merges_them() {
+        let listed =
+            |ms: i64, id: &str| serde_json::json!({"startedAt": rfc3339_ms(ms), "sandboxID": id});
+        // Two edges' sandboxes, merged: a page token from one page names the place in the
+        // whole list, so the next page is right over any set of edges.
+        let all = vec![
+            listed(1_000, "e1-000000000001"),
+            listed(3_000, "e2-000000000001"),
+            listed(2_000, "e1-000000000002"),
+            listed(2_000, "e2-000000000002"),
+        ];
+        fn key(v: &serde_json::Value) -> (i64, &str) {
+            listed_key(v).unwrap()
+        }
+        let mut seen = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let query = match &token {
+                Some(t) => format!("limit=1&nextToken={t}"),
+                None => "limit=1".to_owned(),
+            };
+            let q = ListQuery::parse(&query).unwrap();
+            let (page, next) = q.page(all.clone(), key);
+            seen.extend(
+                page.iter()
+                    .map(|v| v["sandboxID"].as_str().unwrap().to_owned()),
+            );
+            match next {
+                Some(t) => token = Some(t),
+                None => break,
+            }
+        }
+        assert_eq!(
+            seen,
+            [
+                "e2-000000000001",
+                "e2-000000000002",
+                "e1-000000000002",
+                "e1-000000000001"
+            ]
+        );
+        assert_eq!(started_ms(1_700_000_000.250_9), 1_700_000_000_250);
+        assert_eq!(
+            key(&listed(1_700_000_000_250, "a-1")),
+            (1_700_000_000_250, "a-1")
+        );
+    }
+
+    #[test]
     fn cursors_round_trip() {
         let c = Cursor {
-            started: 1_700_000_000.25,
+            started_ms: 1_700_000_000_250,
             id: "e0-0123456789ab".into(),
         };
         assert_eq!(Cursor::decode(&c.encode()), Some(c));

@@ -59,7 +59,7 @@ pub fn router(e2b: Arc<E2b>) -> Router {
 }
 
 /// envd's plain HTTP error: `{"code": <status>, "message": ...}`.
-fn http_error(status: StatusCode, message: impl Into<String>) -> Response {
+pub fn http_error(status: StatusCode, message: impl Into<String>) -> Response {
     let message = message.into();
     if status.is_server_error() && status != StatusCode::BAD_GATEWAY {
         tracing::error!(status = %status, message = %message, "envd error");
@@ -76,29 +76,38 @@ fn api_http_error(e: ApiError) -> Response {
     http_error(status, e.message)
 }
 
-/// The sandbox a request is for, or the 502 E2B's proxy answers for one it cannot reach.
-async fn target(e2b: &E2b, headers: &HeaderMap) -> Result<E2bSandbox, Response> {
-    let id = headers
+/// The id of the sandbox a request names (`E2b-Sandbox-Id`, else the host), or the 400
+/// saying it names none.
+pub fn requested_sandbox(headers: &HeaderMap) -> Result<String, Response> {
+    headers
         .get("e2b-sandbox-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
-        .or_else(|| sandbox_from_host(headers));
-    let Some(mut id) = id else {
-        return Err(http_error(
-            StatusCode::BAD_REQUEST,
-            "no sandbox named: send the E2b-Sandbox-Id header (the e2b SDK does when \
-             E2B_SANDBOX_URL points here)",
-        ));
-    };
+        .or_else(|| sandbox_from_host(headers))
+        .ok_or_else(|| {
+            http_error(
+                StatusCode::BAD_REQUEST,
+                "no sandbox named: send the E2b-Sandbox-Id header (the e2b SDK does when \
+                 E2B_SANDBOX_URL points here)",
+            )
+        })
+}
+
+/// The 502 E2B's proxy answers for a sandbox it cannot reach (`is_running()` reads it).
+fn unreachable_sandbox(id: &str, why: &str) -> Response {
+    http_error(
+        StatusCode::BAD_GATEWAY,
+        format!("sandbox {id:?} was not found: {why}"),
+    )
+}
+
+/// The sandbox a request is for, or the 502 E2B's proxy answers for one it cannot reach.
+async fn target(e2b: &E2b, headers: &HeaderMap) -> Result<E2bSandbox, Response> {
+    let mut id = requested_sandbox(headers)?;
     if id == DEBUG_SANDBOX_ID {
         id = e2b.debug_sandbox().await.map_err(api_http_error)?;
     }
-    let not_found = || {
-        http_error(
-            StatusCode::BAD_GATEWAY,
-            format!("sandbox {id:?} was not found: it was killed, timed out, or never existed"),
-        )
-    };
+    let not_found = || unreachable_sandbox(&id, "it was killed, timed out, or never existed");
     let sandbox = e2b.get(&id).map_err(|_| not_found())?;
     if matches!(
         sandbox.info.state,
@@ -313,7 +322,7 @@ const DRAIN_LIMIT: usize = 64 << 10;
 /// Reads what is left of a (small) request body before an early error reply: the e2b SDK
 /// streams request bodies, and a client still sending one would see the connection
 /// closed instead of the reply.
-pub(super) async fn drained(body: Body, response: Response) -> Response {
+pub async fn drained(body: Body, response: Response) -> Response {
     match axum::body::to_bytes(body, DRAIN_LIMIT).await {
         Ok(_) => response,
         Err(_) => closing(response),

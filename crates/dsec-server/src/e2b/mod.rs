@@ -566,7 +566,10 @@ pub async fn start(
     Ok(servers)
 }
 
-async fn serve(
+/// Serves `app` as `what` on `addr` until `stop` turns true: the E2B listeners' server
+/// (TCP_NODELAY on, for Connect streams), for `dsec serve` and a fleet apiserver alike.
+/// A binding error comes back before anything is served.
+pub async fn serve(
     addr: SocketAddr,
     app: axum::Router,
     what: &'static str,
