@@ -102,6 +102,12 @@ def main() -> None:
     ap.add_argument("--network", action="store_true", help="network=True sandboxes")
     ap.add_argument("--memory-mb", type=int, default=None, help="memory_mb of each sandbox")
     ap.add_argument("--settle-s", type=int, default=60, help="follow the recovery this long")
+    ap.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="drop the host's clean page cache first (vm.drop_caches=1), so that what the\n"
+        "run measures is not the kernel reclaiming other work's cache",
+    )
     ap.add_argument("--dsec-bin", help="dsec binary (default target/release/dsec)")
     ap.add_argument("--rootfs", help="a busybox rootfs (default: built here)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `dsec serve` arg")
@@ -115,6 +121,8 @@ def main() -> None:
 
 def run(args: argparse.Namespace) -> None:
     rootfs = prepare_rootfs(args.rootfs)
+    if args.drop_caches:
+        Path("/proc/sys/vm/drop_caches").write_text("1")
     # Admission is not what is measured: 10,000 promises of 512 MiB on a 24 GiB host need
     # a ratio of ~240 (README, "Admission control").
     server_args = ["--memory-overcommit", "400", "--pids-overcommit", "400", *args.server_arg]

@@ -19,6 +19,7 @@ use crate::channel::Channel;
 pub use crate::channel::{ExecEvent, ExecHandle};
 use crate::files::FileError;
 use crate::proto::{ExecSpec, InitError};
+use crate::rootfs::SharedSysfs;
 use crate::spec::SandboxSpec;
 use crate::zygote::{Zygote, ZygoteError};
 
@@ -153,6 +154,7 @@ pub struct ContainerRuntime {
     zygote: Zygote,
     layout: CgroupLayout,
     sandboxes_dir: PathBuf,
+    sysfs: Option<SharedSysfs>,
 }
 
 /// A running native container.
@@ -173,12 +175,19 @@ pub struct Container {
 }
 
 impl ContainerRuntime {
-    /// A runtime that clones through `zygote` and puts cgroups where `layout` says.
-    pub fn new(zygote: Zygote, layout: CgroupLayout, sandboxes_dir: PathBuf) -> Self {
+    /// A runtime that clones through `zygote`, puts cgroups where `layout` says and
+    /// gives its sandboxes `sysfs` (else each mounts its own).
+    pub fn new(
+        zygote: Zygote,
+        layout: CgroupLayout,
+        sandboxes_dir: PathBuf,
+        sysfs: Option<SharedSysfs>,
+    ) -> Self {
         ContainerRuntime {
             zygote,
             layout,
             sandboxes_dir,
+            sysfs,
         }
     }
 
@@ -260,6 +269,7 @@ impl ContainerRuntime {
                 init_memory_home: cgroup.init_memory_home(),
                 commands_cgroup: cgroup.commands_join(),
                 worker: opts.worker,
+                sysfs: self.sysfs.as_ref().map(|s| s.path().to_owned()),
             };
             Ok(self.zygote.create(&spec)?)
         })();

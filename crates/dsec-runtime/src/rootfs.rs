@@ -124,7 +124,7 @@ pub fn setup(spec: &SandboxSpec) -> Result<OwnedFd, RootfsError> {
     if spec.worker {
         expose_layers(&rootfs, &spec.layers)?;
     } else {
-        build_view(&rootfs, &rw, Pid1::Protected)?;
+        build_view(&rootfs, &rw, Pid1::Protected, spec.sysfs.as_deref())?;
     }
     pivot(&rootfs)?;
     Ok(upper)
@@ -141,7 +141,7 @@ pub fn setup_call(layer_count: usize, disk_bytes: u64) -> Result<(), RootfsError
         .collect();
     let (rootfs, rw) = (base.join("root"), base.join("rw"));
     build_overlay(&rw, &rootfs, &layers, disk_bytes)?;
-    build_view(&rootfs, &rw, Pid1::Alone)?;
+    build_view(&rootfs, &rw, Pid1::Alone, None)?;
     pivot(&rootfs)
 }
 
@@ -163,7 +163,7 @@ pub fn setup_guest(lowers: &[PathBuf], scratch: &Path, rootfs: &Path) -> Result<
         .collect();
     mount_overlay(&lowerdir.join(":"), &upper, &work, rootfs)?;
     let view = ensure_dir(Path::new("/.view"))?;
-    build_view(rootfs, &view, Pid1::Protected)?;
+    build_view(rootfs, &view, Pid1::Protected, None)?;
     rustix::process::chdir(rootfs).step("chdir", rootfs)?;
     mount_move(".", "/").step("move the new root over", Path::new("/"))?;
     rustix::process::chroot(".").step("chroot", rootfs)?;
@@ -293,8 +293,14 @@ enum Pid1 {
 /// host more than its memory: every memory cgroup on the host keeps a slot for each one
 /// (1 KiB per 64), and reclaim visits those slots, so on an edge of thousands of sandboxes
 /// a superblock per sandbox costs as much as the rest of the sandbox.
-fn build_view(rootfs: &Path, scratch: &Path, pid1: Pid1) -> Result<(), RootfsError> {
-    mount_proc_dev_sys(rootfs, scratch)?;
+/// `sysfs`: a [`SharedSysfs`] to bind, else the root gets a sysfs of its own.
+fn build_view(
+    rootfs: &Path,
+    scratch: &Path,
+    pid1: Pid1,
+    sysfs: Option<&Path>,
+) -> Result<(), RootfsError> {
+    mount_proc_dev_sys(rootfs, scratch, sysfs)?;
     let empty = scratch.join("empty");
     fs::create_dir(&empty).step("mkdir", &empty)?;
     let masked = MASKED_PATHS
@@ -334,8 +340,12 @@ fn expose_layers(rootfs: &Path, layers: &[PathBuf]) -> Result<(), RootfsError> {
 }
 
 /// `/proc`, `/dev` (made in `scratch`, then bound: its files and `/dev/shm` count against
-/// the writable layer's size) and `/sys`.
-fn mount_proc_dev_sys(rootfs: &Path, scratch: &Path) -> Result<(), RootfsError> {
+/// the writable layer's size) and `/sys` (`sysfs` bound, or a sysfs of its own).
+fn mount_proc_dev_sys(
+    rootfs: &Path,
+    scratch: &Path,
+    sysfs: Option<&Path>,
+) -> Result<(), RootfsError> {
     let proc_dir = ensure_dir(&rootfs.join("proc"))?;
     mount("proc", &proc_dir, "proc", NOSUID_NODEV_NOEXEC, None).step("mount proc on", &proc_dir)?;
 
@@ -388,15 +398,84 @@ fn mount_proc_dev_sys(rootfs: &Path, scratch: &Path) -> Result<(), RootfsError> 
     .step("mount devpts on", &pts)?;
 
     let sys = ensure_dir(&rootfs.join("sys"))?;
-    mount(
-        "sysfs",
-        &sys,
-        "sysfs",
-        NOSUID_NODEV_NOEXEC | MountFlags::RDONLY,
-        None,
-    )
-    .step("mount sysfs on", &sys)?;
-    Ok(())
+    match sysfs {
+        Some(shared) => bind_with(shared, &sys, NOSUID_NODEV_NOEXEC | MountFlags::RDONLY).map(drop),
+        None => mount(
+            "sysfs",
+            &sys,
+            "sysfs",
+            NOSUID_NODEV_NOEXEC | MountFlags::RDONLY,
+            None,
+        )
+        .step("mount sysfs on", &sys),
+    }
+}
+
+/// One sysfs for every sandbox of a server, each binding it read-only on its `/sys`.
+///
+/// A sysfs mounted in a network namespace is a superblock of its own (what it shows of
+/// `/sys/class/net` depends on the namespace), and the kernel finds it by walking every
+/// sysfs superblock on the host: a sysfs per sandbox makes each create slower the more
+/// sandboxes there are, and costs every memory cgroup a slot (see [`build_view`]). This
+/// one belongs to an empty network namespace the server keeps: what differs from a
+/// sandbox's own is `/sys/class/net`, which shows a loopback device that is down, never
+/// the sandbox's `eth0` (network tools read netlink and `/proc/net`, not sysfs).
+#[derive(Debug)]
+pub struct SharedSysfs {
+    dir: PathBuf,
+    /// Holds the namespace alive: the mount alone would keep it, but emptied of devices.
+    _netns: OwnedFd,
+}
+
+impl SharedSysfs {
+    /// Mounts it on `dir` (made if missing; whatever an earlier run of the server left
+    /// mounted there is unmounted first).
+    pub fn mount(dir: &Path) -> Result<SharedSysfs, RootfsError> {
+        fs::create_dir_all(dir).step("mkdir", dir)?;
+        while rustix::mount::unmount(dir, UnmountFlags::DETACH).is_ok() {}
+        let target = dir.to_owned();
+        // A thread of its own enters the new namespace: the server's threads stay where
+        // they are, and the mount is made in the host's mount namespace.
+        let netns = std::thread::spawn(move || -> Result<OwnedFd, RootfsError> {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(std::io::Error::from)
+                .step("unshare the network namespace for", &target)?;
+            let netns = rustix::fs::open(
+                "/proc/thread-self/ns/net",
+                rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .step("open the network namespace for", &target)?;
+            mount(
+                "sysfs",
+                &target,
+                "sysfs",
+                NOSUID_NODEV_NOEXEC | MountFlags::RDONLY,
+                None,
+            )
+            .step("mount sysfs on", &target)?;
+            Ok(netns)
+        })
+        .join()
+        .map_err(|_| std::io::Error::other("the sysfs thread panicked"))
+        .step("mount sysfs on", dir)??;
+        Ok(SharedSysfs {
+            dir: dir.to_owned(),
+            _netns: netns,
+        })
+    }
+
+    /// Where it is mounted.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for SharedSysfs {
+    fn drop(&mut self) {
+        let _ = rustix::mount::unmount(&self.dir, UnmountFlags::DETACH);
+        let _ = fs::remove_dir(&self.dir);
+    }
 }
 
 /// Creates a mount point the image may lack; the write lands in the sandbox's upper

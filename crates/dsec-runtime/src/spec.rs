@@ -29,4 +29,8 @@ pub struct SandboxSpec {
     /// with a fresh writable layer, so the worker stays pristine between calls.
     #[serde(default)]
     pub worker: bool,
+    /// The server's [`crate::rootfs::SharedSysfs`], bound read-only on the sandbox's
+    /// `/sys`; without one, the sandbox mounts a sysfs of its own.
+    #[serde(default)]
+    pub sysfs: Option<PathBuf>,
 }

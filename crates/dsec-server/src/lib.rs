@@ -28,6 +28,7 @@ use dsec_api::BackendKind;
 use dsec_image::ImageStore;
 use dsec_runtime::cgroup::{CgroupLayout, ParentLimits};
 use dsec_runtime::container::ContainerRuntime;
+use dsec_runtime::rootfs::SharedSysfs;
 use dsec_runtime::zygote::Zygote;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
@@ -194,6 +195,8 @@ pub struct HostSetup {
     exe: PathBuf,
     /// The image store's `nosuid,nodev` mount, held until the server stops.
     seal: Option<dsec_image::seal::Seal>,
+    /// The sysfs every container sandbox binds (`<state>/sys`).
+    sysfs: Option<SharedSysfs>,
 }
 
 fn state_err(path: &Path) -> impl FnOnce(std::io::Error) -> ServeError + '_ {
@@ -258,6 +261,9 @@ impl HostSetup {
         })?;
         let zygote = Zygote::spawn(exe)?;
         raise_descriptor_limit();
+        let sysfs = SharedSysfs::mount(&state.join("sys"))
+            .inspect_err(|e| tracing::warn!(error = %e, "no shared sysfs: each sandbox mounts its own"))
+            .ok();
         Ok(HostSetup {
             _lock: lock,
             layout,
@@ -265,6 +271,7 @@ impl HostSetup {
             zygote,
             exe: exe.to_owned(),
             seal,
+            sysfs,
         })
     }
 }
@@ -408,6 +415,7 @@ pub async fn run_with(
         host.zygote,
         host.layout,
         config.state_dir.join("sandboxes"),
+        host.sysfs,
     ));
     let cleaned = {
         let runtime = Arc::clone(&runtime);
