@@ -60,6 +60,10 @@ pub enum ZygoteError {
     /// A reply did not parse.
     #[error("malformed reply from the zygote")]
     Malformed,
+    /// The reply's descriptors did not fit: the kernel truncates `SCM_RIGHTS` when the
+    /// receiver is at its limit of open files.
+    #[error("the server is out of file descriptors (RLIMIT_NOFILE) and cannot take the sandbox's")]
+    Descriptors,
 }
 
 /// A sandbox's init, as the zygote cloned it.
@@ -140,7 +144,8 @@ impl Zygote {
         )
         .map_err(ZygoteError::Channel)?;
         let mut fds = Vec::new();
-        for c in msg.cmsgs().map_err(ZygoteError::Channel)? {
+        // nix reports a truncated control message (MSG_CTRUNC) as ENOBUFS.
+        for c in msg.cmsgs().map_err(|_| ZygoteError::Descriptors)? {
             if let ControlMessageOwned::ScmRights(received) = c {
                 // SAFETY: SCM_RIGHTS installed these descriptors in this process for us.
                 fds.extend(received.iter().map(|f| unsafe { OwnedFd::from_raw_fd(*f) }));

@@ -262,7 +262,9 @@ impl HostSetup {
         let zygote = Zygote::spawn(exe)?;
         raise_descriptor_limit();
         let sysfs = SharedSysfs::mount(&state.join("sys"))
-            .inspect_err(|e| tracing::warn!(error = %e, "no shared sysfs: each sandbox mounts its own"))
+            .inspect_err(
+                |e| tracing::warn!(error = %e, "no shared sysfs: each sandbox mounts its own"),
+            )
             .ok();
         Ok(HostSetup {
             _lock: lock,
@@ -281,9 +283,10 @@ impl HostSetup {
 const WANTED_DESCRIPTORS: u64 = 1 << 20;
 
 /// Raises the server's own limit on open descriptors to [`WANTED_DESCRIPTORS`] (bounded by
-/// `fs.nr_open`), or at least its soft limit to its hard one: a host's usual 1,024, or the
-/// 20,000 of some images, stops an edge short of the sandboxes its memory holds. Called
-/// after the zygote started, so sandboxes keep the limit the server was started with.
+/// `fs.nr_open`), or, without `CAP_SYS_RESOURCE`, its soft limit to its hard one: a host's
+/// usual 1,024, or the 20,000 of some images, stops an edge short of the sandboxes its
+/// memory holds. Called after the zygote started, so sandboxes keep the limit the server
+/// was started with.
 fn raise_descriptor_limit() {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     let before = getrlimit(Resource::Nofile);
@@ -291,28 +294,24 @@ fn raise_descriptor_limit() {
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
         .unwrap_or(WANTED_DESCRIPTORS);
-    let hard = before.maximum.unwrap_or(u64::MAX);
-    let wanted = hard.max(WANTED_DESCRIPTORS.min(nr_open));
-    let raised = setrlimit(
-        Resource::Nofile,
-        Rlimit {
-            current: Some(wanted),
-            maximum: Some(wanted),
-        },
-    )
-    .or_else(|_| {
-        setrlimit(
-            Resource::Nofile,
-            Rlimit {
-                current: before.maximum,
-                maximum: before.maximum,
-            },
-        )
-    });
+    let wanted = before
+        .maximum
+        .unwrap_or(u64::MAX)
+        .max(WANTED_DESCRIPTORS.min(nr_open));
+    let at = |limit: Option<u64>| Rlimit {
+        current: limit,
+        maximum: limit,
+    };
+    if setrlimit(Resource::Nofile, at(Some(wanted))).is_err() {
+        let _ = setrlimit(Resource::Nofile, at(before.maximum));
+    }
     let after = getrlimit(Resource::Nofile).current;
-    match raised {
-        Ok(()) => tracing::debug!(before = ?before.current, after = ?after, "descriptor limit raised"),
-        Err(e) => tracing::warn!(limit = ?after, error = %e, "cannot raise the descriptor limit; it bounds how many sandboxes this server holds"),
+    if after.is_some_and(|n| n < wanted) {
+        tracing::warn!(
+            limit = ?after,
+            "the descriptor limit is below {wanted} and cannot be raised (no CAP_SYS_RESOURCE): \
+             at two per sandbox it bounds how many this server holds"
+        );
     }
 }
 
