@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "bench"), str(REPO / "python"), str(REPO / "tools")]
 from dsec_bench.common import CLEANUP, Dsec, log, prepare_rootfs  # noqa: E402
+from dsec_bench.idle import stop_sandboxes  # noqa: E402
 
 
 def meminfo() -> dict[str, int]:
@@ -199,22 +199,7 @@ def run(args: argparse.Namespace) -> None:
     log(f"stopping {len(ids)} sandboxes")
     t0 = time.perf_counter()
 
-    async def stop_all() -> None:
-        aclient = d.async_client()
-        sem = asyncio.Semaphore(args.batch)
-
-        async def one(sid: str) -> None:
-            async with sem:
-                with contextlib.suppress(Exception):
-                    await (await aclient.get(sid)).stop()
-                d.untrack(sid)
-
-        try:
-            await asyncio.gather(*(one(s) for s in ids))
-        finally:
-            await aclient.close()
-
-    asyncio.run(stop_all())
+    stop_sandboxes(d, ids, args.batch)
     stop_s = time.perf_counter() - t0
     settle: list[tuple[float, int, float]] = []
     t0 = time.perf_counter()

@@ -78,10 +78,16 @@ def bench_dsec_idle(d: Dsec, count: int) -> dict[str, Any]:
         "server_rss_mib_per_sandbox": (rss1 - rss0) / len(ids) / 1024 if rss0 and rss1 else None,
     }
     log(f"dsec: stopping {len(ids)} idle sandboxes")
+    stop_sandboxes(d, ids)
+    return res
+
+
+def stop_sandboxes(d: Dsec, ids: list[str], concurrency: int = 16) -> None:
+    """Stops `ids` from one AsyncClient, `concurrency` at a time (best effort)."""
 
     async def stop_all() -> None:
         aclient = d.async_client()
-        sem = asyncio.Semaphore(16)
+        sem = asyncio.Semaphore(concurrency)
 
         async def one(sid: str) -> None:
             async with sem:
@@ -96,4 +102,3 @@ def bench_dsec_idle(d: Dsec, count: int) -> dict[str, Any]:
             await aclient.close()
 
     asyncio.run(stop_all())
-    return res
