@@ -496,7 +496,7 @@ fn mask(rootfs: &Path, path: &str, empty: &Path) -> Result<(), RootfsError> {
         return Ok(());
     };
     if !meta.is_dir() {
-        return mount_bind(&rootfs.join("dev/null"), &target).step("mask", &target);
+        return mount_bind(rootfs.join("dev/null"), &target).step("mask", &target);
     }
     bind_with(empty, &target, MountFlags::RDONLY | NOSUID_NODEV_NOEXEC).map(drop)
 }

@@ -189,7 +189,7 @@ impl Entry {
                     .expect("lock")
                     .as_ref()
                     .filter(|(at, _)| at.elapsed() <= age)
-                    .map(|(_, usage)| usage.clone())
+                    .map(|(_, usage)| *usage)
             });
             info.usage = cached.unwrap_or_else(|| {
                 let usage = self.sandbox.usage();
@@ -202,7 +202,7 @@ impl Entry {
 
     /// Keeps `usage` as read now.
     fn sampled_now(&self, usage: &dsec_api::Usage) {
-        *self.sampled.lock().expect("lock") = Some((Instant::now(), usage.clone()));
+        *self.sampled.lock().expect("lock") = Some((Instant::now(), *usage));
     }
 
     /// Marks the usage last read as still current: the sampler saw no CPU time spent since.
