@@ -146,6 +146,18 @@ impl Entry {
         );
     }
 
+    /// Records a refused read or write of the files API (`op`), unless the path was
+    /// merely missing: what an operator needs to see of a sandbox that plants devices,
+    /// FIFOs, kernel interfaces, links out of its root or oversized files.
+    fn refused(&self, op: &str, path: &str, error: &ApiError) {
+        if error.kind != dsec_api::ErrorKind::NotFound {
+            self.emit(
+                kind::FILE_REFUSED,
+                serde_json::json!({"op": op, "path": path, "error": error.message, "status": error.kind.status()}),
+            );
+        }
+    }
+
     /// Gives back what it holds of the edge's budget and its project's quotas.
     fn release(&self) {
         self.grant.lock().expect("lock").take();
@@ -1326,7 +1338,9 @@ impl Edge {
                 .sandbox
                 .read_file(path, self.config.files.max_read_bytes);
             let result = as_user(user, read).await;
-            let inner = entry.or_failed(result).await?;
+            let inner = entry.or_failed(result).await.inspect_err(|e| {
+                entry.refused("read", path, e);
+            })?;
             let transfer = Transfer {
                 inner,
                 span: tracing::Span::current(),
@@ -1353,7 +1367,11 @@ impl Edge {
         let limit = self.config.files.max_write_bytes;
         if let Some(len) = data.declared_len().filter(|n| *n > limit) {
             data.discard(limit).await;
-            return Err(too_large_upload(path, Some(len), limit).into());
+            let err: ApiError = too_large_upload(path, Some(len), limit).into();
+            if let Ok(entry) = self.lookup(id) {
+                entry.refused("write", path, &err);
+            }
+            return Err(err);
         }
         data.set_limit(limit);
         let declared = data.declared_len();
@@ -1362,11 +1380,12 @@ impl Edge {
             let who = file_user(&entry, user).await?;
             let result = as_user(who, entry.sandbox.write_file(path, mode & 0o7777, data)).await;
             let written = entry.or_failed(result).await;
-            if written.is_ok() {
-                entry.emit(
+            match &written {
+                Ok(()) => entry.emit(
                     kind::FILE_WRITE,
                     with_user(serde_json::json!({"path": path, "size": declared, "mode": mode & 0o7777, "by": "files"}), user),
-                );
+                ),
+                Err(e) => entry.refused("write", path, e),
             }
             written
         }
