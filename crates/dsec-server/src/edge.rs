@@ -1096,6 +1096,7 @@ impl Edge {
                     dst: r.dst.to_string(),
                     port: r.port,
                     protocol: r.protocol,
+                    name: r.name,
                 })
                 .collect(),
         })
