@@ -11,9 +11,10 @@ files API (the Watcher's `binary-overwrite` flag; the image and other sandboxes 
 a thread storm (`limit.pids`, the Watcher's `pids-storm`), forged frames (output, never
 taken for the channel's), `chattr` ioctls (refused), masked `/proc` and `/sys` paths
 (empty, and refused by the files API: `file.refused`), a symbolic link swapped between the
-files API's check and use (never the host's file), and oversized uploads
-(`file.refused`). One project reaching into another's sandboxes is tests/test_projects.py
-(`NotFound` on every route, on every backend).
+files API's check and use (never the host's file), oversized uploads (`file.refused`), and
+the Watcher's acting rules (cut the network, pause, stop). One project reaching into
+another's sandboxes is tests/test_projects.py (`NotFound` on every route, on every
+backend).
 
 Throughout the module a quiet container sandbox answers a command every half second (its
 round trip's p50 is reported at the end, not asserted), and at the end every sandbox the
@@ -22,6 +23,7 @@ module made on the shared server is stopped and has left nothing on the host."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import os
 import re
@@ -811,6 +813,73 @@ def test_package_fetches_outside_the_allow_list_are_refused_and_seen(
             assert not any(e.get("name") == WEB for e in sb.network_refused())
         finally:
             sb.stop()
+
+
+def refused_to(client: dsec.Client, sandbox: str, dst: str) -> bool:
+    """Whether a `network.refused` event of `sandbox` names `dst`."""
+    return any(e.data["dst"] == dst for e in kinds_of(client, sandbox, ["network.refused"]))
+
+
+#: Rules that act, each on a misbehaviour of the cases above.
+ACTING_RULES = """{"rules": [
+  {"name": "scan-cut", "kind": "network.refused", "count": 3, "distinct": ["dst", "port"],
+   "action": "cut_network"},
+  {"name": "flood-pause", "kind": "output.truncated", "count": 1, "action": "pause"},
+  {"name": "oom-stop", "kind": "limit.oom", "count": 1, "action": "stop"}]}"""
+
+
+def test_the_watchers_actions_cut_the_network_pause_and_stop(
+    busybox_rootfs: Path, backend: str, tmp_path: Path
+) -> None:
+    """Rules from `--watcher-config` act: a scan cuts the sandbox's network (what its
+    policy allowed is refused from then on), an output flood pauses it, an OOM kill stops
+    it. Each action is a `watcher.action` event with its evidence, and the lifecycle
+    events follow (`sandbox.paused`, `sandbox.stopped` with reason `watcher`). The
+    actions are the edge's, the same for every backend: run on containers."""
+    from test_network import own_server
+
+    if backend != "container":
+        pytest.skip(f"{backend}: the Watcher's actions are the edge's, run on containers")
+    config = tmp_path / "watcher.json"
+    config.write_text(ACTING_RULES)
+    for server, _ in own_server(Server, busybox_rootfs, ("--watcher-config", str(config))):
+        with server.client() as c:
+            net = c.create(image="busybox", network={"allow": ["192.0.2.1:9"]})
+            flood = c.create(image="busybox")
+            hog = c.create(image="busybox", memory_mb=64)
+            try:
+                probe = "nc -w 1 192.0.2.1 9 </dev/null; true"
+                net.run(probe)  # allowed: it leaves (and goes nowhere), no refusal
+                assert not refused_to(c, net.id, "192.0.2.1")
+                net.run("for p in 1 2 3 4 5; do nc -w 1 198.51.100.7 $p </dev/null & done; wait")
+                assert flood.run("yes | head -c 1000000", max_output_bytes=1000).truncated
+                # The Watcher may stop it before the command's answer: "is stopped".
+                with contextlib.suppress(dsec.Conflict):
+                    hog.run("head -c 400m /dev/zero | tail > /dev/null", timeout=60)
+                acted = {
+                    sb.id: wait_for(c, sb.id, "watcher.action")[0].data for sb in (net, flood, hog)
+                }
+                for sb, rule, action, kind in (
+                    (net, "scan-cut", "cut_network", "network.refused"),
+                    (flood, "flood-pause", "pause", "output.truncated"),
+                    (hog, "oom-stop", "stop", "limit.oom"),
+                ):
+                    data = acted[sb.id]
+                    assert (data["rule"], data["action"], data["ok"]) == (rule, action, True), data
+                    evidence = {e.id for e in kinds_of(c, sb.id, [kind])}
+                    assert data["evidence"]["kind"] == kind, data
+                    assert set(data["evidence"]["events"]) <= evidence, (data, evidence)
+                assert wait_for(c, flood.id, "sandbox.paused")
+                stopped = wait_for(c, hog.id, "sandbox.stopped")[0]
+                assert stopped.data["reason"] == "watcher", stopped.data
+                # The cut network: the destination its policy allowed is refused now.
+                net.run(probe)
+                refused = partial(refused_to, c, net.id, "192.0.2.1")
+                assert wait_until(refused, 10, interval=0.2), net.network_refused()
+            finally:
+                for sb in (net, flood, hog):
+                    with contextlib.suppress(dsec.NotFound):
+                        sb.stop()
 
 
 class _Hello(socketserver.BaseRequestHandler):
