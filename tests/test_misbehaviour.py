@@ -41,8 +41,8 @@ from pathlib import Path
 
 import dsec
 import pytest
-from dsec_local import wait_until
-from dsec_testlib import MAX_UPLOAD_MB, STATEFUL, VM_BACKENDS, Server, leftovers
+from dsec_local import leftovers_of, wait_until
+from dsec_testlib import MAX_UPLOAD_MB, STATEFUL, VM_BACKENDS, Server
 from test_network import NsHost, web, zone_server  # noqa: F401 (fixtures, by name below)
 
 Make = Callable[..., dsec.Sandbox]
@@ -114,15 +114,9 @@ def quiet_neighbour(
             for e in c.events(kinds=["sandbox.stopped", "sandbox.failed"], since=started)
         }
         assert made - ended == set(), f"sandboxes still running: {made - ended}"
-        left = {}
-        for sid in sorted(x for x in made if x):
-            if not wait_until(partial(gone, server, sid), 10):
-                left[sid] = leftovers(server, sid)
-        assert not left, f"left on the host: {left}"
-
-
-def gone(server: Server, sandbox: str) -> bool:
-    return not leftovers(server, sandbox)
+        ids = {sid for sid in made if sid}
+        if not wait_until(lambda: not leftovers_of(server, ids), 10):
+            pytest.fail(f"left on the host: {leftovers_of(server, ids)}")
 
 
 def du(path: Path | None) -> int:
