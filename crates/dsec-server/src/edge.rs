@@ -284,6 +284,8 @@ pub struct Edge {
     idempotent: fleet::IdempotencyKeys,
     /// What each project's sandboxes hold, against its quotas.
     project_usage: projects::Usage,
+    /// Projects whose gauges were published: one that holds nothing any more is set to 0.
+    gauged_projects: Mutex<HashSet<Arc<str>>>,
     /// A fleet's quotas over all its edges, when this edge is one.
     shared_quotas: std::sync::OnceLock<Arc<dyn projects::SharedQuotas>>,
 }
@@ -573,6 +575,7 @@ impl Edge {
             creating: AtomicUsize::new(0),
             idempotent: fleet::IdempotencyKeys::default(),
             project_usage: projects::Usage::default(),
+            gauged_projects: Mutex::default(),
             shared_quotas: std::sync::OnceLock::new(),
         }
     }
@@ -1597,6 +1600,19 @@ impl Edge {
                     .set(n as f64);
             }
         }
+        // By project: one series per project, never per sandbox.
+        let now = self.project_usage.all();
+        let mut gauged = self.gauged_projects.lock().expect("lock");
+        for gone in gauged.iter() {
+            if !now.iter().any(|(p, _)| p == gone) {
+                publish_project(gone, dsec_api::ProjectUsage::default());
+            }
+        }
+        gauged.clear();
+        for (project, usage) in now {
+            publish_project(&project, usage);
+            gauged.insert(project);
+        }
     }
 
     /// Imports an image for `caller` (a project's is its own, named under `<project>/`),
@@ -1898,6 +1914,15 @@ struct TransferSlot {
 /// The span of one file request: its log lines name the sandbox and the path.
 fn file_span(id: &str, path: &str, op: &'static str) -> tracing::Span {
     tracing::info_span!("file", sandbox = %id, path = %path, op)
+}
+
+/// The gauges of what `project`'s sandboxes hold on this edge.
+fn publish_project(project: &str, usage: dsec_api::ProjectUsage) {
+    let project = project.to_owned();
+    metrics::gauge!("dsec_project_sandboxes", "project" => project.clone())
+        .set(usage.sandboxes as f64);
+    metrics::gauge!("dsec_project_cpus", "project" => project.clone()).set(usage.cpus);
+    metrics::gauge!("dsec_project_memory_mb", "project" => project).set(usage.memory_mb as f64);
 }
 
 /// A permit of `slots`, waiting for one up to [`FILE_TRANSFER_WAIT`]; a wait is counted
