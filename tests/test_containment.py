@@ -1,8 +1,9 @@
 """Containment: what a sandbox can see and do, and what it cannot.
 
 Resource containment (memory, pids, timeouts, output, disk) runs for every stateful backend;
-the kernel-surface checks (namespaces, masked paths, seccomp, capabilities) for the Linux
-container backends.
+the kernel-surface checks (namespaces, read-only /proc/sys and /sys, seccomp, capabilities)
+for the Linux container backends. Masked /proc and /sys paths are read as an agent would, in
+tests/test_misbehaviour.py.
 """
 
 from __future__ import annotations
@@ -287,29 +288,6 @@ def test_only_loopback(sb: dsec.Sandbox, linux_container: None) -> None:
     lines = sb.run("cat /proc/net/dev").stdout.splitlines()[2:]
     ifaces = sorted(line.split(":")[0].strip() for line in lines if ":" in line)
     assert ifaces == ["lo"]
-
-
-@pytest.mark.parametrize(
-    "path",
-    [
-        "/proc/kcore",
-        "/proc/keys",
-        "/proc/timer_list",
-        "/proc/sched_debug",
-        "/proc/kpagecgroup",
-        "/proc/kpagecount",
-        "/proc/kpageflags",
-        "/proc/scsi",
-        "/proc/acpi",
-        "/sys/firmware",
-    ],
-)
-def test_masked_paths(sb: dsec.Sandbox, path: str, linux_container: None) -> None:
-    r = sb.run(
-        f"if [ -d {path} ]; then ls -A {path} 2>/dev/null; "
-        f"else head -c 256 {path} 2>/dev/null; fi | wc -c"
-    )
-    assert r.stdout.strip() == "0", f"{path} is readable inside the sandbox"
 
 
 def _mount_options(sb: dsec.Sandbox) -> dict[str, set[str]]:

@@ -102,6 +102,26 @@ def test_command_outcomes_are_in_command_end(client: dsec.Client, sb: dsec.Sandb
     assert len(truncated) == 1
 
 
+def test_a_spawned_process_starts_and_ends_as_events(
+    client: dsec.Client, sb: dsec.Sandbox, backend: str
+) -> None:
+    if backend not in STATEFUL:
+        pytest.skip(f"{backend} holds no sandbox to spawn processes in")
+    done = sb.spawn("exit 4", tag="short")
+    assert done.wait(timeout=30) == 4
+    killed = sb.spawn(["sleep", "1000"])
+    killed.kill()
+    assert killed.wait(timeout=30) == 128 + 9
+    starts = [e.data for e in events_of(client, sb.id, ["command.start"])]
+    assert [(e.get("spawned"), e.get("tag")) for e in starts] == [(True, "short"), (True, None)]
+    assert wait_until(lambda: len(events_of(client, sb.id, ["command.end"])) >= 2, 10)
+    ends = {e.data["pid"]: e.data for e in events_of(client, sb.id, ["command.end"])}
+    assert ends.keys() == {done.pid, killed.pid}, ends
+    assert ends[done.pid]["exit_code"] == 4 and ends[done.pid]["tag"] == "short", ends
+    assert ends[killed.pid]["exit_code"] == 128 + 9 and ends[killed.pid]["spawned"], ends
+    assert all(e["duration_ms"] >= 0 for e in ends.values()), ends
+
+
 def test_follow_sees_new_events_as_they_happen(client: dsec.Client, sb: dsec.Sandbox) -> None:
     seen: list[dsec.Event] = []
     done = threading.Event()

@@ -32,6 +32,7 @@ from dsec_testlib import (
     image_for,
     make_tempdir,
     safe_rmtree,
+    wait_until,
 )
 
 MakeSandbox = Callable[..., dsec.Sandbox]
@@ -102,11 +103,16 @@ def own_server(
 
 
 def test_planted_paths_are_refused_quickly(
-    backend: str, stateful: None, make_sandbox: MakeSandbox, server: Server
+    backend: str,
+    stateful: None,
+    make_sandbox: MakeSandbox,
+    server: Server,
+    client: dsec.Client,
 ) -> None:
     quiet = make_sandbox()
     sb = make_sandbox()
     rss_before = server.rss_kib()
+    refused: set[str] = set()
     for plant, path in PLANTED:
         assert sb.run(plant).exit_code == 0, plant
         if not _exists(sb, path):
@@ -116,6 +122,13 @@ def test_planted_paths_are_refused_quickly(
             continue
         err = _refused(functools.partial(sb.read_file, path), f"read_file({path})")
         assert path in str(err), err
+        refused.add(path)
+    # An operator sees each refusal: a `file.refused` event with the path and the reason.
+    def seen() -> set[str]:
+        events = client.events(sandbox=sb.id, kinds=["file.refused"])
+        return {e.data["path"] for e in events if e.data["op"] == "read"}
+
+    assert wait_until(lambda: refused <= seen(), 10, interval=0.2), (refused, seen())
     err = _refused(lambda: sb.read_file("/work/result.txt"), "the planted link")
     if backend == "docker":
         # Refused by path, before the daemon is asked: it would read as the host's root.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 from collections.abc import Callable
@@ -229,12 +230,27 @@ def test_quotas_refuse_naming_the_quota_and_free_at_stop(srv: Server) -> None:
                 c.create(image="busybox", cpus=0.1, memory_mb=64)
             (usage,) = [p["usage"] for p in c.projects()]
             assert usage == {"sandboxes": 2, "cpus": 1.0, "memory_mb": 256}
+            # The metrics, by project (never by sandbox).
+            assert project_gauges(srv, "small") == (2, 1.0, 256)
             second.stop()
             # Released at stop: the same create is admitted again.
             c.create(image="busybox", cpus=0.5, memory_mb=128).stop()
         finally:
             first.stop()
         assert [p["usage"]["sandboxes"] for p in c.projects()] == [0]
+    assert project_gauges(srv, "small") == (0, 0.0, 0)
+
+
+def project_gauges(s: Server, project: str) -> tuple[float, ...]:
+    """`dsec_project_{sandboxes,cpus,memory_mb}` of `project` in the server's /metrics."""
+    auth = {"Authorization": "Bearer " + ADMIN}
+    text = httpx.get(s.url + "/metrics", headers=auth, trust_env=False).text
+    values = []
+    for name in ("sandboxes", "cpus", "memory_mb"):
+        m = re.search(rf'^dsec_project_{name}{{project="{project}"}} (\S+)$', text, re.M)
+        assert m, f"no dsec_project_{name} of {project} in /metrics"
+        values.append(float(m.group(1)))
+    return tuple(values)
 
 
 def test_concurrent_creates_do_not_overshoot(srv: Server) -> None:

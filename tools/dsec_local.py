@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -54,6 +54,7 @@ __all__ = [
     "docker_unavailable_reason",
     "free_port",
     "leftovers",
+    "leftovers_of",
     "make_busybox_rootfs",
     "make_tempdir",
     "mountinfo",
@@ -506,7 +507,7 @@ def cgroup_mounts() -> list[tuple[str, str]]:
     return out
 
 
-def _find_dirs(root: str, needle: str, depth: int) -> Iterator[str]:
+def _find_dirs(root: str, match: Callable[[str], bool], depth: int) -> Iterator[str]:
     try:
         entries = list(os.scandir(root))
     except OSError:
@@ -517,15 +518,15 @@ def _find_dirs(root: str, needle: str, depth: int) -> Iterator[str]:
                 continue
         except OSError:
             continue
-        if needle in e.name:
+        if match(e.name):
             yield e.path
         elif depth > 1:
-            yield from _find_dirs(e.path, needle, depth - 1)
+            yield from _find_dirs(e.path, match, depth - 1)
 
 
-def cgroup_dirs(sandbox_id: str, server_cgroups: dict[str, str] | None = None) -> list[str]:
-    """Cgroup directories whose name contains the sandbox id: beneath the server's own cgroup
-    in each hierarchy, and a few levels under each hierarchy's root."""
+def _cgroup_dirs_matching(
+    match: Callable[[str], bool], server_cgroups: dict[str, str] | None
+) -> list[str]:
     found: set[str] = set()
     for mnt, key in cgroup_mounts():
         roots = {mnt}
@@ -534,8 +535,14 @@ def cgroup_dirs(sandbox_id: str, server_cgroups: dict[str, str] | None = None) -
                 if k == key or set(k.split(",")) == set(key.split(",")):
                     roots.add(os.path.join(mnt, path.lstrip("/")))
         for root in roots:
-            found.update(_find_dirs(root, sandbox_id, 5))
+            found.update(_find_dirs(root, match, 5))
     return sorted(found)
+
+
+def cgroup_dirs(sandbox_id: str, server_cgroups: dict[str, str] | None = None) -> list[str]:
+    """Cgroup directories whose name contains the sandbox id: beneath the server's own cgroup
+    in each hierarchy, and a few levels under each hierarchy's root."""
+    return _cgroup_dirs_matching(lambda name: sandbox_id in name, server_cgroups)
 
 
 def procs_in(sandbox_id: str) -> list[tuple[int, str]]:
@@ -553,23 +560,51 @@ def procs_in(sandbox_id: str) -> list[tuple[int, str]]:
 
 def leftovers(server: Server, sandbox_id: str) -> list[str]:
     """Everything on the host that still belongs to the sandbox."""
-    out = []
+    return leftovers_of(server, [sandbox_id]).get(sandbox_id, [])
+
+
+def leftovers_of(server: Server, sandbox_ids: Iterable[str]) -> dict[str, list[str]]:
+    """What each of the sandboxes still has on the host (those with nothing are left out),
+    in one pass over the mounts, cgroups and processes however many they are."""
+    ids = set(sandbox_ids)
+    out: dict[str, list[str]] = {}
+
+    def note(text: str, what: str) -> None:
+        for sid in ids:
+            if sid in text and what not in out.get(sid, []):
+                out.setdefault(sid, []).append(what)
+
     for m, line in mountinfo():
-        if sandbox_id in line:
-            out.append(f"mount {m}")
+        note(line, f"mount {m}")
     if server.alive():
         for m, line in mountinfo(server.pid):
-            if sandbox_id in line and f"mount {m}" not in out:
-                out.append(f"mount (server namespace) {m}")
-    d = server.state_dir / "sandboxes" / sandbox_id
-    if os.path.lexists(d):
-        out.append(f"directory {d}")
-    out += [f"cgroup {c}" for c in cgroup_dirs(sandbox_id, server.cgroups or None)]
-    out += [f"process {pid}: {cmd}" for pid, cmd in procs_in(sandbox_id)]
-    vm_dir = server.state_dir / "vm" / "sandboxes" / sandbox_id
-    if os.path.lexists(vm_dir):
-        out.append(f"directory {vm_dir}")
-    out += [f"qemu {pid}: {cmd[:120]}" for pid, cmd in qemu_procs(sandbox_id)]
+            if not any(f"mount {m}" in found for found in out.values()):
+                note(line, f"mount (server namespace) {m}")
+    for sid in ids:
+        for d in (
+            server.state_dir / "sandboxes" / sid,
+            server.state_dir / "vm" / "sandboxes" / sid,
+        ):
+            if os.path.lexists(d):
+                note(sid, f"directory {d}")
+
+    def named(name: str) -> bool:
+        return any(sid in name for sid in ids)
+
+    for c in _cgroup_dirs_matching(named, server.cgroups or None):
+        note(os.path.basename(c), f"cgroup {c}")
+    for pid in _pids():
+        try:
+            cg = Path(f"/proc/{pid}/cgroup").read_text()
+        except OSError:
+            continue
+        if any(sid in cg for sid in ids):
+            note(cg, f"process {pid}: {cmdline(pid) or '?'}")
+        cmd = cmdline(pid)
+        if cmd is not None and cmd.startswith("qemu-system"):
+            for sid in ids:
+                if f"/vm/sandboxes/{sid}/" in cmd:
+                    note(sid, f"qemu {pid}: {cmd[:120]}")
     return out
 
 

@@ -464,7 +464,9 @@ class Sandbox(p.SandboxBase):
 
     def network_refused(self) -> builtins.list[dict[str, Any]]:
         """Connection attempts the network policy refused lately, oldest first:
-        ``[{"time", "dst", "port", "protocol"}]`` (the last 256; at most 50 a second)."""
+        ``[{"time", "dst", "port", "protocol"}]`` (the last 256; at most 50 a second), with
+        ``"name"`` for a name refused (a proxied connection's SNI or ``Host``, or a DNS
+        question: ``"protocol": "dns"``)."""
         return self.client._do(p.network_refused_call(self.id))
 
     def pause(self) -> None:

@@ -187,8 +187,13 @@ pub struct RefusedConnection {
     pub dst: String,
     /// Destination port (TCP and UDP).
     pub port: Option<u16>,
-    /// `tcp`, `udp`, `icmp`, or the IP protocol number.
+    /// `tcp`, `udp`, `icmp`, or the IP protocol number; `dns` for a question for a name
+    /// the policy does not allow (`dst` is then dsec's resolver, `port` 53).
     pub protocol: String,
+    /// The name refused: the DNS question's, or the TLS SNI or HTTP `Host` of a connection
+    /// the name-checking proxy refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// `GET /v1/sandboxes/{id}/network`.

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 
+use crate::events::{self, Refused};
 use crate::limits::{self, Bucket, Refusals, Slots};
 use crate::nft::{self, Names, MAX_OPENED_PER_SANDBOX};
 use crate::policy::Policy;
@@ -100,6 +101,8 @@ pub(crate) struct Resolver {
     pub names: Names,
     /// Addresses never opened from a DNS answer: dsec's pool (network, prefix).
     pub pool: (Ipv4Addr, u8),
+    /// Where questions for names a policy does not allow are filed, as refusals.
+    refused: events::Log,
     udp_slots: Arc<Slots>,
     tcp_slots: Arc<Slots>,
 }
@@ -201,12 +204,14 @@ impl Resolver {
         upstream: Vec<SocketAddr>,
         names: Names,
         pool: (Ipv4Addr, u8),
+        refused: events::Log,
     ) -> Resolver {
         Resolver {
             clients,
             upstream,
             names,
             pool,
+            refused,
             udp_slots: Slots::new(
                 "dns_queries",
                 MAX_IN_FLIGHT_PER_SANDBOX,
@@ -265,6 +270,10 @@ impl Resolver {
         };
         let Some(ports) = client.policy.domain_ports(&qname) else {
             tracing::debug!(%src, name = %qname, "DNS name not allowed");
+            // The resolver is the bridge's address, the pool's first.
+            let resolver = Ipv4Addr::from(u32::from(self.pool.0).wrapping_add(1));
+            let refusal = Refused::now(resolver, 53, "dns", Some(qname));
+            events::record(&self.refused, client.n, refusal);
             return Some(empty_reply(query, qend, RCODE_NXDOMAIN));
         };
         if qtype == TYPE_AAAA {

@@ -2,6 +2,10 @@
 //! rate-limited `log group G` rule; a reader thread bound to group G turns each logged
 //! packet into a [`Refused`] of the sandbox that sent it (found by source address).
 //!
+//! The name-checking proxy files the connections it refuses, and the resolver the
+//! questions for names a sandbox's policy does not allow (with the name: what a sandbox
+//! looking for a package mirror or a site to fetch code from asked for).
+//!
 //! Bounded: at most 50 logged packets a second per rule (nftables `limit`), and the last
 //! [`KEEP`] events per sandbox. The refused *counter* (`dsec_network_refused_total`) counts
 //! every packet, limited or not.
@@ -27,8 +31,27 @@ pub struct Refused {
     pub dst: Ipv4Addr,
     /// Destination port (TCP and UDP).
     pub port: Option<u16>,
-    /// `tcp`, `udp`, `icmp` or the IP protocol number.
+    /// `tcp`, `udp`, `icmp` or the IP protocol number; `dns` for a question the resolver
+    /// refused (`dst` is then the resolver, and `port` 53).
     pub protocol: String,
+    /// The name refused: a DNS question's, or the TLS SNI or HTTP `Host` of a connection
+    /// the proxy refused (none for a refused packet).
+    pub name: Option<String>,
+}
+
+impl Refused {
+    /// A refusal made now by dsec's own resolver or proxy.
+    pub(crate) fn now(dst: Ipv4Addr, port: u16, protocol: &str, name: Option<String>) -> Refused {
+        Refused {
+            time: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+            dst,
+            port: Some(port),
+            protocol: protocol.to_owned(),
+            name,
+        }
+    }
 }
 
 /// Refused events by sandbox chain number.
@@ -77,6 +100,7 @@ fn parse(logged: &Logged, time: f64) -> Option<(Ipv4Addr, Refused)> {
             dst,
             port,
             protocol,
+            name: None,
         },
     ))
 }
@@ -164,6 +188,7 @@ mod tests {
             dst: Ipv4Addr::new(192, 0, 2, 1),
             port: Some(port),
             protocol: "udp".into(),
+            name: None,
         };
         record(&log, 7, event(1));
         assert!(log.lock().unwrap().is_empty(), "no sandbox 7: dropped");

@@ -581,13 +581,14 @@ impl Networking {
         if upstream.is_empty() {
             tracing::warn!("no nameserver in /etc/resolv.conf: sandboxes will resolve nothing");
         }
+        let refused = events::Log::default();
         let resolver = Arc::new(Resolver::new(
             Arc::clone(&clients),
             upstream,
             names.clone(),
             pool,
+            Arc::clone(&refused),
         ));
-        let refused = events::Log::default();
         let refused_by_proxy = Arc::new(AtomicU64::new(0));
         let proxy_task = Arc::new(proxy::Proxy::new(
             Arc::clone(&clients),

@@ -9,7 +9,7 @@
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -206,7 +206,7 @@ impl Proxy {
             let (conn, peer, slot) = limits::accept(&listener, &self.slots).await;
             let Some(slot) = slot else {
                 if let Ok(dst) = original_dst(&conn) {
-                    self.record(*peer.ip(), dst);
+                    self.record(*peer.ip(), dst, None);
                 }
                 continue; // dropping `conn` closes it
             };
@@ -266,7 +266,7 @@ impl Proxy {
         if !allowed {
             tracing::debug!(%peer, %dst, ?name, "connection refused by name");
             self.refused_count.fetch_add(1, Ordering::Relaxed);
-            self.record(*peer.ip(), dst);
+            self.record(*peer.ip(), dst, name);
             return;
         }
         let upstream = tokio::time::timeout(HEAD_TIMEOUT, TcpStream::connect(dst)).await;
@@ -283,23 +283,16 @@ impl Proxy {
         }
     }
 
-    /// Files a refused connection from `src` to `dst` as an event of its sandbox.
-    fn record(&self, src: Ipv4Addr, dst: SocketAddrV4) {
+    /// Files a refused connection from `src` to `dst` (naming `name`) as an event of its
+    /// sandbox.
+    fn record(&self, src: Ipv4Addr, dst: SocketAddrV4, name: Option<String>) {
         let Some(n) = u32::from(src).checked_sub(u32::from(self.pool.0)) else {
             return;
         };
-        let time = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64());
         events::record(
             &self.refused,
             n,
-            Refused {
-                time,
-                dst: *dst.ip(),
-                port: Some(dst.port()),
-                protocol: "tcp".into(),
-            },
+            Refused::now(*dst.ip(), dst.port(), "tcp", name),
         );
     }
 }

@@ -151,6 +151,18 @@ impl Entry {
         );
     }
 
+    /// Records a refused read or write of the files API (`op`), unless the path was
+    /// merely missing: what an operator needs to see of a sandbox that plants devices,
+    /// FIFOs, kernel interfaces, links out of its root or oversized files.
+    fn refused(&self, op: &str, path: &str, error: &ApiError) {
+        if error.kind != dsec_api::ErrorKind::NotFound {
+            self.emit(
+                kind::FILE_REFUSED,
+                serde_json::json!({"op": op, "path": path, "error": error.message, "status": error.kind.status()}),
+            );
+        }
+    }
+
     /// Gives back what it holds of the edge's budget and its project's quotas.
     fn release(&self) {
         self.grant.lock().expect("lock").take();
@@ -312,6 +324,8 @@ pub struct Edge {
     idempotent: fleet::IdempotencyKeys,
     /// What each project's sandboxes hold, against its quotas.
     project_usage: projects::Usage,
+    /// Projects whose gauges were published: one that holds nothing any more is set to 0.
+    gauged_projects: Mutex<HashSet<Arc<str>>>,
     /// A fleet's quotas over all its edges, when this edge is one.
     shared_quotas: std::sync::OnceLock<Arc<dyn projects::SharedQuotas>>,
 }
@@ -601,6 +615,7 @@ impl Edge {
             creating: AtomicUsize::new(0),
             idempotent: fleet::IdempotencyKeys::default(),
             project_usage: projects::Usage::default(),
+            gauged_projects: Mutex::default(),
             shared_quotas: std::sync::OnceLock::new(),
         }
     }
@@ -1125,6 +1140,7 @@ impl Edge {
                     dst: r.dst.to_string(),
                     port: r.port,
                     protocol: r.protocol,
+                    name: r.name,
                 })
                 .collect(),
         })
@@ -1367,7 +1383,9 @@ impl Edge {
                 .sandbox
                 .read_file(path, self.config.files.max_read_bytes);
             let result = as_user(user, read).await;
-            let inner = entry.or_failed(result).await?;
+            let inner = entry.or_failed(result).await.inspect_err(|e| {
+                entry.refused("read", path, e);
+            })?;
             let transfer = Transfer {
                 inner,
                 span: tracing::Span::current(),
@@ -1394,7 +1412,11 @@ impl Edge {
         let limit = self.config.files.max_write_bytes;
         if let Some(len) = data.declared_len().filter(|n| *n > limit) {
             data.discard(limit).await;
-            return Err(too_large_upload(path, Some(len), limit).into());
+            let err: ApiError = too_large_upload(path, Some(len), limit).into();
+            if let Ok(entry) = self.lookup(id) {
+                entry.refused("write", path, &err);
+            }
+            return Err(err);
         }
         data.set_limit(limit);
         let declared = data.declared_len();
@@ -1403,11 +1425,12 @@ impl Edge {
             let who = file_user(&entry, user).await?;
             let result = as_user(who, entry.sandbox.write_file(path, mode & 0o7777, data)).await;
             let written = entry.or_failed(result).await;
-            if written.is_ok() {
-                entry.emit(
+            match &written {
+                Ok(()) => entry.emit(
                     kind::FILE_WRITE,
                     with_user(serde_json::json!({"path": path, "size": declared, "mode": mode & 0o7777, "by": "files"}), user),
-                );
+                ),
+                Err(e) => entry.refused("write", path, e),
             }
             written
         }
@@ -1617,6 +1640,19 @@ impl Edge {
                 metrics::gauge!("dsec_sandboxes", "backend" => backend, "state" => state.as_str())
                     .set(n as f64);
             }
+        }
+        // By project: one series per project, never per sandbox.
+        let now = self.project_usage.all();
+        let mut gauged = self.gauged_projects.lock().expect("lock");
+        for gone in gauged.iter() {
+            if !now.iter().any(|(p, _)| p == gone) {
+                publish_project(gone, dsec_api::ProjectUsage::default());
+            }
+        }
+        gauged.clear();
+        for (project, usage) in now {
+            publish_project(&project, usage);
+            gauged.insert(project);
         }
     }
 
@@ -1919,6 +1955,15 @@ struct TransferSlot {
 /// The span of one file request: its log lines name the sandbox and the path.
 fn file_span(id: &str, path: &str, op: &'static str) -> tracing::Span {
     tracing::info_span!("file", sandbox = %id, path = %path, op)
+}
+
+/// The gauges of what `project`'s sandboxes hold on this edge.
+fn publish_project(project: &str, usage: dsec_api::ProjectUsage) {
+    let project = project.to_owned();
+    metrics::gauge!("dsec_project_sandboxes", "project" => project.clone())
+        .set(usage.sandboxes as f64);
+    metrics::gauge!("dsec_project_cpus", "project" => project.clone()).set(usage.cpus);
+    metrics::gauge!("dsec_project_memory_mb", "project" => project).set(usage.memory_mb as f64);
 }
 
 /// A permit of `slots`, waiting for one up to [`FILE_TRANSFER_WAIT`]; a wait is counted

@@ -48,6 +48,9 @@ pub mod kind {
     pub const FILE_MOVE: &str = "file.move";
     /// A path was removed through the files API.
     pub const FILE_REMOVE: &str = "file.remove";
+    /// A read or write through the files API was refused (a device, a FIFO, a kernel
+    /// interface, a link out of the root, a file or upload over the server's limit...).
+    pub const FILE_REFUSED: &str = "file.refused";
     /// The memory limit killed a process.
     pub const LIMIT_OOM: &str = "limit.oom";
     /// A fork was refused by the pids limit.

@@ -321,6 +321,12 @@ pub struct Usage {
 }
 
 impl Usage {
+    /// What each project holding something holds now.
+    pub fn all(&self) -> Vec<(Arc<str>, ProjectUsage)> {
+        let held = self.held.lock().expect("lock");
+        held.iter().map(|(p, u)| (Arc::clone(p), *u)).collect()
+    }
+
     /// Reserves one sandbox of `cpus` and `memory_mb` for `project`, or refuses naming
     /// the quota it would pass, its limit and the use now.
     pub fn reserve(

@@ -28,6 +28,7 @@ use tokio::sync::watch;
 
 use crate::backend::{ProcessControl, ProcessExit, ProcessOutput, Spawned, WinSize};
 use crate::error::ApiError;
+use crate::events::{kind, Subject};
 use crate::trajectory::{self, Decision};
 
 /// Output kept per process for subscribers that come late.
@@ -511,28 +512,68 @@ impl Drop for Admitted {
 }
 
 /// What records a process's end in its spawn step: the step as appended, and the
-/// process's output as the log keeps it (bounded as a run's).
+/// process's output as the log keeps it (bounded as a run's); and the `command.end`
+/// event it makes.
 pub struct EndRecord {
     log: TrajectoryLog,
     step: Step,
     stdout: OutputCapture,
     stderr: OutputCapture,
+    announce: Announce,
+}
+
+/// Emits a spawned process's `command.end` (its sandbox's events, taken at spawn: the
+/// process table holds its sandbox only weakly).
+type Announce = Box<dyn FnOnce(&ProcessExit) + Send>;
+
+/// The `command.end` of a process spawned in `entry` as pid `pid` (`tag`), at `step`.
+fn announcer(entry: &super::Entry, pid: i32, tag: Option<String>, step: i64) -> Announce {
+    let events = Arc::clone(&entry.events);
+    let (sandbox, labels, project) = (
+        entry.info.id.clone(),
+        entry.info.labels.clone(),
+        entry.project.clone(),
+    );
+    Box::new(move |exit: &ProcessExit| {
+        let mut data = serde_json::json!({
+            "spawned": true,
+            "pid": pid,
+            "tag": tag,
+            "step": step,
+            "exit_code": exit.exit_code,
+            "signal": exit.signal,
+            "oom_killed": exit.oom_killed,
+            "duration_ms": exit.duration_ms,
+        });
+        if let Some(error) = &exit.error {
+            data["error"] = error.clone().into();
+        }
+        let subject = Subject {
+            id: &sandbox,
+            labels: &labels,
+            project: project.as_deref(),
+        };
+        events.emit(kind::COMMAND_END, Some(subject), data);
+    })
 }
 
 impl EndRecord {
-    /// The end of the process spawned at `step` (as recorded), for `log`.
-    pub fn new(log: &TrajectoryLog, step: Step) -> EndRecord {
+    /// The end of the process spawned at `step` (as recorded), for `log`, announced by
+    /// `announce`.
+    pub fn new(log: &TrajectoryLog, step: Step, announce: Announce) -> EndRecord {
         EndRecord {
             stdout: log.capture(),
             stderr: log.capture(),
             log: log.clone(),
             step,
+            announce,
         }
     }
 
     /// Records the end; waits until it is durable, so that a client that saw the exit
     /// finds it in the log.
     async fn record(mut self, exit: &ProcessExit) {
+        (self.announce)(exit);
         let status = ExitStatus {
             exit_code: exit.exit_code,
             oom_killed: exit.oom_killed,
@@ -725,7 +766,7 @@ impl super::Edge {
             started_at: super::unix_now(),
         })?;
         entry.emit(
-            crate::events::kind::COMMAND_START,
+            kind::COMMAND_START,
             serde_json::json!({
                 "cmd": super::command_summary(&argv),
                 "cwd": cwd,
@@ -744,7 +785,16 @@ impl super::Edge {
                 run_as,
             })
             .await;
-        let spawned = entry.or_failed(spawned).await?;
+        let spawned = match entry.or_failed(spawned).await {
+            Ok(spawned) => spawned,
+            Err(e) => {
+                entry.emit(
+                    kind::COMMAND_END,
+                    serde_json::json!({"spawned": true, "tag": req.tag, "error": e.message, "duration_ms": 0.0}),
+                );
+                return Err(e);
+            }
+        };
         let started = StepResult {
             pid: Some(spawned.pid),
             running: true,
@@ -758,7 +808,8 @@ impl super::Edge {
                 return Err(e);
             }
         };
-        let process = admitted.insert(spawned, EndRecord::new(&self.log, step));
+        let announce = announcer(&entry, spawned.pid, req.tag.clone(), step.step);
+        let process = admitted.insert(spawned, EndRecord::new(&self.log, step, announce));
         if !req.stdin {
             process.close_stdin().await?;
         }

@@ -180,26 +180,28 @@ fn binaries(entry: &Entry, reported: &mut HashSet<String>) {
 /// `network.refused` for the refusals newer than `until`; the newest one's time.
 async fn refused(entry: &Entry, until: f64) -> f64 {
     let refused = entry.sandbox.network_refused().await;
-    let mut by_destination: BTreeMap<(String, Option<u16>, String), (u64, f64)> = BTreeMap::new();
+    type Destination = (String, Option<u16>, String, Option<String>);
+    let mut by_destination: BTreeMap<Destination, (u64, f64)> = BTreeMap::new();
     let mut newest = until;
     for r in refused.into_iter().filter(|r| r.time > until) {
         newest = newest.max(r.time);
         let slot = by_destination
-            .entry((r.dst.to_string(), r.port, r.protocol))
+            .entry((r.dst.to_string(), r.port, r.protocol, r.name))
             .or_insert((0, r.time));
         slot.0 += 1;
     }
-    for ((dst, port, protocol), (count, first)) in by_destination {
-        entry.emit(
-            kind::NETWORK_REFUSED,
-            serde_json::json!({
-                "dst": dst,
-                "port": port,
-                "protocol": protocol,
-                "count": count,
-                "first_time": first,
-            }),
-        );
+    for ((dst, port, protocol, name), (count, first)) in by_destination {
+        let mut data = serde_json::json!({
+            "dst": dst,
+            "port": port,
+            "protocol": protocol,
+            "count": count,
+            "first_time": first,
+        });
+        if let Some(name) = name {
+            data["name"] = name.into();
+        }
+        entry.emit(kind::NETWORK_REFUSED, data);
     }
     newest
 }

@@ -42,23 +42,34 @@ impl Inner {
             .map_err(|e| daemon_error(&self.host, "reading from the container", e))
     }
 
-    /// The raw target of the symbolic link at `path`, read from its one-entry archive.
+    /// The raw target of the symbolic link at `path`, read from its one-entry archive. A
+    /// link that a command replaced (or removed) since it was seen is a conflict: its
+    /// archive is then that of whatever took its place.
     pub(super) async fn link_target(&self, path: &str) -> Result<String, ApiError> {
+        let changed = {
+            let path = path.to_owned();
+            move || {
+                ApiError::conflict(format!(
+                    "{path:?} changed in the sandbox while it was resolved: the symbolic link \
+                     was replaced"
+                ))
+            }
+        };
         let tar = self
             .download(path, MAX_LINK_ARCHIVE)
             .await?
-            .ok_or_else(|| ApiError::internal("the archive of a symbolic link is too large"))?;
+            .ok_or_else(changed.clone())?;
         blocking(move || {
             let mut archive = tar::Archive::new(tar);
             let mut entries = archive.entries().map_err(io_internal)?;
             let entry = entries
                 .next()
-                .ok_or_else(|| ApiError::internal("empty archive for a symbolic link"))?
+                .ok_or_else(changed.clone())?
                 .map_err(io_internal)?;
             let target = entry
                 .link_name()
                 .map_err(io_internal)?
-                .ok_or_else(|| ApiError::internal("symbolic link without a target"))?;
+                .ok_or_else(changed)?;
             Ok(target.to_string_lossy().into_owned())
         })
         .await

@@ -384,6 +384,16 @@ impl Sandbox for DockerSandbox {
                     path: path.to_owned(),
                 })
             }
+            // A directory on the path was swapped for a file or a link (or back) after it
+            // was resolved: the daemon, told never to replace one with the other, refused.
+            DockerError::DockerResponseServerError { message, .. }
+                if message.contains("cannot overwrite") =>
+            {
+                ApiError::conflict(format!(
+                    "writing {path:?}: the path changed in the sandbox while it was written \
+                     ({message})"
+                ))
+            }
             _ => daemon_error(&inner.host, &format!("writing {path:?}"), e),
         })
     }
