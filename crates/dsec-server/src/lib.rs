@@ -195,7 +195,7 @@ pub struct HostSetup {
     exe: PathBuf,
     /// The image store's `nosuid,nodev` mount, held until the server stops.
     seal: Option<dsec_image::seal::Seal>,
-    /// The sysfs every container sandbox binds (`<state>/sys`).
+    /// The sysfs every container sandbox binds (`/run/dsec/sysfs/<tag>`).
     sysfs: Option<SharedSysfs>,
 }
 
@@ -261,7 +261,9 @@ impl HostSetup {
         })?;
         let zygote = Zygote::spawn(exe)?;
         raise_descriptor_limit();
-        let sysfs = SharedSysfs::mount(&state.join("sys"))
+        // Under /run, not the state directory: a live sysfs there would be walked by
+        // whatever reads the state directory whole (a backup, `du`, a test).
+        let sysfs = SharedSysfs::mount(&Path::new("/run/dsec/sysfs").join(state_tag(&canonical)))
             .inspect_err(
                 |e| tracing::warn!(error = %e, "no shared sysfs: each sandbox mounts its own"),
             )
