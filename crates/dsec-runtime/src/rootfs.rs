@@ -277,7 +277,6 @@ fn mount_overlay(
     .step("mount overlay on", rootfs)
 }
 
-/// `/proc`, `/dev`, `/sys`, the masked and the read-only paths.
 /// Whether a root's `/proc/1` gets [`PID1_READONLY`]; its builder is that PID 1.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Pid1 {
@@ -286,6 +285,7 @@ enum Pid1 {
     Alone,
 }
 
+/// `/proc`, `/dev`, `/sys`, the masked and the read-only paths.
 ///
 /// `scratch` is a directory on a filesystem the root's processes can never name (the
 /// writable layer's tmpfs, outside its `upper/`): `/dev` and the empty directory masks
@@ -303,11 +303,12 @@ fn build_view(
     mount_proc_dev_sys(rootfs, scratch, sysfs)?;
     let empty = scratch.join("empty");
     fs::create_dir(&empty).step("mkdir", &empty)?;
+    let mut masked_dir = None;
     let masked = MASKED_PATHS
         .iter()
         .chain((pid1 == Pid1::Protected).then_some(&PID1_MASKED));
     for path in masked {
-        mask(rootfs, path, &empty)?;
+        mask(rootfs, path, &empty, &mut masked_dir)?;
     }
     let readonly = READONLY_PATHS
         .iter()
@@ -433,10 +434,22 @@ impl SharedSysfs {
     pub fn mount(dir: &Path) -> Result<SharedSysfs, RootfsError> {
         fs::create_dir_all(dir).step("mkdir", dir)?;
         while rustix::mount::unmount(dir, UnmountFlags::DETACH).is_ok() {}
+        Self::mount_in_new_netns(dir)
+            .map(|netns| SharedSysfs {
+                dir: dir.to_owned(),
+                _netns: netns,
+            })
+            .inspect_err(|_| {
+                let _ = fs::remove_dir(dir);
+            })
+    }
+
+    /// Mounts a sysfs on `dir` from a network namespace of its own; returns that namespace.
+    fn mount_in_new_netns(dir: &Path) -> Result<OwnedFd, RootfsError> {
         let target = dir.to_owned();
         // A thread of its own enters the new namespace: the server's threads stay where
         // they are, and the mount is made in the host's mount namespace.
-        let netns = std::thread::spawn(move || -> Result<OwnedFd, RootfsError> {
+        std::thread::spawn(move || -> Result<OwnedFd, RootfsError> {
             nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
                 .map_err(std::io::Error::from)
                 .step("unshare the network namespace for", &target)?;
@@ -458,11 +471,7 @@ impl SharedSysfs {
         })
         .join()
         .map_err(|_| std::io::Error::other("the sysfs thread panicked"))
-        .step("mount sysfs on", dir)??;
-        Ok(SharedSysfs {
-            dir: dir.to_owned(),
-            _netns: netns,
-        })
+        .step("mount sysfs on", dir)?
     }
 
     /// Where it is mounted.
@@ -489,8 +498,14 @@ fn ensure_dir(path: &Path) -> Result<PathBuf, RootfsError> {
 }
 
 /// Hides `path`: a file under a bind of `/dev/null`, a directory under a read-only bind
-/// of `empty`.
-fn mask(rootfs: &Path, path: &str, empty: &Path) -> Result<(), RootfsError> {
+/// of `empty`. The first directory masked (`masked_dir`) is bound and remounted read-only;
+/// the others bind it, inheriting its flags: one remount per sandbox, not one per mask.
+fn mask(
+    rootfs: &Path,
+    path: &str,
+    empty: &Path,
+    masked_dir: &mut Option<PathBuf>,
+) -> Result<(), RootfsError> {
     let target = rootfs.join(&path[1..]);
     let Ok(meta) = fs::symlink_metadata(&target) else {
         return Ok(());
@@ -498,7 +513,14 @@ fn mask(rootfs: &Path, path: &str, empty: &Path) -> Result<(), RootfsError> {
     if !meta.is_dir() {
         return mount_bind(rootfs.join("dev/null"), &target).step("mask", &target);
     }
-    bind_with(empty, &target, MountFlags::RDONLY | NOSUID_NODEV_NOEXEC).map(drop)
+    match masked_dir {
+        Some(first) => mount_bind(&*first, &target).step("mask", &target),
+        None => {
+            let first = bind_with(empty, &target, MountFlags::RDONLY | NOSUID_NODEV_NOEXEC)?;
+            *masked_dir = Some(first);
+            Ok(())
+        }
+    }
 }
 
 /// Binds `source` on `target` with exactly `flags` (a bind starts with its source mount's);
