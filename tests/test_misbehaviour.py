@@ -298,9 +298,14 @@ def test_a_zombie_storm_is_reaped(make_sandbox: Make, backend: str) -> None:
     if backend == "fncall":
         pytest.skip("fncall: a call's processes end with it")
     sb = make_sandbox(pids=512)
+    # The parent marks when all 200 are started (a TCG guest takes seconds to fork them),
+    # then lingers without waiting; the count is taken while it lingers. It marks from a
+    # fresh image: the shell that started them would reap them on its next command.
     r = sb.run(
-        "sh -c 'for i in $(seq 200); do true & done; exec sleep 2' & "
-        f"sleep 1; {COUNT_ZOMBIES}; wait",
+        "sh -c 'for i in $(seq 200); do true & done; "
+        "exec sh -c \": > /tmp/storm-started; exec sleep 3\"' & "
+        "while [ ! -e /tmp/storm-started ]; do sleep 0.1; done; sleep 0.5; "
+        f"{COUNT_ZOMBIES}; wait",
         timeout=60,
     )
     assert int(r.stdout) >= 150, (r.stdout, r.stderr)
