@@ -122,8 +122,6 @@ struct Active {
     used: Mutex<(HashSet<u32>, u32)>,
     /// Source of policy generations (conntrack marks; see `nft::rules`).
     generation: AtomicU32,
-    /// Refused packets counted by chains already removed.
-    refused_gone: AtomicU64,
     /// Connections the name-checking proxy refused.
     refused_by_proxy: Arc<AtomicU64>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -620,7 +618,6 @@ impl Networking {
             clients,
             used: Mutex::new((HashSet::new(), 2)),
             generation: AtomicU32::new(0x6473_0000 | (std::process::id() & 0xffff)),
-            refused_gone: AtomicU64::new(0),
             refused_by_proxy,
             tasks,
             refused,
@@ -679,17 +676,14 @@ impl Networking {
             return 0;
         };
         let names = active.names.clone();
-        let counters = tokio::task::spawn_blocking(move || nft::refused(&names, None))
+        let counters = tokio::task::spawn_blocking(move || nft::counters(&names))
             .await
             .unwrap_or_default();
         // Read in the same listing: what the kernel-side caps refused.
         for (limit, packets) in counters.by_limit {
             metrics::counter!("dsec_network_limited_total", "limit" => limit).absolute(packets);
         }
-        let now: u64 = counters.by_chain.into_iter().map(|(_, p)| p).sum();
-        active.refused_gone.load(Ordering::Relaxed)
-            + active.refused_by_proxy.load(Ordering::Relaxed)
-            + now
+        counters.refused + active.refused_by_proxy.load(Ordering::Relaxed)
     }
 
     /// Tears everything down (server shutdown); attachments still held are gone after.
@@ -731,16 +725,6 @@ impl Active {
             "{}/{}",
             self.pool.0, self.pool.1
         )))
-    }
-
-    /// Refused packets counted by chain `n` now.
-    fn refused_by(&self, n: u32) -> u64 {
-        nft::refused(&self.names, Some(n))
-            .by_chain
-            .into_iter()
-            .filter(|(c, _)| *c == Some(n))
-            .map(|(_, p)| p)
-            .sum()
     }
 }
 
@@ -817,15 +801,9 @@ impl Attachment {
     pub async fn set_policy(&self, policy: &Policy) -> Result<(), NetError> {
         let active = Arc::clone(&self.active);
         let script = nft::replace(&active.names, self.n, policy, active.next_generation());
-        let n = self.n;
-        tokio::task::spawn_blocking(move || {
-            let before = active.refused_by(n);
-            nft::apply(&script)?;
-            active.refused_gone.fetch_add(before, Ordering::Relaxed);
-            Ok::<_, NetError>(())
-        })
-        .await
-        .map_err(|e| NetError::Nft(e.to_string()))??;
+        tokio::task::spawn_blocking(move || nft::apply(&script))
+            .await
+            .map_err(|e| NetError::Nft(e.to_string()))??;
         self.active
             .clients
             .write()
@@ -851,11 +829,9 @@ impl Attachment {
         let (n, ip, veth) = (self.n, self.ip, self.veth.clone());
         let _ = tokio::task::spawn_blocking(move || {
             delete_link(&veth);
-            let before = active.refused_by(n);
             if let Err(e) = nft::apply(&nft::detach(&active.names, n, ip)) {
                 tracing::warn!(error = %e, "removing a sandbox's nftables rules");
             }
-            active.refused_gone.fetch_add(before, Ordering::Relaxed);
             active.refused.lock().expect("lock").remove(&n);
             active.used.lock().expect("lock").0.remove(&n);
         })

@@ -342,6 +342,61 @@ pub(crate) fn in_netns<T: Send>(
     })
 }
 
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFT_MSG_NEWOBJ: u16 = 18;
+const NFT_MSG_GETOBJ: u16 = 19;
+const NFTA_OBJ_TABLE: u16 = 1;
+const NFTA_OBJ_NAME: u16 = 2;
+const NFTA_OBJ_TYPE: u16 = 3;
+const NFTA_OBJ_DATA: u16 = 4;
+const NFT_OBJECT_COUNTER: u32 = 1;
+const NFTA_COUNTER_PACKETS: u16 = 2;
+const NFPROTO_INET: u8 = 1;
+
+/// The packet counts of the named counters of nftables table `inet <table>`, by name.
+///
+/// Read over netlink: `nft list counters` fetches the whole ruleset first, whose size
+/// grows with every networked sandbox's chain and sets, and the server reads these at
+/// every metrics scrape.
+pub(crate) fn named_counters(table: &str) -> io::Result<Vec<(String, u64)>> {
+    let mut sock = Rtnl::open_protocol(Some(netlink::NETFILTER))?;
+    let mut m = Msg::new((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETOBJ, NLM_F_DUMP);
+    // struct nfgenmsg: family, version 0, resource id 0.
+    m.raw(&[NFPROTO_INET, 0, 0, 0])
+        .attr_str(NFTA_OBJ_TABLE, table)
+        .attr(NFTA_OBJ_TYPE, &NFT_OBJECT_COUNTER.to_be_bytes());
+    sock.send(&mut m)?;
+    let mut counters = Vec::new();
+    sock.receive(|kind, msg| {
+        if kind != (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWOBJ {
+            return;
+        }
+        let (mut name, mut packets) = (None, None);
+        for (kind, data) in attrs(msg.get(4..).unwrap_or_default()) {
+            match kind {
+                NFTA_OBJ_NAME => {
+                    name = Some(
+                        String::from_utf8_lossy(data)
+                            .trim_end_matches('\0')
+                            .to_owned(),
+                    );
+                }
+                NFTA_OBJ_DATA => {
+                    packets = attrs(data)
+                        .find(|(kind, _)| *kind == NFTA_COUNTER_PACKETS)
+                        .and_then(|(_, v)| v.try_into().ok())
+                        .map(u64::from_be_bytes);
+                }
+                _ => {}
+            }
+        }
+        if let (Some(name), Some(packets)) = (name, packets) {
+            counters.push((name, packets));
+        }
+    })?;
+    Ok(counters)
+}
+
 const NFNL_SUBSYS_ULOG: u16 = 4;
 const NFULNL_MSG_PACKET: u16 = 0;
 const NFULNL_MSG_CONFIG: u16 = 1;

@@ -22,12 +22,21 @@ use std::process::{Command, Stdio};
 use crate::policy::{Policy, Rule};
 use crate::NetError;
 
-/// Comment on every rule that refuses: the counters read back for the refused metric.
-const REFUSED: &str = "dsec-refused";
+/// The named counter every refusing rule counts in: one object for the whole table, so
+/// the refused metric is one read however many sandbox chains there are, and a chain
+/// that goes takes nothing of the count with it.
+const REFUSED: &str = "refused";
 
-/// Prefix of the comment of each rule that enforces a cap: `dsec-limited:<limit>`, read
-/// back for `dsec_network_limited_total{limit}`.
-const LIMITED: &str = "dsec-limited:";
+/// Prefix of the named counter of each cap: `limited_<limit>`, read back for
+/// `dsec_network_limited_total{limit}`.
+const LIMITED: &str = "limited_";
+
+/// The caps the kernel enforces, each counting in its own named counter.
+const LIMITS: [&str; 3] = [
+    "conntrack_per_sandbox",
+    "dns_udp_rate",
+    "local_connection_rate",
+];
 
 /// DNS packets a second one sandbox may send (on average; bursts of twice that): a flood
 /// is dropped by the kernel, before it can fill the resolver's socket, which every
@@ -148,13 +157,17 @@ pub(crate) fn base(
     } else {
         let list: Vec<String> = protected.iter().map(ToString::to_string).collect();
         format!(
-            "iifname \"{br}\" ip daddr {{ {} }} {log}\n    iifname \"{br}\" ip daddr {{ {} }} counter reject with icmpx type admin-prohibited comment \"{REFUSED}\"\n    ",
+            "iifname \"{br}\" ip daddr {{ {} }} {log}\n    iifname \"{br}\" ip daddr {{ {} }} counter name \"{REFUSED}\" reject with icmpx type admin-prohibited\n    ",
             list.join(", "),
             list.join(", ")
         )
     };
+    let counters: String = std::iter::once(REFUSED.to_owned())
+        .chain(LIMITS.iter().map(|l| format!("{LIMITED}{l}")))
+        .map(|c| format!("\n  counter {c} {{ }}"))
+        .collect();
     format!(
-        "table inet {t} {{
+        "table inet {t} {{{counters}
   map sandboxes {{ type ipv4_addr : verdict; }}
   map sandboxes_nat {{ type ipv4_addr : verdict; }}
   chain prerouting {{
@@ -173,18 +186,18 @@ pub(crate) fn base(
   set connection_rate {{ type ipv4_addr; size 65536; flags dynamic,timeout; timeout 10s; }}
   chain limited {{
     {log}
-    counter reject with icmpx type admin-prohibited comment \"{LIMITED}conntrack_per_sandbox\"
+    counter name \"{LIMITED}conntrack_per_sandbox\" reject with icmpx type admin-prohibited
   }}
   chain input {{
     type filter hook input priority filter - 10; policy accept;
-    iifname \"{br}\" udp dport 53 add @dns_rate {{ ip saddr limit rate over {dns_rate}/second burst {dns_burst} packets }} counter drop comment \"{LIMITED}dns_udp_rate\"
+    iifname \"{br}\" udp dport 53 add @dns_rate {{ ip saddr limit rate over {dns_rate}/second burst {dns_burst} packets }} counter name \"{LIMITED}dns_udp_rate\" drop
     iifname \"{br}\" ct state established,related accept
     iifname \"{br}\" ct state new add @local_conns {{ ip saddr ct count over {local} }} jump limited
-    iifname \"{br}\" meta l4proto tcp ct state new add @connection_rate {{ ip saddr limit rate over {conn_rate}/second burst {conn_burst} packets }} counter drop comment \"{LIMITED}local_connection_rate\"
+    iifname \"{br}\" meta l4proto tcp ct state new add @connection_rate {{ ip saddr limit rate over {conn_rate}/second burst {conn_burst} packets }} counter name \"{LIMITED}local_connection_rate\" drop
     iifname \"{br}\" ip daddr {bridge_ip} meta l4proto {{ tcp, udp }} th dport 53 accept
     iifname \"{br}\" ip daddr {bridge_ip} tcp dport {proxy} accept
     iifname \"{br}\" {log}
-    iifname \"{br}\" counter reject with icmpx type admin-prohibited comment \"{REFUSED}\"
+    iifname \"{br}\" counter name \"{REFUSED}\" reject with icmpx type admin-prohibited
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat - 10; policy accept;
@@ -240,7 +253,7 @@ fn rules(names: &Names, n: u32, policy: &Policy, generation: u32) -> String {
         Policy::Full => {
             rule(&format!("ip daddr 169.254.0.0/16 {}", names.log()));
             rule(&format!(
-                "ip daddr 169.254.0.0/16 counter reject with icmpx type admin-prohibited comment \"{REFUSED}\""
+                "ip daddr 169.254.0.0/16 counter name \"{REFUSED}\" reject with icmpx type admin-prohibited"
             ));
             rule("accept");
         }
@@ -264,7 +277,7 @@ fn rules(names: &Names, n: u32, policy: &Policy, generation: u32) -> String {
     }
     rule(&names.log());
     rule(&format!(
-        "counter reject with icmpx type admin-prohibited comment \"{REFUSED}\""
+        "counter name \"{REFUSED}\" reject with icmpx type admin-prohibited"
     ));
     s
 }
@@ -386,54 +399,26 @@ pub(crate) fn open(names: &Names, n: u32, dests: &[(Ipv4Addr, Option<u16>)], ttl
     s
 }
 
-/// What the refusing rules' counters say: packets refused by policy per sandbox chain
-/// number (`None`: the bridge's `input` chain), and packets refused by each cap.
+/// What the named counters say: packets refused by any policy or by the bridge's input
+/// rules, and packets refused by each cap.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
-    pub by_chain: Vec<(Option<u32>, u64)>,
+    pub refused: u64,
     pub by_limit: Vec<(String, u64)>,
 }
 
-/// The counters of the rules commented [`REFUSED`] or [`LIMITED`]. (`chain`: only that
-/// sandbox's chain, which is much cheaper to list than the table.)
-pub(crate) fn refused(names: &Names, chain: Option<u32>) -> Counters {
-    let listed = match chain {
-        None => query(&["-j", "list", "table", "inet", &names.table]),
-        Some(n) => query(&[
-            "-j",
-            "list",
-            "chain",
-            "inet",
-            &names.table,
-            &Names::chain(n),
-        ]),
-    };
+/// Reads the named counters of the server's table (zero when it cannot be read).
+pub(crate) fn counters(names: &Names) -> Counters {
     let mut out = Counters::default();
-    let Some(doc) = listed.and_then(|json| serde_json::from_str::<serde_json::Value>(&json).ok())
-    else {
-        return out;
-    };
-    for item in doc["nftables"].as_array().into_iter().flatten() {
-        let rule = &item["rule"];
-        let packets = || {
-            rule["expr"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find_map(|e| e["counter"]["packets"].as_u64())
-                .unwrap_or(0)
-        };
-        let Some(comment) = rule["comment"].as_str() else {
-            continue;
-        };
-        if comment == REFUSED {
-            let chain = rule["chain"].as_str().unwrap_or_default();
-            let n = chain
-                .strip_prefix('s')
-                .and_then(|h| u32::from_str_radix(h, 16).ok());
-            out.by_chain.push((n, packets()));
-        } else if let Some(limit) = comment.strip_prefix(LIMITED) {
-            out.by_limit.push((limit.to_owned(), packets()));
+    let read = crate::netlink::named_counters(&names.table).unwrap_or_else(|e| {
+        tracing::debug!(error = %e, "reading the nftables counters");
+        Vec::new()
+    });
+    for (name, packets) in read {
+        if name == REFUSED {
+            out.refused = packets;
+        } else if let Some(limit) = name.strip_prefix(LIMITED) {
+            out.by_limit.push((limit.to_owned(), packets));
         }
     }
     out
@@ -498,9 +483,9 @@ mod tests {
         let at = |needle: &str| input.iter().position(|l| l.contains(needle)).unwrap();
         // The DNS rate comes before the established shortcut (a UDP flood from one port is
         // "established" after the first answer); the caps before what input accepts.
-        assert!(at("dsec-limited:dns_udp_rate") < at("ct state established,related accept"));
+        assert!(at("limited_dns_udp_rate") < at("ct state established,related accept"));
         assert!(at("ct count over") < at("th dport 53 accept"));
-        assert!(at("dsec-limited:local_connection_rate") < at("tcp dport 4242 accept"));
+        assert!(at("limited_local_connection_rate") < at("tcp dport 4242 accept"));
     }
 
     #[test]
@@ -514,7 +499,10 @@ mod tests {
         );
         let forward: Vec<&str> = s.split("chain forward {").nth(1).unwrap().lines().collect();
         let at = |needle: &str| forward.iter().position(|l| l.contains(needle)).unwrap();
-        assert!(at("ip daddr { 10.0.0.7, 10.0.0.8 } counter reject") < at("vmap @sandboxes"));
+        assert!(
+            at("ip daddr { 10.0.0.7, 10.0.0.8 } counter name \"refused\" reject")
+                < at("vmap @sandboxes")
+        );
         let none = base(&names(), "10.209.0.0/16", Ipv4Addr::new(10, 209, 0, 1), &[]);
         assert!(!none.contains("ip daddr {"));
     }
