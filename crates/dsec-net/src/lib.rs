@@ -115,6 +115,8 @@ pub struct Networking {
 
 struct Active {
     names: Names,
+    /// Applies the sandboxes' rules, many in one transaction.
+    nft: nft::Batcher,
     bridge_index: i32,
     gateway: Ipv4Addr,
     pool: (Ipv4Addr, u8),
@@ -538,6 +540,8 @@ impl Networking {
         state_dir: &str,
         protected: Vec<Ipv4Addr>,
     ) -> Result<(Active, Record), String> {
+        let nft =
+            nft::Batcher::start().map_err(|e| format!("starting the nftables thread: {e}"))?;
         // The event reader's nflog group must be bound before the rules name it.
         let (nflog, log_group) = events::bind(log_group(tag));
         let names = Names {
@@ -612,6 +616,7 @@ impl Networking {
         }
         let active = Active {
             names,
+            nft,
             bridge_index: made.bridge_index,
             gateway,
             pool,
@@ -657,13 +662,11 @@ impl Networking {
             .write()
             .expect("lock")
             .insert(ip, dns::Client::new(n, policy.clone()));
-        match tokio::task::spawn_blocking(move || nft::apply(&script)).await {
-            Ok(Ok(())) => Ok(attachment),
-            failed => {
+        match active.nft.apply(script).await {
+            Ok(()) => Ok(attachment),
+            Err(e) => {
                 attachment.release().await;
-                Err(failed
-                    .unwrap_or_else(|e| Err(NetError::Nft(e.to_string())))
-                    .unwrap_err())
+                Err(e)
             }
         }
     }
@@ -801,9 +804,7 @@ impl Attachment {
     pub async fn set_policy(&self, policy: &Policy) -> Result<(), NetError> {
         let active = Arc::clone(&self.active);
         let script = nft::replace(&active.names, self.n, policy, active.next_generation());
-        tokio::task::spawn_blocking(move || nft::apply(&script))
-            .await
-            .map_err(|e| NetError::Nft(e.to_string()))??;
+        active.nft.apply(script).await?;
         self.active
             .clients
             .write()
@@ -825,17 +826,16 @@ impl Attachment {
     /// address. Call after the sandbox's processes are gone.
     pub async fn release(self) {
         self.active.clients.write().expect("lock").remove(&self.ip);
-        let active = Arc::clone(&self.active);
-        let (n, ip, veth) = (self.n, self.ip, self.veth.clone());
-        let _ = tokio::task::spawn_blocking(move || {
-            delete_link(&veth);
-            if let Err(e) = nft::apply(&nft::detach(&active.names, n, ip)) {
-                tracing::warn!(error = %e, "removing a sandbox's nftables rules");
-            }
-            active.refused.lock().expect("lock").remove(&n);
-            active.used.lock().expect("lock").0.remove(&n);
-        })
-        .await;
+        let veth = self.veth.clone();
+        let _ = tokio::task::spawn_blocking(move || delete_link(&veth)).await;
+        let active = &self.active;
+        let script = nft::detach(&active.names, self.n, self.ip);
+        if let Err(e) = active.nft.apply(script).await {
+            tracing::warn!(error = %e, "removing a sandbox's nftables rules");
+        }
+        active.refused.lock().expect("lock").remove(&self.n);
+        // Free for another sandbox only now that its rules are gone.
+        active.used.lock().expect("lock").0.remove(&self.n);
     }
 }
 

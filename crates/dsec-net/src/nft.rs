@@ -130,6 +130,66 @@ pub(crate) fn apply(script: &str) -> Result<(), NetError> {
     Ok(())
 }
 
+/// Scripts one transaction takes at most from the queue (a few hundred sandboxes' rules:
+/// a small fraction of what one `nft -f` accepts).
+const MAX_BATCH: usize = 256;
+
+/// A script waiting for its transaction, and where its result goes.
+type Job = (String, tokio::sync::oneshot::Sender<Result<(), NetError>>);
+
+/// Applies sandboxes' scripts in shared transactions: every script submitted while one
+/// runs goes into the next, so N sandboxes created or stopped at once cost one `nft`
+/// process and one ruleset commit, not N (each costs ~40 ms here, and more as the
+/// ruleset grows). A batch the kernel refuses is applied again script by script, so each
+/// caller gets its own script's result and one bad script fails no other.
+pub(crate) struct Batcher {
+    queue: std::sync::mpsc::Sender<Job>,
+}
+
+impl Batcher {
+    /// Starts the thread that applies the batches; it ends when the batcher is dropped.
+    pub(crate) fn start() -> std::io::Result<Batcher> {
+        let (queue, jobs) = std::sync::mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("dsec-nft".into())
+            .spawn(move || {
+                while let Ok(first) = jobs.recv() {
+                    let mut batch = vec![first];
+                    batch.extend(jobs.try_iter().take(MAX_BATCH - 1));
+                    apply_batch(batch);
+                }
+            })?;
+        Ok(Batcher { queue })
+    }
+
+    /// Applies `script` in the next transaction.
+    pub(crate) async fn apply(&self, script: String) -> Result<(), NetError> {
+        let gone = || NetError::Nft("the nftables thread has stopped".into());
+        let (done, result) = tokio::sync::oneshot::channel();
+        self.queue.send((script, done)).map_err(|_| gone())?;
+        result.await.unwrap_or_else(|_| Err(gone()))
+    }
+}
+
+fn apply_batch(batch: Vec<Job>) {
+    if batch.len() > 1 {
+        let mut all = String::new();
+        for (script, _) in &batch {
+            all.push_str(script);
+            all.push('\n');
+        }
+        if apply(&all).is_ok() {
+            for (_, done) in batch {
+                let _ = done.send(Ok(()));
+            }
+            return;
+        }
+    }
+    for (script, done) in batch {
+        let _ = done.send(apply(&script));
+    }
+}
+
 /// Output of `nft ARGS`, `None` when it fails.
 pub(crate) fn query(args: &[&str]) -> Option<String> {
     let out = Command::new("nft").args(args).output().ok()?;
@@ -427,6 +487,32 @@ pub(crate) fn counters(names: &Names) -> Counters {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[ignore = "needs root and nft"]
+    fn a_script_the_kernel_refuses_fails_alone_in_its_batch() {
+        let table = format!("dsec_batch_test_{}", std::process::id());
+        apply(&format!("add table inet {table}\n")).unwrap();
+        let batcher = Batcher::start().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let results = rt.block_on(async {
+            tokio::join!(
+                batcher.apply(format!("add chain inet {table} a\n")),
+                batcher.apply(format!("add rule inet {table} missing accept\n")),
+                batcher.apply(format!("add chain inet {table} b\n")),
+            )
+        });
+        let listed = query(&["list", "table", "inet", &table]).unwrap_or_default();
+        apply(&format!("delete table inet {table}\n")).unwrap();
+        assert!(results.0.is_ok() && results.2.is_ok(), "{results:?}");
+        assert!(results.1.is_err(), "{results:?}");
+        assert!(
+            listed.contains("chain a") && listed.contains("chain b"),
+            "{listed}"
+        );
+    }
 
     fn names() -> Names {
         Names {
