@@ -16,7 +16,9 @@
 #
 # Environment:
 #   DSEC_SETUP_SKIP_APT=1     do not touch Debian packages
-#   DSEC_SETUP_SKIP_BUILD=1   do not run `cargo build --release --workspace`
+#   DSEC_SETUP_SKIP_BUILD=1   do not run `cargo build --release --workspace` (the demo's and
+#                             the benchmarks' build; the tests use a debug build and the
+#                             static guest agent, which is built either way)
 #   DSEC_SETUP_SKIP_GRADER=1  do not build the grader image's root filesystem (2.5 GB of
 #                             Debian packages: ~5 min on an idle host, 25 on a busy one)
 set -euo pipefail
@@ -201,9 +203,10 @@ else
     cargo build --release --workspace
     [[ -x target/release/dsec ]] || die "build finished but target/release/dsec is missing"
     log "built target/release/dsec"
-    log "building the static VM guest agent (scripts/build-agent.sh)"
-    ./scripts/build-agent.sh
 fi
+# The VM guests' PID 1, whatever else is built: the VM backends need it (one small crate).
+log "building the static VM guest agent (scripts/build-agent.sh)"
+./scripts/build-agent.sh
 
 # ---------------------------------------------------------------------------------------
 # 5. The grader image's root filesystem (tests/test_sandboxfusion.py imports it): built
