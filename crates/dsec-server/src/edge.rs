@@ -135,6 +135,43 @@ struct Entry {
 }
 
 impl Entry {
+    /// A running sandbox just made, holding nothing of the budget or quotas yet; its
+    /// commands get `command.0` as environment and `command.1` as working directory.
+    fn new(
+        info: SandboxInfo,
+        position: Position,
+        command: (Vec<String>, String),
+        request: CreateSandboxRequest,
+        made: (Arc<dyn Backend>, Box<dyn Sandbox>),
+        events: Arc<Events>,
+    ) -> Entry {
+        let ((env, workdir), (backend, sandbox)) = (command, made);
+        Entry {
+            info,
+            env,
+            workdir,
+            state: Mutex::new(SandboxState::Running),
+            created: Instant::now(),
+            last_active: Mutex::new(Instant::now()),
+            busy: AtomicUsize::new(0),
+            position,
+            request,
+            file_transfers: Arc::new(Semaphore::new(FILE_TRANSFERS_PER_SANDBOX)),
+            grant: Mutex::new(None),
+            project: None,
+            quota: Mutex::new(None),
+            failure: tokio::sync::OnceCell::new(),
+            backend,
+            sandbox,
+            events,
+            oom_reported: Default::default(),
+            sampled: Mutex::new(None),
+            flags: Mutex::default(),
+            processes: processes::Processes::default(),
+            kept: AtomicBool::new(false),
+        }
+    }
+
     /// Its labels: those it was created with, and the Watcher's flags.
     fn labels(&self) -> BTreeMap<String, String> {
         let mut labels = self.info.labels.clone();
@@ -927,31 +964,20 @@ impl Edge {
             }
         }
         let entry = Arc::new(Entry {
-            position: Position::new(
-                info.trajectory_id.clone(),
-                fork_of.as_ref().map_or(0, |f| f.steps),
-            ),
-            info: info.clone(),
-            env: merge_env(&[&base_env, &image_env, &sandbox_env]),
-            workdir,
-            state: Mutex::new(SandboxState::Running),
-            created: Instant::now(),
-            last_active: Mutex::new(Instant::now()),
-            busy: AtomicUsize::new(0),
-            request,
-            file_transfers: Arc::new(Semaphore::new(FILE_TRANSFERS_PER_SANDBOX)),
             grant: Mutex::new(grant),
             project: caller.project().cloned(),
             quota: Mutex::new(quota),
-            failure: tokio::sync::OnceCell::new(),
-            backend,
-            sandbox,
-            events: Arc::clone(&self.events),
-            oom_reported: Default::default(),
-            sampled: Mutex::new(None),
-            flags: Mutex::default(),
-            processes: processes::Processes::default(),
-            kept: AtomicBool::new(false),
+            ..Entry::new(
+                info.clone(),
+                Position::new(
+                    info.trajectory_id.clone(),
+                    fork_of.as_ref().map_or(0, |f| f.steps),
+                ),
+                (merge_env(&[&base_env, &image_env, &sandbox_env]), workdir),
+                request,
+                (backend, sandbox),
+                Arc::clone(&self.events),
+            )
         });
         entry.emit(
             kind::SANDBOX_CREATED,

@@ -13,15 +13,14 @@
 //! the old server's: the processes run on in the guest, unfollowed.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dsec_api::{CreateSandboxRequest, Quotas, SandboxInfo, SandboxState};
 use serde::{Deserialize, Serialize};
-use tokio::sync::Semaphore;
 
-use super::{unix_now, unsigned, Edge, Entry, FILE_TRANSFERS_PER_SANDBOX};
+use super::{unix_now, unsigned, Edge, Entry};
 use crate::backend::{Adopted, Backend, Sandbox};
 use crate::trajectory::Position;
 
@@ -118,28 +117,22 @@ impl Edge {
         drop(self.log.reopen(&info.id));
         tracing::info!(sandbox = %info.id, backend = %info.backend, "adopted a paused sandbox kept by an earlier run");
         let entry = Entry {
-            position: Position::new(info.trajectory_id.clone(), record.next_step),
-            env: record.env,
-            workdir: record.workdir,
             state: Mutex::new(SandboxState::Paused),
             created: seconds_ago(unix_now() - info.created_at),
             last_active: Mutex::new(seconds_ago(unix_now() - record.last_active_at)),
-            busy: AtomicUsize::new(0),
-            request: record.request,
-            file_transfers: Arc::new(Semaphore::new(FILE_TRANSFERS_PER_SANDBOX)),
             grant: Mutex::new(grant),
             project,
             quota: Mutex::new(quota),
-            failure: tokio::sync::OnceCell::new(),
-            backend,
-            sandbox,
-            events: Arc::clone(&self.events),
-            oom_reported: Default::default(),
-            sampled: Mutex::new(None),
             flags: Mutex::new(record.flags),
-            processes: super::processes::Processes::default(),
             kept: AtomicBool::new(true),
-            info,
+            ..Entry::new(
+                info.clone(),
+                Position::new(info.trajectory_id, record.next_step),
+                (record.env, record.workdir),
+                record.request,
+                (backend, sandbox),
+                Arc::clone(&self.events),
+            )
         };
         self.sandboxes
             .write()
