@@ -559,6 +559,15 @@ def test_a_guest_paused_to_disk_keeps_its_network(
             assert eth0_ip(sb) == address
             assert reaches(sb, a) and not reaches(sb, b)
             assert any(e["dst"] == b.ip for e in sb.network_refused())
+            # Kept across a restart of the server: the same address and policy after.
+            sb.pause()
+            assert wait_until(lambda: veths() == [], timeout=10), veths()
+            s.kill9()
+            s.restart()
+            assert sb.info().state == "paused"
+            assert eth0_ip(sb) == address
+            assert len(veths()) == 1
+            assert reaches(sb, a) and not reaches(sb, b)
         assert wait_until(lambda: veths() == [], timeout=10), veths()
 
 

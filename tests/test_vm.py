@@ -253,6 +253,114 @@ def test_pause_that_saves_the_guest_frees_its_memory_and_loses_nothing(
     assert_no_leftovers(s, sb_id)
 
 
+def _kept_dirs(server: Server) -> set[str]:
+    """The VM sandbox directories in the server's state directory."""
+    d = server.state_dir / "vm" / "sandboxes"
+    return set(os.listdir(d)) if d.is_dir() else set()
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("how", ["kill9", "stop"])
+def test_a_guest_paused_to_disk_survives_a_server_restart(
+    make_server: Callable[..., Server], vm_backend: str, how: str
+) -> None:
+    """A guest paused to disk is kept by a server killed (or stopped) and restarted on the
+    same state directory: listed paused with all it had, and its next request restores it
+    with its processes and files; stop then leaves nothing."""
+    s = make_server(extra_args=["--vm-pause", "save"])
+    trajectory = f"kept-{os.urandom(4).hex()}"
+    with s.client() as c:
+        sb = c.create(
+            backend=vm_backend,
+            image="busybox",
+            labels={"team": "kept"},
+            ttl_s=3600,
+            idle_ttl_s=1800,
+            memory_mb=192,
+            env={"KEPT": "yes"},
+            trajectory_id=trajectory,
+        )
+        first = "echo before > /tmp/f; sleep 1000 >/dev/null 2>&1 & echo $!"
+        sleeper = sb.run(first).stdout.strip()
+        assert sleeper.isdigit()
+        sb.pause()
+        assert wait_until(lambda: not qemu_procs(sb.id), 10), "its QEMU still runs"
+        before = c.get(sb.id).info()
+        assert before.state == "paused"
+    if how == "kill9":
+        s.kill9()
+    else:
+        s.stop()
+    assert _kept_dirs(s) == {sb.id}
+    s.restart()
+    with s.client() as c:
+        listed = {x.id: x.info() for x in c.list()}
+        assert set(listed) == {sb.id}
+        again = c.get(sb.id)
+        after = again.info()
+        assert after.state == "paused"
+        for field in (
+            "backend", "image", "labels", "limits", "ttl_s", "idle_ttl_s",
+            "trajectory_id", "project", "created_at", "accelerator",
+        ):
+            assert getattr(after, field) == getattr(before, field), field
+        assert not qemu_procs(sb.id), "adopted, not restored yet"
+        # Its trajectory goes on: step 0 is the recorded one, step 1 runs.
+        replay = again.run(first)
+        assert replay.replayed and replay.stdout.strip() == sleeper
+        t0 = time.monotonic()
+        r = again.run(f"cat /tmp/f; kill -0 {sleeper} && echo alive; hostname; echo $KEPT")
+        restored_s = time.monotonic() - t0
+        assert r.stdout.split() == ["before", "alive", sb.id, "yes"], r
+        assert again.info().state == "running"
+        assert len(qemu_procs(sb.id)) == 1
+        date = again.run("date +%s").stdout
+        assert abs(int(date) - time.time()) < 30, "the restored guest's clock was not set"
+        steps = [x["step"] for x in c.log(sb.id)["steps"]]
+        assert steps == [0, 1, 2], steps
+        print(f"restore after a restart -> first exec: {restored_s:.2f} s")
+        again.stop()
+    assert_no_leftovers(s, sb.id)
+    assert _kept_dirs(s) == set()
+
+
+@pytest.mark.timeout(360)
+def test_a_restart_removes_running_and_half_saved_guests_but_keeps_the_saved(
+    make_server: Callable[..., Server], vm_backend: str
+) -> None:
+    """Only guests whose pause files are whole outlive a restart: a running guest, one
+    half-saved and a record that does not parse are removed, the server starts and the
+    kept one works; one resumed before the restart is not kept."""
+    s = make_server(extra_args=["--vm-pause", "save"])
+    with s.client() as c:
+        running = c.create(backend=vm_backend, image="busybox")
+        kept, half, resumed = (c.create(backend=vm_backend, image="busybox") for _ in range(3))
+        for sb in (kept, half, resumed):
+            sb.run("echo x > /root/x")
+            sb.pause()
+        resumed.resume()
+        assert running.run("echo up").stdout == "up\n"
+    s.kill9()
+    assert wait_until(lambda: not qemu_procs(running.id) and not qemu_procs(resumed.id), 10)
+    vm_sandboxes = s.state_dir / "vm" / "sandboxes"
+    (vm_sandboxes / half.id / "paused" / "state").unlink()
+    bogus = vm_sandboxes / "bogus-000000000000" / "paused"
+    bogus.mkdir(parents=True)
+    for name in ("memory", "state"):
+        (bogus / name).write_bytes(b"\0" * 4096)
+    (bogus / "kept.json").write_text("{not json")
+    s.restart()
+    with s.client() as c:
+        assert {x.id for x in c.list()} == {kept.id}
+        assert c.get(kept.id).run("cat /root/x").stdout == "x\n"
+        for gone in (running, half, resumed):
+            assert_no_leftovers(s, gone.id)
+        assert _kept_dirs(s) == {kept.id}
+        c.get(kept.id).stop()
+    assert_no_leftovers(s, kept.id)
+    assert _kept_dirs(s) == set()
+
+
 def test_disk_limit_is_the_scratch_disk(
     client: dsec.Client, busybox_image: str, vm_backend: str
 ) -> None:

@@ -639,11 +639,30 @@ impl Networking {
     /// Gives a new sandbox an address and installs its policy. The sandbox has no route
     /// until [`Attachment::plug`]; call this while its container is being built.
     pub async fn reserve(&self, policy: &Policy) -> Result<Attachment, NetError> {
+        self.reserve_preferring(policy, None).await
+    }
+
+    /// [`reserve`](Self::reserve), for a sandbox that had `address` under an earlier run
+    /// of the server (a paused VM kept across the restart): it gets that address again
+    /// when it is in this pool and free, another otherwise.
+    pub async fn reserve_again(
+        &self,
+        policy: &Policy,
+        address: Ipv4Addr,
+    ) -> Result<Attachment, NetError> {
+        self.reserve_preferring(policy, Some(address)).await
+    }
+
+    async fn reserve_preferring(
+        &self,
+        policy: &Policy,
+        address: Option<Ipv4Addr>,
+    ) -> Result<Attachment, NetError> {
         let active = self
             .state
             .as_ref()
             .map_err(|r| NetError::Unavailable(r.clone()))?;
-        let n = active.allocate()?;
+        let n = active.allocate(address)?;
         let ip = Ipv4Addr::from(u32::from(active.pool.0) + n);
         active
             .refused
@@ -712,10 +731,17 @@ impl Active {
         self.generation.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn allocate(&self) -> Result<u32, NetError> {
+    /// A free host number of the pool: `address`'s when it is one, else the next free.
+    fn allocate(&self, address: Option<Ipv4Addr>) -> Result<u32, NetError> {
         let size = 1u32 << (32 - self.pool.1);
         let mut used = self.used.lock().expect("lock");
         let (set, next) = &mut *used;
+        let wanted = address
+            .and_then(|a| u32::from(a).checked_sub(u32::from(self.pool.0)))
+            .filter(|n| (2..size - 1).contains(n));
+        if let Some(n) = wanted.filter(|n| set.insert(*n)) {
+            return Ok(n);
+        }
         // Round-robin from the last one given, so a freed address rests before reuse.
         for k in 0..size {
             let n = 2 + (*next - 2 + k) % (size - 3);

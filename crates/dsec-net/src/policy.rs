@@ -2,8 +2,11 @@
 
 use std::net::Ipv4Addr;
 
-/// A sandbox's egress policy.
-#[derive(Clone, Debug, PartialEq, Eq)]
+use serde::{Deserialize, Serialize};
+
+/// A sandbox's egress policy (serialized in the record of a sandbox kept across a
+/// restart of the server).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Policy {
     /// Loopback only: no interface at all (or, on a running sandbox, everything refused).
     Off,
@@ -14,7 +17,7 @@ pub enum Policy {
 }
 
 /// One entry of an allow-list.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Rule {
     /// An IPv4 network (a single address is a /32), optionally one port (TCP and UDP).
     Net {

@@ -273,14 +273,26 @@ impl Admission {
                  sandboxes, or ask for smaller limits (the operator can raise {flag})"
             )));
         }
+        Ok(self.promise(&mut p, memory_mb, pids))
+    }
+
+    /// Promises `memory_mb` and `pids` to a sandbox an earlier run of the server admitted
+    /// and kept across its restart (see [`crate::edge`]), with no check: it exists already,
+    /// and a budget made smaller since only refuses the next new ones.
+    pub fn readmit(self: &Arc<Self>, memory_mb: u64, pids: u64) -> Grant {
+        let mut p = self.promised.lock().expect("lock");
+        self.promise(&mut p, memory_mb, pids)
+    }
+
+    fn promise(self: &Arc<Self>, p: &mut Promised, memory_mb: u64, pids: u64) -> Grant {
         p.memory_mb += memory_mb;
         p.pids += pids;
         p.sandboxes += 1;
-        Ok(Grant {
+        Grant {
             admission: Arc::clone(self),
             memory_mb,
             pids,
-        })
+        }
     }
 
     /// Publishes `dsec_admission_{budget,promised,capacity}{resource}` (before each

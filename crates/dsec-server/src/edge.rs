@@ -6,7 +6,7 @@
 //! every per-sandbox request after checking the sandbox's state.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -38,6 +38,7 @@ use crate::projects::{self, Caller, QuotaHold};
 use crate::trajectory::{self, Decision, Position, Replayed};
 
 mod fleet;
+mod kept;
 pub mod processes;
 mod usage;
 pub use fleet::{batch_item, batch_item_key, check_batch, EdgeLoad};
@@ -128,9 +129,49 @@ struct Entry {
     flags: Mutex<BTreeMap<String, String>>,
     /// Its spawned processes; they go with it.
     processes: processes::Processes,
+    /// Paused and kept by its backend across a restart of the server ([`kept`]): a
+    /// shutdown leaves it.
+    kept: AtomicBool,
 }
 
 impl Entry {
+    /// A running sandbox just made, holding nothing of the budget or quotas yet; its
+    /// commands get `command.0` as environment and `command.1` as working directory.
+    fn new(
+        info: SandboxInfo,
+        position: Position,
+        command: (Vec<String>, String),
+        request: CreateSandboxRequest,
+        made: (Arc<dyn Backend>, Box<dyn Sandbox>),
+        events: Arc<Events>,
+    ) -> Entry {
+        let ((env, workdir), (backend, sandbox)) = (command, made);
+        Entry {
+            info,
+            env,
+            workdir,
+            state: Mutex::new(SandboxState::Running),
+            created: Instant::now(),
+            last_active: Mutex::new(Instant::now()),
+            busy: AtomicUsize::new(0),
+            position,
+            request,
+            file_transfers: Arc::new(Semaphore::new(FILE_TRANSFERS_PER_SANDBOX)),
+            grant: Mutex::new(None),
+            project: None,
+            quota: Mutex::new(None),
+            failure: tokio::sync::OnceCell::new(),
+            backend,
+            sandbox,
+            events,
+            oom_reported: Default::default(),
+            sampled: Mutex::new(None),
+            flags: Mutex::default(),
+            processes: processes::Processes::default(),
+            kept: AtomicBool::new(false),
+        }
+    }
+
     /// Its labels: those it was created with, and the Watcher's flags.
     fn labels(&self) -> BTreeMap<String, String> {
         let mut labels = self.info.labels.clone();
@@ -923,30 +964,20 @@ impl Edge {
             }
         }
         let entry = Arc::new(Entry {
-            position: Position::new(
-                info.trajectory_id.clone(),
-                fork_of.as_ref().map_or(0, |f| f.steps),
-            ),
-            info: info.clone(),
-            env: merge_env(&[&base_env, &image_env, &sandbox_env]),
-            workdir,
-            state: Mutex::new(SandboxState::Running),
-            created: Instant::now(),
-            last_active: Mutex::new(Instant::now()),
-            busy: AtomicUsize::new(0),
-            request,
-            file_transfers: Arc::new(Semaphore::new(FILE_TRANSFERS_PER_SANDBOX)),
             grant: Mutex::new(grant),
             project: caller.project().cloned(),
             quota: Mutex::new(quota),
-            failure: tokio::sync::OnceCell::new(),
-            backend,
-            sandbox,
-            events: Arc::clone(&self.events),
-            oom_reported: Default::default(),
-            sampled: Mutex::new(None),
-            flags: Mutex::default(),
-            processes: processes::Processes::default(),
+            ..Entry::new(
+                info.clone(),
+                Position::new(
+                    info.trajectory_id.clone(),
+                    fork_of.as_ref().map_or(0, |f| f.steps),
+                ),
+                (merge_env(&[&base_env, &image_env, &sandbox_env]), workdir),
+                request,
+                (backend, sandbox),
+                Arc::clone(&self.events),
+            )
         });
         entry.emit(
             kind::SANDBOX_CREATED,
@@ -1014,6 +1045,7 @@ impl Edge {
         }
         entry.sandbox.pause().await?;
         entry.set_state(SandboxState::Paused);
+        kept::keep(&entry).await;
         entry.emit(kind::SANDBOX_PAUSED, serde_json::Value::Null);
         Ok(entry.snapshot())
     }
@@ -1022,6 +1054,8 @@ impl Edge {
     pub async fn resume(&self, id: &str) -> Result<SandboxInfo, ApiError> {
         let entry = self.entry(id)?;
         if entry.state() == SandboxState::Paused {
+            // Running on, it no longer outlives the server, even if it cannot resume.
+            entry.kept.store(false, Ordering::SeqCst);
             entry.sandbox.resume().await?;
             entry.set_state(SandboxState::Running);
             entry.emit(kind::SANDBOX_RESUMED, serde_json::Value::Null);
@@ -1054,6 +1088,9 @@ impl Edge {
             .await;
         if running {
             entry.sandbox.resume().await?;
+        } else {
+            // A guest saved to disk is snapshotted from memory: kept no longer.
+            kept::keep(&entry).await;
         }
         image
     }
@@ -1194,15 +1231,14 @@ impl Edge {
         Ok(())
     }
 
-    /// Stops every sandbox (server shutdown).
+    /// Stops every sandbox (server shutdown) but those kept across the restart, which are
+    /// only let go (see [`kept`]).
     pub async fn stop_all(&self) {
-        let ids: Vec<String> = self
-            .sandboxes
-            .read()
-            .expect("lock")
-            .keys()
-            .cloned()
-            .collect();
+        let ids: Vec<String> = {
+            let mut table = self.sandboxes.write().expect("lock");
+            table.retain(|_, e| !e.kept.load(Ordering::SeqCst));
+            table.keys().cloned().collect()
+        };
         futures::future::join_all(ids.iter().map(|id| self.stop_because(id, "shutdown"))).await;
     }
 

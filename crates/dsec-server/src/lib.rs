@@ -531,6 +531,13 @@ pub async fn run_with(
     if let Some(shared) = membership.as_ref().and_then(|m| m.quotas()) {
         edge.share_quotas(shared);
     }
+    let adopted = edge.adopt_kept().await;
+    if adopted > 0 {
+        tracing::info!(
+            count = adopted,
+            "adopted paused sandboxes kept by an earlier run"
+        );
+    }
     tokio::spawn(Arc::clone(&edge).reaper());
     if config.events.enabled {
         tokio::spawn(Arc::clone(&edge).usage_sampler());

@@ -37,14 +37,23 @@ pub(crate) enum Position {
 }
 
 impl Position {
-    /// The position of a new sandbox whose trajectory (if any) continues at `next`.
+    /// The position of a sandbox whose trajectory continues at `next` (0 for a new
+    /// sandbox but a fork's child, which continues its parent's).
     pub(crate) fn new(trajectory_id: Option<String>, next: i64) -> Position {
         match trajectory_id {
             Some(id) => Position::Keyed {
                 id,
                 next: Arc::new(Mutex::new(next)),
             },
-            None => Position::Unkeyed(AtomicI64::new(0)),
+            None => Position::Unkeyed(AtomicI64::new(next)),
+        }
+    }
+
+    /// The step the next command takes (once the step in progress, if any, is done).
+    pub(crate) async fn next(&self) -> i64 {
+        match self {
+            Position::Keyed { next, .. } => *next.lock().await,
+            Position::Unkeyed(next) => next.load(Ordering::Acquire),
         }
     }
 

@@ -376,6 +376,9 @@ pub(crate) enum Change {
     },
     /// A sandbox stopped.
     Stopped(String),
+    /// A stopped sandbox whose row holds `bytes` is live again: its share, already
+    /// counted in what the log stores.
+    Reopened { id: String, bytes: u64 },
 }
 
 impl Delta {
@@ -397,6 +400,10 @@ impl Delta {
                 }
             }
             Change::Stopped(id) => self.stopped.push(id),
+            Change::Reopened { id, bytes } => {
+                self.stopped.retain(|s| *s != id);
+                self.sandboxes.entry(id).or_default().bytes += bytes;
+            }
         }
     }
 }

@@ -17,6 +17,9 @@ pub(crate) enum Write {
         id: String,
         at: f64,
     },
+    /// A stopped sandbox is live again: kept by an earlier run of the server, adopted by
+    /// this one.
+    Reopened(String),
 }
 
 impl Write {
@@ -24,7 +27,7 @@ impl Write {
     pub(crate) fn output_bytes(&self) -> usize {
         match self {
             Write::Append(s) | Write::Ended(s) => s.result.stdout.len() + s.result.stderr.len(),
-            Write::Register(_) | Write::Stopped { .. } => 0,
+            Write::Register(_) | Write::Stopped { .. } | Write::Reopened(_) => 0,
         }
     }
 }

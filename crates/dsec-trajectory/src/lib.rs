@@ -282,6 +282,15 @@ impl TrajectoryLog {
         })
     }
 
+    /// Records that a sandbox the log marked stopped when it opened (it holds every
+    /// sandbox of an earlier run as stopped) lives on: an earlier run of the server kept it
+    /// across the restart and this one serves it again. Its log is no longer pruned, and
+    /// this process counts its share as a live sandbox's. A sandbox whose log was pruned
+    /// meanwhile stays without one.
+    pub fn reopen(&self, sandbox_id: &str) -> Pending {
+        self.send(Write::Reopened(sandbox_id.to_owned()))
+    }
+
     /// A capture that bounds one output stream as this log keeps it.
     pub fn capture(&self) -> OutputCapture {
         OutputCapture::new(self.usage().budgets.output_bytes)

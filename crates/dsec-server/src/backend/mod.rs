@@ -381,6 +381,15 @@ pub trait Sandbox: Send + Sync {
     async fn pause(&self) -> Result<(), ApiError> {
         Err(ApiError::unavailable("this backend cannot pause sandboxes"))
     }
+    /// Makes a paused sandbox outlive this server where the backend can (a VM guest saved
+    /// to disk), keeping `edge` with it: the edge's record of the sandbox, which a
+    /// restarted server's edge serves it again from ([`Backend::adopt`]). Until it resumes
+    /// or stops, a server shutdown leaves it where it is. `false`: it cannot be kept, and
+    /// goes with the server as every other sandbox does.
+    async fn keep(&self, edge: &serde_json::Value) -> Result<bool, ApiError> {
+        let _ = edge;
+        Ok(false)
+    }
     /// Thaws a paused sandbox.
     async fn resume(&self) -> Result<(), ApiError> {
         Err(ApiError::unavailable(
@@ -501,6 +510,19 @@ pub trait Backend: Send + Sync {
     async fn network_refused_total(&self) -> u64 {
         0
     }
+    /// The paused sandboxes an earlier run of the server kept ([`Sandbox::keep`]), each
+    /// ready to resume here, with the edge's record of it. Called once, before serving.
+    async fn adopt(&self) -> Vec<Adopted> {
+        Vec::new()
+    }
+}
+
+/// A paused sandbox kept across a restart of the server, adopted by this one.
+pub struct Adopted {
+    /// The sandbox, paused; its next request resumes it.
+    pub sandbox: Box<dyn Sandbox>,
+    /// What the edge kept of it ([`Sandbox::keep`]).
+    pub edge: serde_json::Value,
 }
 
 /// The backends this server runs, by kind.

@@ -17,7 +17,12 @@
 //! Everything a VM makes lives in `<state>/vm/sandboxes/<id>/` (scratch disk, console
 //! log, a record naming its QEMU) and goes at stop; a restarted server kills the QEMUs
 //! its records name (checking each one's start time, so a recycled pid is never hit)
-//! and removes the directories.
+//! and removes the directories, but for one kind: a guest paused to disk
+//! ([`PauseMode::Save`]) that the edge asked to keep ([`Sandbox::keep`]) has all it needs
+//! in `paused/` (memory, device state, and `kept.json`, written last), and a restarted
+//! server adopts it ([`Backend::adopt`]): its next request restores it on a new channel,
+//! as a snapshot's child is restored (the host drops what the guest was writing to the
+//! old one), with the same identity.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
@@ -46,7 +51,7 @@ use tokio::sync::OnceCell;
 use super::files::{list_served, read_served, watch_served, write_served, FileWatch};
 use super::{file_info, MakeDir, MovePath, RemovePath};
 use super::{
-    Backend, CommandSpec, Created, Failure, FileRead, ImageDefaults, Output, OutputStream,
+    Adopted, Backend, CommandSpec, Created, Failure, FileRead, ImageDefaults, Output, OutputStream,
     ProcessSpec, Sandbox, SandboxRequest, Spawned, Upload,
 };
 use crate::error::ApiError;
@@ -224,6 +229,69 @@ fn write_record(dir: &Path, vm: &Vm) -> Result<(), ApiError> {
     .map_err(|e| ApiError::internal(format!("writing the sandbox record: {e}")))
 }
 
+/// What `<state>/vm/sandboxes/<id>/paused/kept.json` holds: a guest paused to disk and
+/// kept across a restart of the server ([`Sandbox::keep`]), with all a restarted server
+/// needs to restore it. Written last, once the guest's files are on disk, and removed
+/// first when it resumes: a directory without it is a guest half-saved, or one that ran
+/// on, and is removed at start.
+#[derive(Debug, Serialize, Deserialize)]
+struct Kept {
+    /// `microvm` or `vm` ([`Machine::backend`]).
+    backend: String,
+    /// The accelerator it was saved from ([`Accel::name`]), which it resumes on.
+    accel: String,
+    vcpus: u32,
+    memory_mb: u64,
+    disk_mb: u64,
+    pids: u64,
+    /// Its image: its layers are held again, and a snapshot of it stacks them.
+    image: Image,
+    /// The image disks it ran with, top first, and their filesystem.
+    image_disks: Vec<PathBuf>,
+    base_fs: BaseFs,
+    /// The saved guest (a snapshot's) its scratch disk lies over, if any.
+    restored_from: Option<String>,
+    /// Its egress policy, and its address when it has an interface.
+    network: Policy,
+    address: Option<std::net::Ipv4Addr>,
+    ca_bundle: bool,
+    /// The first channel request id the guest never saw (see [`SavedGuest`]).
+    first_request: u32,
+    /// The [`TEMPLATE_FORMAT`] of its devices.
+    format: u32,
+    /// The edge's record of it.
+    edge: serde_json::Value,
+}
+
+/// The record of the kept guest of sandbox directory `dir`, if it is kept and whole.
+fn read_kept(dir: &Path) -> Option<Kept> {
+    let paused = dir.join("paused");
+    let (_, memory, state) = template_files(&paused);
+    if !memory.exists() || !state.exists() {
+        return None;
+    }
+    let kept: Kept = serde_json::from_slice(&std::fs::read(paused.join("kept.json")).ok()?).ok()?;
+    (kept.format == TEMPLATE_FORMAT).then_some(kept)
+}
+
+/// Writes `kept` into `paused` (a kept guest's directory, see [`Kept`]) once the guest's
+/// files there and its scratch disk are on disk: a host that crashes right after must not
+/// leave a record of files still only in its page cache.
+fn write_kept(paused: &Path, scratch: &Path, kept: &Kept) -> Result<(), String> {
+    let (_, memory, state) = template_files(paused);
+    for file in [scratch, &memory, &state, paused] {
+        std::fs::File::open(file)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| format!("syncing {}: {e}", file.display()))?;
+    }
+    let tmp = paused.join("kept.json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec(kept).expect("record serializes"))
+        .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, paused.join("kept.json")))
+        .and_then(|()| std::fs::File::open(paused)?.sync_all())
+        .map_err(|e| format!("writing {}: {e}", tmp.display()))
+}
+
 fn vm_error(e: VmError) -> ApiError {
     match e {
         VmError::Unavailable(_) => ApiError::unavailable(e.to_string()),
@@ -385,7 +453,12 @@ impl VmHost {
             // Unsure which are still images: remove none.
             Err(_) => return 0,
         };
-        let mut kept_disks = HashSet::new();
+        // A kept guest restores with the disks it ran with.
+        let mut kept_disks: HashSet<PathBuf> = self
+            .kept()
+            .into_iter()
+            .flat_map(|(_, kept)| kept.image_disks)
+            .collect();
         for entry in std::fs::read_dir(self.dir.join("snapshots"))
             .into_iter()
             .flatten()
@@ -538,7 +611,8 @@ impl VmHost {
     }
 
     /// Removes what an earlier run left: QEMUs named by records (if still the same
-    /// process), sandbox directories, half-built templates and temporary files.
+    /// process), sandbox directories but those of kept guests ([`Kept`]; adopted by
+    /// [`Backend::adopt`]), half-built templates and temporary files.
     pub fn clean_leftovers(&self) -> usize {
         let sandboxes = self.dir.join("sandboxes");
         let mut cleaned = 0;
@@ -558,6 +632,9 @@ impl VmHost {
                 }) {
                     let _ = rustix::process::kill_process(qemu, rustix::process::Signal::KILL);
                 }
+            }
+            if read_kept(&entry.path()).is_some() {
+                continue;
             }
             let _ = std::fs::remove_dir_all(entry.path());
             cleaned += 1;
@@ -599,6 +676,18 @@ impl VmHost {
         }
         let _ = std::fs::remove_dir_all(self.dir.join("probe"));
         cleaned
+    }
+}
+
+impl VmHost {
+    /// The kept guests ([`Kept`]) in `<state>/vm/sandboxes/`, with their directories.
+    fn kept(&self) -> Vec<(PathBuf, Kept)> {
+        std::fs::read_dir(self.dir.join("sandboxes"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|entry| Some((entry.path(), read_kept(&entry.path())?)))
+            .collect()
     }
 }
 
@@ -647,6 +736,74 @@ async fn plug(vm: &Vm, attachment: &Attachment, ca_bundle: bool) -> Result<(), A
 }
 
 impl VmBackend {
+    /// The guest an earlier run kept in sandbox directory `dir` ([`Kept`]), paused on
+    /// disk: its image's layers and the saved guest under its disk held again, and its
+    /// address (the same one where this server's pool has it free) and policy reserved,
+    /// so that nothing made before its first request takes them.
+    async fn adopt_kept(&self, dir: &Path, kept: Kept) -> Result<Adopted, ApiError> {
+        let host = &self.host;
+        let id = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let held = host.images.blobs(&kept.image)?;
+        let restored_from = kept
+            .restored_from
+            .as_deref()
+            .map(|saved| SavedInUse::new(host, saved));
+        if let Some(saved) = &kept.restored_from {
+            if read_saved(&saved_dir(&host.dir, saved)).is_none() {
+                return Err(ApiError::internal(format!(
+                    "the saved guest {saved} its disk lies over is gone"
+                )));
+            }
+        }
+        let attachment = match kept.address {
+            Some(address) => Some(self.net.reserve_again(&kept.network, address).await?),
+            None => None,
+        };
+        let hardware = Hardware {
+            machine: self.machine,
+            accel: if kept.accel == Accel::Kvm.name() {
+                Accel::Kvm
+            } else {
+                Accel::Tcg
+            },
+            vcpus: kept.vcpus,
+            memory_mb: kept.memory_mb,
+        };
+        let sandbox = VmSandbox {
+            _layers: held,
+            vm: std::sync::RwLock::new(None),
+            on_disk: tokio::sync::Mutex::new(Some(OnDisk::Adopted {
+                first_request: kept.first_request,
+            })),
+            saved_to_disk: AtomicBool::new(true),
+            id,
+            pids: kept.pids,
+            guest_usage: Arc::default(),
+            dir: dir.to_owned(),
+            host: Arc::clone(host),
+            image: kept.image,
+            hardware,
+            disks: Disks {
+                image: kept.image_disks,
+                base_fs: kept.base_fs,
+                scratch: dir.join("scratch.qcow2"),
+            },
+            disk_mb: kept.disk_mb,
+            _restored_from: restored_from,
+            net: Arc::clone(&self.net),
+            attachment: tokio::sync::Mutex::new(attachment),
+            policy: Mutex::new(kept.network),
+            ca_bundle: kept.ca_bundle,
+        };
+        Ok(Adopted {
+            sandbox: Box::new(sandbox),
+            edge: kept.edge,
+        })
+    }
+
     /// The files of the guest saved as image `name` and their record, once `hardware` and
     /// `disk_mb` are checked to be the guest's own: a running guest keeps its shape.
     fn saved_guest(
@@ -721,6 +878,24 @@ impl Backend for VmBackend {
 
     fn has_networking(&self) -> bool {
         true
+    }
+
+    async fn adopt(&self) -> Vec<Adopted> {
+        let mut adopted = Vec::new();
+        let backend = self.machine.backend();
+        for (dir, kept) in self.host.kept() {
+            if kept.backend != backend {
+                continue;
+            }
+            match self.adopt_kept(&dir, kept).await {
+                Ok(a) => adopted.push(a),
+                Err(e) => {
+                    tracing::warn!(dir = %dir.display(), error = %e, "cannot adopt a VM guest kept by an earlier run; removing it");
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+            }
+        }
+        adopted
     }
 
     async fn prune_images(&self, live: &HashSet<String>) -> u64 {
@@ -888,8 +1063,8 @@ impl Backend for VmBackend {
         Ok(Created {
             sandbox: Box::new(VmSandbox {
                 _layers: held,
-                vm: std::sync::RwLock::new(Arc::new(vm)),
-                on_disk: tokio::sync::Mutex::new(false),
+                vm: std::sync::RwLock::new(Some(Arc::new(vm))),
+                on_disk: tokio::sync::Mutex::new(None),
                 saved_to_disk: AtomicBool::new(false),
                 id: req.id.clone(),
                 pids: req.pids,
@@ -903,6 +1078,7 @@ impl Backend for VmBackend {
                 _restored_from: in_use,
                 net: Arc::clone(&self.net),
                 attachment: tokio::sync::Mutex::new(attachment),
+                policy: Mutex::new(req.network),
                 ca_bundle: req.ca_bundle,
             }),
             image: ImageDefaults {
@@ -916,11 +1092,12 @@ impl Backend for VmBackend {
 struct VmSandbox {
     /// Its image's layers, held for as long as it runs (its disk may be one of them).
     _layers: HeldBlobs,
-    /// Its QEMU: a new one after a pause that saved it to disk.
-    vm: std::sync::RwLock<Arc<Vm>>,
-    /// Whether the paused guest is on disk, with no QEMU ([`PauseMode::Save`]); the lock
+    /// Its QEMU: none while it is saved to disk (or could not be restored from it), a
+    /// new one after.
+    vm: std::sync::RwLock<Option<Arc<Vm>>>,
+    /// The paused guest saved to disk, with no QEMU ([`PauseMode::Save`]); the lock
     /// orders pauses and resumes.
-    on_disk: tokio::sync::Mutex<bool>,
+    on_disk: tokio::sync::Mutex<Option<OnDisk>>,
     /// The same, for the synchronous checks ([`Sandbox::is_alive`]).
     saved_to_disk: AtomicBool,
     id: String,
@@ -940,8 +1117,19 @@ struct VmSandbox {
     /// Its place on the network; `None` while it has never had one. Locked after
     /// `on_disk` where both are.
     attachment: tokio::sync::Mutex<Option<Attachment>>,
+    /// Its egress policy, as last set (kept with it, [`Kept`]).
+    policy: Mutex<Policy>,
     /// Whether a network given later brings the host's CA bundle.
     ca_bundle: bool,
+}
+
+/// How a guest saved to disk goes on when it is restored.
+enum OnDisk {
+    /// Saved by this server: on the channel it had, exactly where it stopped.
+    Held(qemu::Resumed),
+    /// Kept by an earlier run of the server, whose channel is gone: on a new one, whose
+    /// requests start at `first_request` (past any the guest saw).
+    Adopted { first_request: u32 },
 }
 
 /// How old the guest's usage may be before a read asks the guest again.
@@ -985,8 +1173,20 @@ impl GuestUsageCache {
 }
 
 impl VmSandbox {
-    fn vm(&self) -> Arc<Vm> {
-        Arc::clone(&self.vm.read().expect("lock"))
+    /// Its QEMU; none while the guest is on disk (requests resume it first) or after it
+    /// could not be restored (the sandbox has failed).
+    fn vm(&self) -> Result<Arc<Vm>, ApiError> {
+        self.vm.read().expect("lock").clone().ok_or_else(|| {
+            ApiError::sandbox_failed(format!(
+                "sandbox {} has no running guest (it could not be restored from disk)",
+                self.id
+            ))
+        })
+    }
+
+    /// The record that makes the paused guest outlive the server.
+    fn kept_file(&self) -> PathBuf {
+        self.dir.join("paused").join("kept.json")
     }
 
     /// What its guest is told: its name, limits and address on `attachment`.
@@ -1008,7 +1208,7 @@ impl VmSandbox {
     /// Saves the paused guest `vm` to disk and ends its QEMU: a receiving QEMU takes its
     /// RAM into a file and saves its devices, as for a snapshot, over the same scratch
     /// disk (which QEMU hands over between the two as a migration's shared storage).
-    async fn save_to_disk(&self, vm: &Vm) -> Result<(), ApiError> {
+    async fn save_to_disk(&self, vm: &Vm) -> Result<OnDisk, ApiError> {
         let dir = self.dir.join("paused");
         std::fs::create_dir_all(&dir)
             .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
@@ -1018,6 +1218,10 @@ impl VmSandbox {
         }
         self.save_through_receiver(vm, &self.disks, &dir, &memory, &state)
             .await?;
+        let hold = vm
+            .take_hold()
+            .await
+            .ok_or_else(|| ApiError::internal("a guest saved to disk without its channel held"))?;
         // Its channel outlives it: the guest goes on over the next QEMU's.
         vm.channel().suspend();
         self.saved_to_disk.store(true, Ordering::SeqCst);
@@ -1026,7 +1230,10 @@ impl VmSandbox {
             a.unplug().await;
         }
         vm.kill().await;
-        Ok(())
+        Ok(OnDisk::Held(qemu::Resumed {
+            channel: vm.channel().clone(),
+            hold,
+        }))
     }
 
     /// Moves the paused guest `vm` into a receiving QEMU over `disks` that keeps its RAM
@@ -1065,36 +1272,51 @@ impl VmSandbox {
         moved.map_err(vm_error)
     }
 
-    /// Starts a QEMU for the guest saved by [`VmSandbox::save_to_disk`].
-    async fn restore_from_disk(&self, old: &Vm) -> Result<Vm, ApiError> {
-        let hold = old
-            .take_hold()
-            .await
-            .ok_or_else(|| ApiError::internal("a guest saved to disk without its channel held"))?;
+    /// Starts a QEMU for the guest saved by [`VmSandbox::save_to_disk`]: on the channel
+    /// it had, or on a new one if an earlier run of the server kept it.
+    async fn restore_from_disk(&self, saved: OnDisk) -> Result<Vm, ApiError> {
+        // Running on from here, the guest's files no longer describe it: a server that
+        // restarts from now on must not restore them.
+        match std::fs::remove_file(self.kept_file()) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(ApiError::internal(format!(
+                    "removing {}: {e}",
+                    self.kept_file().display()
+                )))
+            }
+        }
         let assets = self.host.assets().await?;
         let (memory, state) = self.paused_files();
-        let files = TemplateFiles {
+        let attachment = self.attachment.lock().await;
+        let identity = self.identity(attachment.as_ref());
+        let files = |first_request| TemplateFiles {
             memory: &memory,
             state: &state,
-            first_request: 0,
+            first_request,
         };
-        let resumed = qemu::Resumed {
-            channel: old.channel().clone(),
-            hold,
+        let (start, adopted) = match saved {
+            OnDisk::Held(resumed) => (Start::Resume(identity, files(0), resumed), false),
+            OnDisk::Adopted { first_request } => {
+                (Start::Restore(identity, files(first_request)), true)
+            }
         };
-        let attachment = self.attachment.lock().await;
         let vm = Vm::start(
             &self.hardware,
             &assets,
             Some(&self.disks),
-            Start::Resume(self.identity(attachment.as_ref()), files, resumed),
+            start,
             &self.dir,
             None,
         )
         .await
         .map_err(vm_error)?;
-        if let Some(a) = attachment.as_ref() {
-            a.plug(vm.netns().map_err(vm_error)?).await?;
+        match attachment.as_ref() {
+            // This server's bridge and resolver may not be the earlier run's.
+            Some(a) if adopted => plug(&vm, a, self.ca_bundle).await?,
+            Some(a) => a.plug(vm.netns().map_err(vm_error)?).await?,
+            None => {}
         }
         write_record(&self.dir, &vm)?;
         // The new QEMU maps them: unlinked, they stay its until it exits, and the next
@@ -1134,14 +1356,11 @@ impl VmSandbox {
             scratch: scratch.clone(),
             ..self.disks.clone()
         };
-        self.save_through_receiver(&self.vm(), &disks, &dir, &memory, &state)
+        let vm = self.vm()?;
+        self.save_through_receiver(&vm, &disks, &dir, &memory, &state)
             .await?;
         let record = SavedGuest {
-            first_request: self
-                .vm()
-                .channel()
-                .next_id()
-                .wrapping_add(rand::random_range(1 << 16..1 << 24)),
+            first_request: first_unseen(vm.channel()),
             image_disks: self.disks.image.clone(),
             base_fs: self.disks.base_fs,
             format: TEMPLATE_FORMAT,
@@ -1185,6 +1404,15 @@ impl VmSandbox {
     }
 }
 
+/// A request id past every one `channel`'s guest has seen, far enough that none of the
+/// output it may still be writing holds it by chance: where a guest restored from a save
+/// on a new channel starts (see [`qemu::Start::Restore`]).
+fn first_unseen(channel: &dsec_runtime::channel::Channel) -> u32 {
+    channel
+        .next_id()
+        .wrapping_add(rand::random_range(1 << 16..1 << 24))
+}
+
 /// The output of a command in a guest.
 struct VmOutput {
     handle: ExecHandle,
@@ -1213,7 +1441,7 @@ impl OutputStream for VmOutput {
 impl Sandbox for VmSandbox {
     async fn exec(&self, cmd: CommandSpec) -> Result<Box<dyn OutputStream>, ApiError> {
         for f in cmd.files {
-            write_served(self.vm().channel(), &f.path, f.mode, Upload::whole(f.data)).await?;
+            write_served(self.vm()?.channel(), &f.path, f.mode, Upload::whole(f.data)).await?;
         }
         let spec = ExecSpec {
             argv: cmd.argv,
@@ -1224,57 +1452,60 @@ impl Sandbox for VmSandbox {
             run_as: cmd.run_as,
             ..ExecSpec::default()
         };
-        let handle = self.vm().channel().exec(&spec, &cmd.stdin, &[]).await?;
+        let handle = self.vm()?.channel().exec(&spec, &cmd.stdin, &[]).await?;
         Ok(Box::new(VmOutput { handle }))
     }
 
     async fn read_file(&self, path: &str, max_bytes: u64) -> Result<Box<dyn FileRead>, ApiError> {
-        read_served(self.vm().channel(), path, max_bytes).await
+        read_served(self.vm()?.channel(), path, max_bytes).await
     }
 
     async fn spawn(&self, spec: ProcessSpec) -> Result<Spawned, ApiError> {
-        super::spawn_served(self.vm().channel(), spec).await
+        super::spawn_served(self.vm()?.channel(), spec).await
     }
 
     async fn write_file(&self, path: &str, mode: u32, data: Upload) -> Result<(), ApiError> {
-        write_served(self.vm().channel(), path, mode, data).await
+        write_served(self.vm()?.channel(), path, mode, data).await
     }
 
     async fn list_files(&self, path: &str, depth: u32) -> Result<Vec<FileInfo>, ApiError> {
-        list_served(self.vm().channel(), path, depth).await
+        list_served(self.vm()?.channel(), path, depth).await
     }
 
     async fn stat(&self, path: &str) -> Result<FileInfo, ApiError> {
-        Ok(file_info(self.vm().channel().stat(path).await?))
+        Ok(file_info(self.vm()?.channel().stat(path).await?))
     }
 
     async fn make_dir(&self, req: &MakeDir) -> Result<bool, ApiError> {
-        Ok(self.vm().channel().make_dir(req).await?)
+        Ok(self.vm()?.channel().make_dir(req).await?)
     }
 
     async fn move_path(&self, req: &MovePath) -> Result<(), ApiError> {
-        Ok(self.vm().channel().move_path(req).await?)
+        Ok(self.vm()?.channel().move_path(req).await?)
     }
 
     async fn remove_path(&self, req: &RemovePath) -> Result<(), ApiError> {
-        Ok(self.vm().channel().remove_path(req).await?)
+        Ok(self.vm()?.channel().remove_path(req).await?)
     }
 
     async fn watch(&self, path: &str, recursive: bool) -> Result<Box<dyn FileWatch>, ApiError> {
-        watch_served(self.vm().channel(), path, recursive).await
+        watch_served(self.vm()?.channel(), path, recursive).await
     }
 
     async fn pause(&self) -> Result<(), ApiError> {
         let mut on_disk = self.on_disk.lock().await;
-        if *on_disk {
+        if on_disk.is_some() {
             return Ok(());
         }
-        let vm = self.vm();
+        let vm = self.vm()?;
         vm.pause().await.map_err(vm_error)?;
         if self.host.config.pause == PauseMode::Save {
             // Paused in memory if it cannot be saved: still a pause.
             match self.save_to_disk(&vm).await {
-                Ok(()) => *on_disk = true,
+                Ok(saved) => {
+                    *on_disk = Some(saved);
+                    *self.vm.write().expect("lock") = None;
+                }
                 Err(e) => {
                     tracing::warn!(sandbox = %self.id, error = %e, "cannot save a paused guest to disk; it stays paused in memory")
                 }
@@ -1283,29 +1514,61 @@ impl Sandbox for VmSandbox {
         Ok(())
     }
 
+    async fn keep(&self, edge: &serde_json::Value) -> Result<bool, ApiError> {
+        let on_disk = self.on_disk.lock().await;
+        let first_request = match on_disk.as_ref() {
+            None => return Ok(false),
+            Some(OnDisk::Held(resumed)) => first_unseen(&resumed.channel),
+            Some(OnDisk::Adopted { first_request }) => *first_request,
+        };
+        let address = self.attachment.lock().await.as_ref().map(Attachment::ip);
+        let kept = Kept {
+            backend: self.hardware.machine.backend().to_owned(),
+            accel: self.hardware.accel.name().to_owned(),
+            vcpus: self.hardware.vcpus,
+            memory_mb: self.hardware.memory_mb,
+            disk_mb: self.disk_mb,
+            pids: self.pids,
+            image: self.image.clone(),
+            image_disks: self.disks.image.clone(),
+            base_fs: self.disks.base_fs,
+            restored_from: self._restored_from.as_ref().map(|r| r.saved.clone()),
+            network: self.policy.lock().expect("lock").clone(),
+            address,
+            ca_bundle: self.ca_bundle,
+            first_request,
+            format: TEMPLATE_FORMAT,
+            edge: edge.clone(),
+        };
+        let (dir, scratch) = (self.dir.join("paused"), self.disks.scratch.clone());
+        tokio::task::spawn_blocking(move || write_kept(&dir, &scratch, &kept))
+            .await
+            .map_err(blocking_error)?
+            .map_err(ApiError::internal)?;
+        Ok(true)
+    }
+
     async fn resume(&self) -> Result<(), ApiError> {
         let mut on_disk = self.on_disk.lock().await;
-        if !*on_disk {
-            return self.vm().resume().await.map_err(vm_error);
-        }
-        let vm = self.restore_from_disk(&self.vm()).await;
+        let Some(saved) = on_disk.take() else {
+            return self.vm()?.resume().await.map_err(vm_error);
+        };
+        let vm = self.restore_from_disk(saved).await;
         // Restored or not, it is no longer a saved guest: one that cannot come back has
         // failed (its old QEMU is gone), and the reaper says so.
         self.saved_to_disk.store(false, Ordering::SeqCst);
-        *on_disk = false;
-        *self.vm.write().expect("lock") = Arc::new(vm?);
+        *self.vm.write().expect("lock") = Some(Arc::new(vm?));
         Ok(())
     }
 
     async fn snapshot(&self, name: &str, project: Option<&str>) -> Result<ImageInfo, ApiError> {
         let mut on_disk = self.on_disk.lock().await;
-        if *on_disk {
+        if let Some(saved) = on_disk.take() {
             // Saved from memory, not from its pause files: back in a QEMU, paused again.
-            let vm = self.restore_from_disk(&self.vm()).await;
+            let vm = self.restore_from_disk(saved).await;
             self.saved_to_disk.store(false, Ordering::SeqCst);
-            *on_disk = false;
             let vm = Arc::new(vm?);
-            *self.vm.write().expect("lock") = Arc::clone(&vm);
+            *self.vm.write().expect("lock") = Some(Arc::clone(&vm));
             vm.pause().await.map_err(vm_error)?;
         }
         let saved = format!("{:016x}", rand::random::<u64>());
@@ -1318,7 +1581,10 @@ impl Sandbox for VmSandbox {
     }
 
     fn usage(&self) -> Usage {
-        let vm = self.vm();
+        // Saved to disk: it holds no memory and runs nothing.
+        let Ok(vm) = self.vm() else {
+            return Usage::default();
+        };
         let pid = vm.pid();
         let cpu_ms = Stat::read(pid).map_or(0.0, |s| s.cpu_ms());
         let guest = self.guest_usage.latest(vm.channel());
@@ -1367,22 +1633,31 @@ impl Sandbox for VmSandbox {
     }
 
     fn is_alive(&self) -> bool {
-        self.saved_to_disk.load(Ordering::SeqCst) || self.vm().is_alive()
+        match self.vm() {
+            Ok(vm) => vm.is_alive(),
+            Err(_) => self.saved_to_disk.load(Ordering::SeqCst),
+        }
     }
 
     async fn failure(&self) -> Failure {
+        let Ok(vm) = self.vm() else {
+            return Failure {
+                cause: "restore",
+                detail: "its guest could not be restored from disk".to_owned(),
+            };
+        };
         // The agent's channel closes as QEMU exits: give the exit a moment to be reaped.
-        let mut exited = self.vm().exited();
+        let mut exited = vm.exited();
         let _ =
             tokio::time::timeout(std::time::Duration::from_secs(1), exited.wait_for(|e| *e)).await;
-        let (cause, how) = match self.vm().exit_status() {
+        let (cause, how) = match vm.exit_status() {
             Some(status) => match status.signal() {
                 Some(signal) => ("signal", format!("QEMU was killed by signal {signal}")),
                 None => ("exit", format!("QEMU exited ({status})")),
             },
             None => ("unknown", "its guest agent's channel closed".to_owned()),
         };
-        let console = console_tail(self.vm().console());
+        let console = console_tail(vm.console());
         let detail = if console.is_empty() {
             how
         } else {
@@ -1399,16 +1674,18 @@ impl Sandbox for VmSandbox {
         let on_disk = self.on_disk.lock().await;
         let mut attachment = self.attachment.lock().await;
         match &*attachment {
-            Some(a) => Ok(a.set_policy(&policy).await?),
-            None if policy.is_off() => Ok(()),
-            None if *on_disk => Err(ApiError::unavailable(
-                "this sandbox is paused and saved to disk: resume it before giving it a \
+            Some(a) => a.set_policy(&policy).await?,
+            None if policy.is_off() => {}
+            None if on_disk.is_some() => {
+                return Err(ApiError::unavailable(
+                    "this sandbox is paused and saved to disk: resume it before giving it a \
                  network",
-            )),
+                ))
+            }
             None => {
                 let a = self.net.reserve(&policy).await?;
-                let vm = self.vm();
                 let given = async {
+                    let vm = self.vm()?;
                     plug(&vm, &a, self.ca_bundle).await?;
                     vm.identify(self.identity(Some(&a))).await.map_err(vm_error)
                 };
@@ -1417,9 +1694,10 @@ impl Sandbox for VmSandbox {
                     return Err(e);
                 }
                 *attachment = Some(a);
-                Ok(())
             }
         }
+        *self.policy.lock().expect("lock") = policy;
+        Ok(())
     }
 
     async fn network_refused(&self) -> Vec<dsec_net::Refused> {
@@ -1432,7 +1710,9 @@ impl Sandbox for VmSandbox {
     }
 
     async fn stop(&self) {
-        self.vm().kill().await;
+        if let Ok(vm) = self.vm() {
+            vm.kill().await;
+        }
         if let Some(a) = self.attachment.lock().await.take() {
             a.release().await;
         }

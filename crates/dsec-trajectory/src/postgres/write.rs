@@ -225,6 +225,20 @@ impl<'a> BatchWrite<'a> {
                     .map_err(|e| pg_detail(&e))?;
                     Ok(Change::Stopped(id.clone()))
                 }
+                Write::Reopened(id) => {
+                    let row = c
+                        .query_opt(
+                            "UPDATE dsec_sandboxes SET stopped_at = NULL WHERE id = $1 \
+                             RETURNING bytes",
+                            &[id],
+                        )
+                        .await
+                        .map_err(|e| pg_detail(&e))?;
+                    Ok(row.map_or(Change::None, |r| Change::Reopened {
+                        id: id.clone(),
+                        bytes: sql_count(r.get::<_, i64>(0)),
+                    }))
+                }
                 Write::Ended(step) => ended(c, store, &self.admitted_delta, step).await?,
                 Write::Append(_) => unreachable!("appends are admitted above"),
             };

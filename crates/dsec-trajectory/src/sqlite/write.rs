@@ -97,6 +97,20 @@ fn write_one(
             .map_err(sqlite_err(path, "recording a stop"))?;
             Ok(Change::Stopped(id.clone()))
         }
+        Write::Reopened(id) => {
+            let bytes: Option<i64> = conn
+                .query_row(
+                    "UPDATE sandboxes SET stopped_at = NULL WHERE id = ?1 RETURNING bytes",
+                    params![id.as_str()],
+                    |r| r.get(0),
+                )
+                .optional()
+                .map_err(sqlite_err(path, "reopening a sandbox"))?;
+            Ok(bytes.map_or(Change::None, |b| Change::Reopened {
+                id: id.clone(),
+                bytes: sql_count(b),
+            }))
+        }
     }
 }
 
