@@ -692,7 +692,7 @@ impl Networking {
 
     /// Packets refused so far by every sandbox's policy and by the bridge's input rules.
     /// (Also publishes `dsec_network_limited_total` for the caps the kernel enforces,
-    /// whose counters are read in the same nftables listing.)
+    /// whose named counters are read in the same netlink dump.)
     pub async fn refused_total(&self) -> u64 {
         let Ok(active) = &self.state else {
             return 0;
@@ -701,7 +701,7 @@ impl Networking {
         let counters = tokio::task::spawn_blocking(move || nft::counters(&names))
             .await
             .unwrap_or_default();
-        // Read in the same listing: what the kernel-side caps refused.
+        // Read in the same dump: what the kernel-side caps refused.
         for (limit, packets) in counters.by_limit {
             metrics::counter!("dsec_network_limited_total", "limit" => limit).absolute(packets);
         }
