@@ -10,6 +10,8 @@ sandboxes --batch at a time (32 concurrent creates from one AsyncClient) up to -
   - host memory per sandbox: MemAvailable's drop since the start over the count, and the
     kernel's share of it (unreclaimable slab, per-cpu, kernel stacks, page tables)
   - network namespaces allocated (the `net_namespace` slab: live and not yet freed ones)
+  - the server's open descriptors, and per sandbox since the start (the host's hard
+    RLIMIT_NOFILE bounds an edge where the server lacks CAP_SYS_RESOURCE)
   - the exec round trip in one probe sandbox (sync SDK, `true`, p50 and p99)
   - `client.list()` and `GET /metrics` latency
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -67,6 +70,13 @@ def settled_meminfo() -> dict[str, float]:
 
 
 KERNEL_FIELDS = ("SUnreclaim", "Percpu", "KernelStack", "PageTables")
+
+
+def server_descriptors(d: Dsec) -> int:
+    """The server's open descriptors (0 once it is gone)."""
+    if d.server is None or not d.server.alive():
+        return 0
+    return len(os.listdir(f"/proc/{d.server.pid}/fd"))
 
 
 def probe(d: Dsec, sb: Any, runs: int) -> dict[str, float]:
@@ -136,8 +146,15 @@ def run(args: argparse.Namespace) -> None:
     probe(d, quiet, 20)  # warm the path
     base = settled_meminfo()
     base_netns = slab_objects("net_namespace")
+    base_fds = server_descriptors(d)
     rows: list[dict[str, Any]] = [
-        {"count": 0, "rate": None, **probe(d, quiet, args.probe_n), "netns": base_netns}
+        {
+            "count": 0,
+            "rate": None,
+            **probe(d, quiet, args.probe_n),
+            "netns": base_netns,
+            "fds": base_fds,
+        }
     ]
     ids: list[str] = []
     failure: str | None = None
@@ -183,12 +200,15 @@ def run(args: argparse.Namespace) -> None:
             "sunreclaim_mib": mem["SUnreclaim"] / 1024,
             "netns": slab_objects("net_namespace"),
             "server_rss_mib": (d.server_rss_kib() or 0) / 1024,
+            "fds": (fds := server_descriptors(d)),
+            "fds_each": (fds - base_fds) / max(1, len(ids)),
             **probe(d, quiet, args.probe_n),
         }
         rows.append(row)
         log(
             f"{row['count']} idle: {rate:.0f}/s, {row['mib_each']:.2f} MiB each "
             f"(kernel {row['kernel_mib_each']:.2f}), netns {row['netns']}, "
+            f"server fds {row['fds']} ({row['fds_each']:.2f} each), "
             f"exec p50 {row['exec_p50_ms']:.2f} ms, list {row['list_ms']:.0f} ms, "
             f"/metrics {row['metrics_ms']:.0f} ms"
         )
@@ -226,16 +246,17 @@ def report(
     print(f"\n### {made} idle container sandboxes, {kind}, created {args.batch} at a time\n")
     print(
         "| held | creates/s (step) | host MiB each | kernel MiB each | netns allocated "
-        "| server RSS MiB | exec p50 / p99 ms | list() ms | /metrics ms |"
+        "| server RSS MiB | server fds (each) | exec p50 / p99 ms | list() ms | /metrics ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rate = f"{r['rate']:.0f}" if r["rate"] else "-"
         each = f"{r['mib_each']:.2f}" if "mib_each" in r else "-"
         kern = f"{r['kernel_mib_each']:.2f}" if "kernel_mib_each" in r else "-"
         rss = f"{r['server_rss_mib']:.0f}" if "server_rss_mib" in r else "-"
+        fds = f"{r['fds']} ({r['fds_each']:.2f})" if "fds_each" in r else str(r["fds"])
         print(
-            f"| {r['count']} | {rate} | {each} | {kern} | {r['netns']} | {rss} "
+            f"| {r['count']} | {rate} | {each} | {kern} | {r['netns']} | {rss} | {fds} "
             f"| {r['exec_p50_ms']:.2f} / {r['exec_p99_ms']:.2f} | {r['list_ms']:.0f} "
             f"| {r['metrics_ms']:.0f} |"
         )

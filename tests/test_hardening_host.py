@@ -22,6 +22,7 @@ import pytest
 from dsec_testlib import (
     Server,
     assert_no_leftovers,
+    descendants,
     metric,
     procs_in,
     wait_until,
@@ -287,6 +288,78 @@ def test_init_killed_from_the_host_answers_sandbox_failed(
     assert quiet.run("echo ok").stdout == "ok\n"
     sb.stop()
     assert_no_leftovers(server, sb.id)
+    assert healthy(server)
+
+
+# ------------------------------------------------------------------ descriptors and inits
+
+
+def open_descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def zombies_under(pid: int) -> list[int]:
+    """Descendants of ``pid`` that exited and wait to be reaped (an init the zygote kept)."""
+    out = []
+    for p in descendants(pid):
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        if stat[stat.rindex(")") + 2] == "Z":
+            out.append(p)
+    return out
+
+
+def test_an_idle_sandbox_costs_the_server_one_descriptor(make_server: MakeServer) -> None:
+    """Issue 15: the host's hard RLIMIT_NOFILE (20,000 on some hosts, with no
+    CAP_SYS_RESOURCE to raise it) bounds the sandboxes an edge holds, so an idle sandbox
+    holds one of the server's descriptors (its control channel), not two (init's pidfd was
+    the second); each stop gives it back and leaves no init unreaped under the zygote."""
+    n = 50
+    s = make_server()
+    with s.client() as c:
+        # The first create opens what every later one shares (the image's layers, the log).
+        c.create(image="busybox", memory_mb=32).stop()
+        before = open_descriptors(s.pid)
+        sbs = c.create_many(n, image="busybox", memory_mb=32)
+        try:
+            held = open_descriptors(s.pid) - before
+            assert n * 0.9 <= held <= n * 1.2, f"{n} idle sandboxes hold {held} descriptors"
+            assert all(sb.run("true").exit_code == 0 for sb in sbs[:3])
+        finally:
+            for sb in sbs:
+                sb.stop()
+        assert wait_until(lambda: open_descriptors(s.pid) <= before + 2, 10), (
+            f"{open_descriptors(s.pid) - before} descriptors outlived their sandboxes"
+        )
+        assert wait_until(lambda: not zombies_under(s.pid), 10), (
+            f"inits left unreaped: {zombies_under(s.pid)}"
+        )
+
+
+def test_stop_kills_a_sandbox_whatever_its_processes_do(
+    make_sandbox: MakeSandbox, server: Server
+) -> None:
+    """stop kills init by its pid: processes that ignore every catchable signal, left their
+    session, or keep forking go with init's pid namespace, and init is reaped."""
+    sb = make_sandbox()
+    sb.run(
+        "for s in HUP INT TERM USR1; do trap '' $s; done;"
+        " (setsid sh -c 'trap \"\" TERM; sleep 1001' &);"
+        " (while :; do sleep 1002 & sleep 0.1; done &) ; true"
+    )
+
+    def sleepers() -> int:
+        return sum("sleep 100" in cmd for _, cmd in procs_in(sb.id))
+
+    assert wait_until(lambda: sleepers() >= 3, 10), procs_in(sb.id)
+    init = init_pid(sb)
+    sb.stop()
+    assert_no_leftovers(server, sb.id)
+    assert wait_until(lambda: init not in zombies_under(server.pid), 10), (
+        "the stopped sandbox's init was left unreaped"
+    )
     assert healthy(server)
 
 

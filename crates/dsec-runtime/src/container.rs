@@ -1,9 +1,10 @@
 //! The edge's side of a native container: create, exec, files, stop.
 //!
-//! A [`Container`] owns its init through a pidfd the zygote made when it cloned init (so
-//! a recycled pid can never be signalled or read by mistake), its cgroups, its directory
-//! under the state dir, and the control [`Channel`], over which init also serves the
-//! sandbox's files ([`crate::files`]).
+//! A [`Container`] owns its init by pid, which the zygote keeps from being reused until the
+//! container releases it at stop (see [`Init`]: a recycled pid is never signalled or read
+//! by mistake), its cgroups, its directory under the state dir, and the control
+//! [`Channel`], over which init also serves the sandbox's files ([`crate::files`]). The
+//! channel is the one descriptor the server holds for an idle sandbox.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
@@ -11,23 +12,21 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::process::Pid;
 use serde::{Deserialize, Serialize};
 
 use crate::cgroup::{CgroupError, CgroupLayout, CgroupLimits, CgroupVersion, SandboxCgroup};
 use crate::channel::Channel;
 pub use crate::channel::{ExecEvent, ExecHandle};
 use crate::files::FileError;
+use crate::procfs::Stat;
 use crate::proto::{ExecSpec, InitError};
 use crate::rootfs::SharedSysfs;
 use crate::spec::SandboxSpec;
-use crate::zygote::{Zygote, ZygoteError};
+use crate::zygote::{Init, Zygote, ZygoteError};
 
 /// How long [`Container::exit_status`] waits between looks at init's exit.
-const POLL_INTERVAL: Timespec = Timespec {
-    tv_sec: 0,
-    tv_nsec: 10_000_000,
-};
+const POLL_INTERVAL: Duration = Duration::from_millis(10);
 /// How long a sandbox may take to report ready before create gives up.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -98,7 +97,7 @@ pub enum InitExit {
     Signaled(i32),
     /// Exited with this status: init exits only when its channel breaks.
     Exited(i32),
-    /// Gone, but the kernel cannot say how (`PIDFD_INFO_EXIT` needs Linux 6.15).
+    /// Gone, but how is not known (init was released already, or did not finish exiting).
     Unknown,
 }
 
@@ -160,8 +159,8 @@ pub struct ContainerRuntime {
 /// A running native container.
 pub struct Container {
     id: String,
-    pid: i32,
-    pidfd: OwnedFd,
+    /// Shared with the blocking task that releases it at stop.
+    init: Arc<Init>,
     cgroup: SandboxCgroup,
     dir: PathBuf,
     /// init's descriptor of the writable layer's upper directory.
@@ -200,11 +199,7 @@ impl ContainerRuntime {
             tokio::task::spawn_blocking(move || this.create_blocking(&opts))
                 .await
                 .map_err(|e| RuntimeError::Channel(e.to_string()))??;
-        let crate::zygote::Created {
-            pid,
-            channel,
-            pidfd,
-        } = created;
+        let crate::zygote::Created { init, channel } = created;
         let opened = async {
             let stream = std::os::unix::net::UnixStream::from(channel);
             stream
@@ -217,16 +212,19 @@ impl ContainerRuntime {
         let (channel, ready) = match opened.await {
             Ok(opened) => opened,
             Err(e) => {
-                let _ = rustix::process::pidfd_send_signal(&pidfd, rustix::process::Signal::KILL);
-                self.discard(&cgroup, &dir).await;
+                init.kill();
+                let _ = tokio::task::spawn_blocking(move || {
+                    init.release();
+                    remove_sandbox(&cgroup, &dir);
+                })
+                .await;
                 return Err(e);
             }
         };
         let init_oom_kills = cgroup.init_oom_kills();
         Ok(Container {
             id,
-            pid,
-            pidfd,
+            init: Arc::new(init),
             cgroup,
             dir,
             upper_fd: ready.upper_fd,
@@ -271,7 +269,7 @@ impl ContainerRuntime {
                 worker: opts.worker,
                 sysfs: self.sysfs.as_ref().map(|s| s.path().to_owned()),
             };
-            Ok(self.zygote.create(&spec)?)
+            Ok(self.zygote.create(spec)?)
         })();
         match result {
             Ok(created) => Ok((created, cgroup, dir)),
@@ -280,11 +278,6 @@ impl ContainerRuntime {
                 Err(e)
             }
         }
-    }
-
-    async fn discard(&self, cgroup: &SandboxCgroup, dir: &Path) {
-        let (cgroup, dir) = (cgroup.clone(), dir.to_owned());
-        let _ = tokio::task::spawn_blocking(move || remove_sandbox(&cgroup, &dir)).await;
     }
 
     /// Removes this server's empty cgroup parents; call after every sandbox has stopped.
@@ -339,14 +332,18 @@ impl Container {
     }
 
     /// The sandbox's network namespace, opened through init (networking plugs a veth
-    /// into it). Checked against the pidfd afterwards, so a recycled pid is never used.
+    /// into it), by pid while [`Init`] keeps the pid init's.
     pub fn open_netns(&self) -> Result<OwnedFd, RuntimeError> {
-        let path = PathBuf::from(format!("/proc/{}/ns/net", self.pid));
-        let fd = std::fs::File::open(&path).map_err(io_err("open", &path))?;
-        if !crate::pidfd::alive(&self.pidfd) {
-            return Err(RuntimeError::Gone);
-        }
-        Ok(fd.into())
+        let netns = |pid: Pid| {
+            let path = PathBuf::from(format!("/proc/{}/ns/net", pid.as_raw_nonzero()));
+            match std::fs::File::open(&path) {
+                Ok(file) => Ok(file.into()),
+                // A zombie init has no namespaces left.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(RuntimeError::Gone),
+                Err(e) => Err(io_err("open", &path)(e)),
+            }
+        };
+        self.init.with_pid(netns).unwrap_or(Err(RuntimeError::Gone))
     }
 
     /// Whether init is still there.
@@ -374,30 +371,23 @@ impl Container {
         }
     }
 
-    /// How init ended as the kernel reports it (`PIDFD_INFO_EXIT`).
+    /// How init ended, as the kernel shows it for init's zombie (which the zygote keeps
+    /// until init is released): its wait status in `/proc/<pid>/stat`.
     fn exit_status(&self) -> InitExit {
         for _ in 0..10 {
-            // SAFETY: pidfd_info is plain old data; all-zeroes is a valid value.
-            let mut info: libc::pidfd_info = unsafe { std::mem::zeroed() };
-            info.mask = u64::from(libc::PIDFD_INFO_EXIT);
-            // SAFETY: PIDFD_GET_INFO fills the pidfd_info it is given, which outlives the
-            // call; the descriptor is our pidfd.
-            let rc =
-                unsafe { libc::ioctl(self.pidfd.as_raw_fd(), libc::PIDFD_GET_INFO, &mut info) };
-            if rc < 0 {
-                return InitExit::Unknown; // a kernel before 6.13
+            let status = self.init.with_pid(|pid| {
+                Stat::read(pid.as_raw_nonzero().get())
+                    .and_then(|stat| stat.is_zombie().then_some(stat.exit_code))
+            });
+            match status {
+                None => return InitExit::Unknown,
+                Some(Some(status)) if libc::WIFSIGNALED(status) => {
+                    return InitExit::Signaled(libc::WTERMSIG(status))
+                }
+                Some(Some(status)) => return InitExit::Exited(libc::WEXITSTATUS(status)),
+                // Still exiting: the channel closes before init becomes a zombie.
+                Some(None) => std::thread::sleep(POLL_INTERVAL),
             }
-            if info.mask & u64::from(libc::PIDFD_INFO_EXIT) != 0 {
-                let status = info.exit_code;
-                return if libc::WIFSIGNALED(status) {
-                    InitExit::Signaled(libc::WTERMSIG(status))
-                } else {
-                    InitExit::Exited(libc::WEXITSTATUS(status))
-                };
-            }
-            // Readable once the process has exited; the exit code follows at its reaping.
-            let mut poll = [PollFd::new(&self.pidfd, PollFlags::IN)];
-            let _ = rustix::event::poll(&mut poll, Some(&POLL_INTERVAL));
         }
         InitExit::Unknown
     }
@@ -409,24 +399,30 @@ impl Container {
 
     /// The writable layer's upper directory (overlayfs format: whiteouts are 0:0 character
     /// devices, opaque directories carry `trusted.overlay.opaque`), taken from init with
-    /// `pidfd_getfd` — through the pidfd, so never from another process that reused the
-    /// pid. Read it only while the sandbox is frozen to get a consistent picture.
+    /// `pidfd_getfd` through a pidfd opened for the moment, while [`Init`] keeps the pid
+    /// init's: never from another process that reused the pid. Read it only while the
+    /// sandbox is frozen to get a consistent picture.
     pub fn upper_dir(&self) -> Result<UpperDir, RuntimeError> {
         if self.upper_fd < 0 {
             return Err(RuntimeError::Channel(
                 "this sandbox has no writable layer of its own".into(),
             ));
         }
-        rustix::process::pidfd_getfd(
-            &self.pidfd,
-            self.upper_fd,
-            rustix::process::PidfdGetfdFlags::empty(),
-        )
-        .map(UpperDir)
-        .map_err(|e| match e {
-            rustix::io::Errno::SRCH => RuntimeError::Gone,
-            e => RuntimeError::Channel(format!("pidfd_getfd of the upper directory: {e}")),
-        })
+        let pidfd = self.init.pidfd().ok_or(RuntimeError::Gone)?;
+        pidfd
+            .and_then(|pidfd| {
+                rustix::process::pidfd_getfd(
+                    &pidfd,
+                    self.upper_fd,
+                    rustix::process::PidfdGetfdFlags::empty(),
+                )
+            })
+            .map(UpperDir)
+            .map_err(|e| match e {
+                // init has exited: a zombie has no descriptors left.
+                rustix::io::Errno::SRCH | rustix::io::Errno::BADF => RuntimeError::Gone,
+                e => RuntimeError::Channel(format!("pidfd_getfd of the upper directory: {e}")),
+            })
     }
 
     /// The sandbox's cgroups (usage, freezing).
@@ -456,12 +452,20 @@ impl Container {
 
     /// Kills everything in the sandbox and removes all it made. Idempotent.
     pub async fn stop(&self) {
-        let _ = rustix::process::pidfd_send_signal(&self.pidfd, rustix::process::Signal::KILL);
+        self.init.kill();
         // A paused sandbox's init dies only once thawed (see `thaw_for_kill`).
         self.cgroup.thaw_for_kill();
         // The channel closes when init's descriptors do, i.e. once it has exited.
         self.channel.wait_closed(Duration::from_secs(5)).await;
-        let (cgroup, dir) = (self.cgroup.clone(), self.dir.clone());
-        let _ = tokio::task::spawn_blocking(move || remove_sandbox(&cgroup, &dir)).await;
+        let (init, cgroup, dir) = (
+            Arc::clone(&self.init),
+            self.cgroup.clone(),
+            self.dir.clone(),
+        );
+        let _ = tokio::task::spawn_blocking(move || {
+            init.release();
+            remove_sandbox(&cgroup, &dir);
+        })
+        .await;
     }
 }

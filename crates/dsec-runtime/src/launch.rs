@@ -21,7 +21,7 @@
 //! [`REPORT_MAX`] bytes in all.
 
 use std::ffi::CString;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 
 use nix::sys::signal::{SigSet, SigmaskHow, Signal};
 use rustix::process::Pid;
@@ -71,54 +71,21 @@ pub(crate) fn zygote_child(socket: RawFd, at: RawFd) -> std::io::Result<()> {
     Ok(())
 }
 
-/// What [`fork_with_pidfd`] returns on each side.
-pub(crate) enum Forked {
-    /// In the child.
-    Child,
-    /// In the parent: the child's pid and a pidfd of it.
-    Parent {
-        /// The child's pid.
-        pid: i32,
-        /// A pidfd of the child, made by the clone itself.
-        pidfd: OwnedFd,
-    },
-}
-
-/// [`fork_into`], with a pidfd of the child made by the clone (`CLONE_PIDFD`): the pidfd
-/// names the child even after it died and its pid was reused.
-pub(crate) fn fork_with_pidfd(flags: libc::c_int) -> std::io::Result<Forked> {
-    let mut pidfd: libc::c_int = -1;
-    match raw_clone(flags | libc::CLONE_PIDFD, &mut pidfd)? {
-        0 => Ok(Forked::Child),
-        pid => Ok(Forked::Parent {
-            pid,
-            // SAFETY: CLONE_PIDFD stored a new descriptor of ours there; nothing else
-            // owns it.
-            pidfd: unsafe { OwnedFd::from_raw_fd(pidfd) },
-        }),
-    }
-}
-
 /// `fork(2)` into new namespaces: `clone(2)` with `flags` (`CLONE_NEW*`), no `CLONE_VM`
 /// and a null stack, so the child continues on a private copy of the caller. Returns 0 in
 /// the child. Only for single-threaded callers (the zygote, a sandbox's init, a stepped
 /// call's runner): the child runs arbitrary code.
 pub(crate) fn fork_into(flags: libc::c_int) -> std::io::Result<i32> {
-    raw_clone(flags, std::ptr::null_mut())
-}
-
-/// [`fork_into`], with `parent_tid` for `CLONE_PIDFD` (where the kernel stores the pidfd).
-fn raw_clone(flags: libc::c_int, parent_tid: *mut libc::c_int) -> std::io::Result<i32> {
     // SAFETY: clone(2) without CLONE_VM and with a null stack behaves like fork(2); the
     // callers are single-threaded, so the child's copy holds no lock another thread owns.
-    // `parent_tid` is null or points to an int the caller owns (its third argument on
-    // every architecture).
+    // No CLONE_*TID or CLONE_PIDFD flag is passed, so the kernel reads and writes none of
+    // the null pointer arguments.
     let pid = unsafe {
         libc::syscall(
             libc::SYS_clone,
             clone_flags(flags | libc::SIGCHLD),
             std::ptr::null_mut::<libc::c_void>(),
-            parent_tid,
+            std::ptr::null_mut::<libc::c_int>(),
             std::ptr::null_mut::<libc::c_int>(),
             0 as libc::c_ulong,
         )

@@ -10,6 +10,8 @@ use std::os::unix::fs::MetadataExt;
 /// The fields of `/proc/<pid>/stat` dsec uses (proc(5) numbers them from 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Stat {
+    /// Field 3: the state (`R`, `S`, `Z` for a zombie, …).
+    pub state: char,
     /// Field 4: the parent's pid.
     pub ppid: i32,
     /// Field 6: the session id.
@@ -21,6 +23,9 @@ pub struct Stat {
     /// Field 22: when the process started, in clock ticks since boot; with the pid, it
     /// names one process across pid reuse.
     pub start_ticks: u64,
+    /// Field 52: the exit status in `waitpid(2)`'s form, once the process has exited (a
+    /// zombie); shown to those who may `ptrace`-read the process, 0 to others.
+    pub exit_code: i32,
 }
 
 impl Stat {
@@ -35,12 +40,19 @@ impl Stat {
         let fields: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();
         let at = |field: usize| fields.get(field - 3).copied();
         Some(Stat {
+            state: at(3)?.chars().next()?,
             ppid: at(4)?.parse().ok()?,
             session: at(6)?.parse().ok()?,
             utime_ticks: at(14)?.parse().ok()?,
             stime_ticks: at(15)?.parse().ok()?,
             start_ticks: at(22)?.parse().ok()?,
+            exit_code: at(52)?.parse().ok()?,
         })
+    }
+
+    /// Whether the process has exited and waits to be reaped by its parent.
+    pub fn is_zombie(&self) -> bool {
+        self.state == 'Z'
     }
 
     /// User and system CPU time together, in milliseconds.
@@ -88,20 +100,54 @@ mod tests {
     #[test]
     fn fields_are_read_after_the_last_parenthesis() {
         // A command name with spaces and a ')' of its own, as an agent may choose.
-        let text = "4242 (a) b (c) S 17 4242 4242 0 -1 4194560 100 0 0 0 \
-                    7 3 0 0 20 0 1 0 987654 1000 100 18446744073709551615";
+        let text = "4242 (a) b (c) Z 17 4242 4242 0 -1 4194560 100 0 0 0 \
+                    7 3 0 0 20 0 1 0 987654 0 0 18446744073709551615 0 0 0 0 0 0 0 0 0 0 \
+                    0 0 17 1 0 0 0 0 0 0 0 0 0 0 0 0 9";
         let stat = Stat::parse(text).unwrap();
         assert_eq!(
             stat,
             Stat {
+                state: 'Z',
                 ppid: 17,
                 session: 4242,
                 utime_ticks: 7,
                 stime_ticks: 3,
                 start_ticks: 987654,
+                exit_code: libc::SIGKILL,
             }
         );
+        assert!(stat.is_zombie());
         assert!(Stat::parse("4242 (short) S 1 2").is_none());
+    }
+
+    #[test]
+    fn an_unreaped_child_shows_how_it_ended() {
+        for (script, ended) in [
+            ("kill -KILL $$", (true, libc::SIGKILL)),
+            ("exit 7", (false, 7)),
+        ] {
+            let mut child = std::process::Command::new("sh")
+                .args(["-c", script])
+                .spawn()
+                .unwrap();
+            let pid = i32::try_from(child.id()).unwrap();
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            // Unreaped, it stays listed until the wait below.
+            let status = loop {
+                let stat = Stat::read(pid).unwrap();
+                if stat.is_zombie() {
+                    break stat.exit_code;
+                }
+                assert!(std::time::Instant::now() < deadline, "{script}: no exit");
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            };
+            let seen = match libc::WIFSIGNALED(status) {
+                true => (true, libc::WTERMSIG(status)),
+                false => (false, libc::WEXITSTATUS(status)),
+            };
+            assert_eq!(seen, ended, "{script}");
+            child.wait().unwrap();
+        }
     }
 
     #[test]

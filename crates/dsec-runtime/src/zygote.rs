@@ -8,12 +8,24 @@
 //! single-threaded process, so it can run ordinary Rust code as the sandbox's init, with
 //! the seccomp program already compiled, and no `execve` on the create path at all.
 //!
-//! Requests travel over a `SOCK_SEQPACKET` socketpair (one JSON [`SandboxSpec`] per
-//! message); each reply carries the init's host pid and, as `SCM_RIGHTS`, the edge's end of
-//! the new sandbox's control channel and a pidfd of init made by the clone itself
-//! (`CLONE_PIDFD`): init may die and its pid be reused before the edge sees the reply, the
-//! pidfd still names init. The zygote dies with the server (`PDEATHSIG`), and each init
-//! dies with the zygote, so a killed server takes its sandboxes along.
+//! Requests travel over a `SOCK_SEQPACKET` socketpair (one JSON [`Request`] per message,
+//! one reply each). A create's reply carries init's host pid and, as `SCM_RIGHTS`, the
+//! edge's end of the new sandbox's control channel: the one descriptor the server holds per
+//! sandbox.
+//!
+//! The zygote is every init's parent, and it reaps an init only once the server has
+//! *released* it ([`Init`]): until then an init that exits stays a zombie, and a zombie's
+//! pid is never reused. So for as long as the server holds an [`Init`] and the zygote
+//! lives, the pid names that init and no other process, and the server takes hold of init
+//! by pid (a pidfd, `/proc/<pid>`) as safely as through a pidfd made at the clone —
+//! without keeping one open per sandbox (with a host's hard `RLIMIT_NOFILE` of 20,000,
+//! that halved the sandboxes an edge held). Neither does the zygote hold a descriptor per
+//! sandbox: the parent's claim on a zombie is all it needs. Should the zygote die, its
+//! children go to another reaper and their pids may be reused: what the server took by
+//! pid counts only if the zygote was still there after it took it ([`Init::with_pid`]).
+//!
+//! The zygote dies with the server (`PDEATHSIG`), and each init dies with the zygote, so a
+//! killed server takes its sandboxes along.
 //!
 //! The zygote starts with an empty environment: every init is a fork of it, and what init
 //! holds a sandbox can try to read (`/proc/1/environ`); none of the server's variables
@@ -24,15 +36,18 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use nix::sys::socket::{
     recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags,
     SockFlag, SockType,
 };
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::process::Pid;
 use serde::{Deserialize, Serialize};
 
-use crate::launch::{fork_with_pidfd, Forked};
+use crate::launch::fork_into;
 use crate::seccomp::SeccompProfile;
 use crate::spec::SandboxSpec;
 
@@ -44,6 +59,13 @@ const ZYGOTE_FD: RawFd = 3;
 
 /// Largest request or reply.
 const MAX_MESSAGE: usize = 1 << 20;
+
+/// How often the zygote looks again for released inits that have not exited yet (an init
+/// killed while its sandbox's processes take a while to die).
+const REAP_INTERVAL: Timespec = Timespec {
+    tv_sec: 0,
+    tv_nsec: 100_000_000,
+};
 
 /// Talking to the zygote failed.
 #[derive(Debug, thiserror::Error)]
@@ -60,7 +82,7 @@ pub enum ZygoteError {
     /// A reply did not parse.
     #[error("malformed reply from the zygote")]
     Malformed,
-    /// The reply's descriptors did not fit: the kernel truncates `SCM_RIGHTS` when the
+    /// The reply's descriptor did not fit: the kernel truncates `SCM_RIGHTS` when the
     /// receiver is at its limit of open files.
     #[error("the server is out of file descriptors (RLIMIT_NOFILE) and cannot take the sandbox's")]
     Descriptors,
@@ -69,23 +91,181 @@ pub enum ZygoteError {
 /// A sandbox's init, as the zygote cloned it.
 #[derive(Debug)]
 pub struct Created {
-    /// Host pid (for `/proc/<pid>/ns/*`, always checked against the pidfd).
-    pub pid: i32,
+    /// init, by its pid.
+    pub init: Init,
     /// The edge's end of the control channel.
     pub channel: OwnedFd,
-    /// A pidfd of init, made by the clone.
-    pub pidfd: OwnedFd,
+}
+
+/// What the server asks of the zygote.
+#[derive(Serialize, Deserialize)]
+enum Request {
+    /// Clone a sandbox's init.
+    Create(SandboxSpec),
+    /// The server no longer names this init by its pid: reap it once it has exited.
+    Release { pid: i32 },
 }
 
 #[derive(Serialize, Deserialize)]
 enum Reply {
     Created { pid: i32 },
+    Released,
     Failed { message: String },
+}
+
+/// The server's end of the zygote's socket, shared with every [`Init`] (which releases
+/// through it).
+#[derive(Debug)]
+struct Link {
+    socket: OwnedFd,
+    /// Held for a request and its reply: one at a time.
+    turn: Mutex<()>,
+}
+
+/// A reply and the descriptors that came with it.
+struct Received {
+    reply: Reply,
+    fds: Vec<OwnedFd>,
+    /// The kernel dropped descriptors that did not fit (`MSG_CTRUNC`).
+    truncated: bool,
+}
+
+impl Link {
+    /// Sends `request` and waits for its reply.
+    fn call(&self, request: &Request) -> Result<Received, ZygoteError> {
+        let request = serde_json::to_vec(request).expect("request serializes");
+        let _turn = self.turn.lock().expect("zygote lock");
+        let socket = &self.socket;
+        sendmsg::<()>(
+            socket.as_raw_fd(),
+            &[IoSlice::new(&request)],
+            &[],
+            MsgFlags::empty(),
+            None,
+        )
+        .map_err(ZygoteError::Channel)?;
+        let mut buf = vec![0u8; 4096];
+        let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let msg = recvmsg::<()>(
+            socket.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )
+        .map_err(ZygoteError::Channel)?;
+        let mut fds = Vec::new();
+        // nix reports a truncated control message (MSG_CTRUNC) as ENOBUFS.
+        let truncated = match msg.cmsgs() {
+            Ok(cmsgs) => {
+                for c in cmsgs {
+                    if let ControlMessageOwned::ScmRights(received) = c {
+                        // SAFETY: SCM_RIGHTS installed these descriptors in this process
+                        // for us.
+                        fds.extend(received.iter().map(|f| unsafe { OwnedFd::from_raw_fd(*f) }));
+                    }
+                }
+                false
+            }
+            Err(_) => true,
+        };
+        let len = msg.bytes;
+        if len == 0 {
+            return Err(ZygoteError::Channel(nix::Error::EPIPE));
+        }
+        let reply = serde_json::from_slice(&buf[..len]).map_err(|_| ZygoteError::Malformed)?;
+        Ok(Received {
+            reply,
+            fds,
+            truncated,
+        })
+    }
+
+    /// Asks the zygote to reap `pid` once it has exited.
+    fn release(&self, pid: Pid) -> Result<(), ZygoteError> {
+        let pid = pid.as_raw_nonzero().get();
+        match self.call(&Request::Release { pid })?.reply {
+            Reply::Released => Ok(()),
+            _ => Err(ZygoteError::Malformed),
+        }
+    }
+
+    /// Whether the zygote has not started exiting. An exiting process's descriptors are
+    /// closed (so its end of the socket, which only it holds — a just-cloned init closes
+    /// its copy first thing — and ours hangs up) before its children are handed to another
+    /// reaper: while this holds, no unreleased init has been reaped.
+    fn zygote_lives(&self) -> bool {
+        let mut hangup = [PollFd::new(&self.socket, PollFlags::empty())];
+        match rustix::event::poll(&mut hangup, Some(&Timespec::default())) {
+            Ok(0) => true,
+            Ok(_) => hangup[0]
+                .revents()
+                .intersection(PollFlags::HUP | PollFlags::ERR)
+                .is_empty(),
+            Err(_) => false,
+        }
+    }
+}
+
+/// A sandbox's init, named by its host pid for as long as this is not released.
+///
+/// The zygote leaves init unreaped until then (see the module documentation), so the pid
+/// names init, alive or a zombie, and no other process: [`with_pid`](Self::with_pid) takes
+/// hold of it by pid. Released by [`release`](Self::release) or on drop.
+#[derive(Debug)]
+pub struct Init {
+    /// `None` once released. Locked while a caller uses the pid, so a release waits.
+    pid: Mutex<Option<Pid>>,
+    link: Arc<Link>,
+}
+
+impl Init {
+    /// Runs `f` with init's pid and returns what it took hold of by that pid (a pidfd, a
+    /// descriptor of `/proc/<pid>/…`, what it read there), which is init's: `None` once
+    /// released (init is gone, or about to be), or if the zygote died, since then the pid
+    /// may have been reaped and reused while `f` ran. So `f` only takes hold, never acts
+    /// by pid: to signal init, open a pidfd in `f` and signal through it after.
+    pub fn with_pid<T>(&self, f: impl FnOnce(Pid) -> T) -> Option<T> {
+        let pid = self.pid.lock().expect("init pid lock");
+        let taken = f((*pid)?);
+        self.link.zygote_lives().then_some(taken)
+    }
+
+    /// A pidfd of init, opened for the moment; `None` as [`with_pid`](Self::with_pid).
+    pub fn pidfd(&self) -> Option<rustix::io::Result<OwnedFd>> {
+        self.with_pid(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()))
+    }
+
+    /// SIGKILLs init, if it is still held: a signal from outside its pid namespace reaches
+    /// it, and its death takes every process of the namespace along.
+    pub fn kill(&self) {
+        if let Some(Ok(pidfd)) = self.pidfd() {
+            let _ = rustix::process::pidfd_send_signal(&pidfd, rustix::process::Signal::KILL);
+        }
+    }
+
+    /// Gives init's pid up: the zygote reaps init once it has exited, after which the pid
+    /// may name another process. Idempotent; blocks for a round trip to the zygote.
+    pub fn release(&self) {
+        let Some(pid) = self.pid.lock().expect("init pid lock").take() else {
+            return;
+        };
+        if let Err(e) = self.link.release(pid) {
+            // The zygote is gone, and its children went to another reaper with it.
+            tracing::warn!(error = %e, pid = pid.as_raw_nonzero().get(), "releasing an init");
+        }
+    }
+}
+
+impl Drop for Init {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 /// The server's handle on its zygote.
 pub struct Zygote {
-    socket: Mutex<OwnedFd>,
+    link: Arc<Link>,
     child: Mutex<Child>,
 }
 
@@ -116,58 +296,40 @@ impl Zygote {
         let child = cmd.spawn().map_err(ZygoteError::Spawn)?;
         drop(theirs);
         Ok(Zygote {
-            socket: Mutex::new(ours),
+            link: Arc::new(Link {
+                socket: ours,
+                turn: Mutex::new(()),
+            }),
             child: Mutex::new(child),
         })
     }
 
     /// Clones a sandbox. Blocking; the zygote answers in well under a millisecond.
-    pub fn create(&self, spec: &SandboxSpec) -> Result<Created, ZygoteError> {
-        let request = serde_json::to_vec(spec).expect("spec serializes");
-        let socket = self.socket.lock().expect("zygote lock");
-        sendmsg::<()>(
-            socket.as_raw_fd(),
-            &[IoSlice::new(&request)],
-            &[],
-            MsgFlags::empty(),
-            None,
-        )
-        .map_err(ZygoteError::Channel)?;
-        let mut buf = vec![0u8; 4096];
-        let mut cmsg = nix::cmsg_space!([RawFd; 2]);
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        let msg = recvmsg::<()>(
-            socket.as_raw_fd(),
-            &mut iov,
-            Some(&mut cmsg),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        )
-        .map_err(ZygoteError::Channel)?;
-        let mut fds = Vec::new();
-        // nix reports a truncated control message (MSG_CTRUNC) as ENOBUFS.
-        for c in msg.cmsgs().map_err(|_| ZygoteError::Descriptors)? {
-            if let ControlMessageOwned::ScmRights(received) = c {
-                // SAFETY: SCM_RIGHTS installed these descriptors in this process for us.
-                fds.extend(received.iter().map(|f| unsafe { OwnedFd::from_raw_fd(*f) }));
+    pub fn create(&self, spec: SandboxSpec) -> Result<Created, ZygoteError> {
+        let Received {
+            reply,
+            fds,
+            truncated,
+        } = self.link.call(&Request::Create(spec))?;
+        let pid = match reply {
+            Reply::Created { pid } => Pid::from_raw(pid).ok_or(ZygoteError::Malformed)?,
+            Reply::Failed { message } => return Err(ZygoteError::Clone(message)),
+            Reply::Released => return Err(ZygoteError::Malformed),
+        };
+        let init = Init {
+            pid: Mutex::new(Some(pid)),
+            link: Arc::clone(&self.link),
+        };
+        match fds.into_iter().next() {
+            Some(channel) if !truncated => Ok(Created { init, channel }),
+            // init runs, but without a channel to it: killed, and released on drop.
+            _ => {
+                init.kill();
+                Err(match truncated {
+                    true => ZygoteError::Descriptors,
+                    false => ZygoteError::Malformed,
+                })
             }
-        }
-        let len = msg.bytes;
-        if len == 0 {
-            return Err(ZygoteError::Channel(nix::Error::EPIPE));
-        }
-        match serde_json::from_slice(&buf[..len]).map_err(|_| ZygoteError::Malformed)? {
-            Reply::Created { pid } => {
-                let mut fds = fds.into_iter();
-                match (fds.next(), fds.next()) {
-                    (Some(channel), Some(pidfd)) => Ok(Created {
-                        pid,
-                        channel,
-                        pidfd,
-                    }),
-                    _ => Err(ZygoteError::Malformed),
-                }
-            }
-            Reply::Failed { message } => Err(ZygoteError::Clone(message)),
         }
     }
 }
@@ -205,8 +367,8 @@ pub fn serve() -> ! {
     // Every sandbox descends from here, and commands keep what their parents ignore across
     // execve: every signal starts at its default, whatever the server was started with (a
     // shell's background job ignores SIGINT and SIGQUIT, nohup SIGHUP). Once per server,
-    // not once per sandbox. Inits are reaped by the kernel (SIGCHLD ignored): the edge
-    // learns of their end from the channel.
+    // not once per sandbox. SIGCHLD at its default also keeps an init that exits a zombie
+    // until it is released and reaped here.
     // SAFETY: setting dispositions, no handler code involved. The C library refuses the
     // signals it keeps for itself, harmlessly.
     unsafe {
@@ -215,31 +377,44 @@ pub fn serve() -> ! {
                 libc::signal(signal, libc::SIG_DFL);
             }
         }
-        libc::signal(libc::SIGCHLD, libc::SIG_IGN);
     }
     let mut buf = vec![0u8; MAX_MESSAGE];
+    // Inits the server released that had not exited yet when last looked at.
+    let mut released: Vec<i32> = Vec::new();
     loop {
+        released.retain(|&pid| !reap(pid));
+        let timeout = (!released.is_empty()).then_some(&REAP_INTERVAL);
+        let mut ready = [PollFd::new(&socket, PollFlags::IN)];
+        match rustix::event::poll(&mut ready, timeout) {
+            Ok(0) | Err(rustix::io::Errno::INTR) => continue,
+            Ok(_) => {}
+            Err(_) => std::process::exit(0),
+        }
         let n = match rustix::net::recv(&socket, &mut buf, rustix::net::RecvFlags::empty()) {
             Ok((0, _)) => std::process::exit(0),
             Ok((n, _)) => n,
             Err(rustix::io::Errno::INTR) => continue,
             Err(_) => std::process::exit(0),
         };
-        let (reply, sent) = match serde_json::from_slice::<SandboxSpec>(&buf[..n]) {
-            Ok(spec) => match clone_sandbox(&spec, &socket, &seccomp) {
-                Ok((pid, channel, pidfd)) => (Reply::Created { pid }, vec![channel, pidfd]),
+        let (reply, sent) = match serde_json::from_slice::<Request>(&buf[..n]) {
+            Ok(Request::Create(spec)) => match clone_sandbox(&spec, &socket, &seccomp) {
+                Ok((pid, channel)) => (Reply::Created { pid }, Some(channel)),
                 Err(e) => (
                     Reply::Failed {
                         message: e.to_string(),
                     },
-                    Vec::new(),
+                    None,
                 ),
             },
+            Ok(Request::Release { pid }) => {
+                released.push(pid);
+                (Reply::Released, None)
+            }
             Err(e) => (
                 Reply::Failed {
                     message: format!("bad request: {e}"),
                 },
-                Vec::new(),
+                None,
             ),
         };
         let json = serde_json::to_vec(&reply).expect("reply serializes");
@@ -263,25 +438,60 @@ pub fn serve() -> ! {
     }
 }
 
+/// Reaps the released init `pid` if it has exited; whether it is gone (reaped now, or no
+/// child of ours).
+fn reap(pid: i32) -> bool {
+    !matches!(
+        waitpid(nix::unistd::Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG)),
+        Ok(WaitStatus::StillAlive) | Err(nix::Error::EINTR)
+    )
+}
+
 fn clone_sandbox(
     spec: &SandboxSpec,
     zygote_socket: &OwnedFd,
     seccomp: &SeccompProfile,
-) -> std::io::Result<(i32, OwnedFd, OwnedFd)> {
+) -> std::io::Result<(i32, OwnedFd)> {
     let (edge_end, init_end) = socketpair(
         AddressFamily::Unix,
         SockType::Stream,
         None,
         SockFlag::SOCK_CLOEXEC,
     )?;
-    match fork_with_pidfd(CLONE_FLAGS)? {
-        Forked::Child => {
+    match fork_into(CLONE_FLAGS)? {
+        0 => {
             // SAFETY: the child's copy of the zygote's socket, closed here only: its
             // `OwnedFd` is never dropped in this child, which becomes init and never returns.
             unsafe { libc::close(zygote_socket.as_raw_fd()) };
             drop(edge_end);
             crate::init::run(spec, init_end, seccomp)
         }
-        Forked::Parent { pid, pidfd } => Ok((pid, edge_end, pidfd)),
+        pid => Ok((pid, edge_end)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_zygote_is_seen_gone_once_its_end_closes() {
+        let (ours, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap();
+        let link = Link {
+            socket: ours,
+            turn: Mutex::new(()),
+        };
+        assert!(link.zygote_lives());
+        // A request in flight (data waiting on our end) is no hang-up.
+        rustix::net::send(&theirs, b"{}", rustix::net::SendFlags::empty()).unwrap();
+        assert!(link.zygote_lives());
+        drop(theirs);
+        assert!(!link.zygote_lives());
     }
 }

@@ -280,8 +280,8 @@ impl HostSetup {
     }
 }
 
-/// How many descriptors the server asks to hold: an edge keeps two per sandbox (its
-/// control channel and init's pidfd) and more per request, stream and VM.
+/// How many descriptors the server asks to hold: an edge keeps one per container sandbox
+/// (its control channel) and more per request, stream and VM.
 const WANTED_DESCRIPTORS: u64 = 1 << 20;
 
 /// Raises the server's own limit on open descriptors to [`WANTED_DESCRIPTORS`] (bounded by
@@ -312,7 +312,7 @@ fn raise_descriptor_limit() {
         tracing::warn!(
             limit = ?after,
             "the descriptor limit is below {wanted} and cannot be raised (no CAP_SYS_RESOURCE): \
-             at two per sandbox it bounds how many this server holds"
+             at one per sandbox it bounds how many this server holds"
         );
     }
 }

@@ -148,12 +148,10 @@ fn io_setup_error(stage: InitStage, err: std::io::Error) -> InitError {
 fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, InitError> {
     let io = io_setup_error;
     let _ = rustix::process::set_parent_process_death_signal(Some(Signal::KILL));
-    // The zygote ignores SIGCHLD to auto-reap; init must see its children's status. Every
-    // other signal is at its default already (see `zygote::serve`). SIGPIPE is ignored by
+    // Every signal is at its default already (see `zygote::serve`). SIGPIPE is ignored by
     // init alone: a command's child resets it before its execve.
-    // SAFETY: setting dispositions; no handler code is involved.
+    // SAFETY: setting a disposition; no handler code is involved.
     unsafe {
-        libc::signal(libc::SIGCHLD, libc::SIG_DFL);
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
     protect_from_oom_killer();
