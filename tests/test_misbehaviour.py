@@ -205,10 +205,13 @@ def test_a_cpu_hog_is_flagged(make_server: Callable[..., Server], tmp_path: Path
 def test_yes_flood_is_truncated_without_server_growth(
     client: dsec.Client, server: Server, make_sandbox: Make, backend: str
 ) -> None:
-    # A TCG guest pipes ~6 MB/s: 30 MB is still 30 times the bound, in a few seconds.
-    # The flood is bounded by volume (0.9 GB here), not run for a minute: what it proves,
-    # that nothing on the path holds or stores what was cut, holds per byte.
-    flood = 30_000_000 if backend in VM_BACKENDS else 300_000_000
+    # The flood is bounded by volume, not run for a minute: what it proves, that nothing
+    # on the path holds or stores what was cut, holds per byte. 0.9 GB through a container;
+    # Docker's attach stream and a TCG guest's channel carry a few MB/s, so there 10 and
+    # 4 times the bound, three times over.
+    flood = {"docker": 10_000_000, "microvm": 4_000_000, "vm": 4_000_000}.get(
+        backend, 300_000_000
+    )
     sb = make_sandbox()
     before = server_rss(server)
     disk_before = du(server.state_dir) + du(server.log_path)
@@ -415,9 +418,11 @@ def test_500_concurrent_commands_in_one_sandbox(
     server: Server, make_sandbox: Make, backend: str, record_property: Callable[..., None]
 ) -> None:
     """All 500 are answered with their own output, and a quiet sandbox's round trip is
-    measured meanwhile (reported, not asserted: machines here are noisy)."""
+    measured meanwhile (reported, not asserted: machines here are noisy). On docker 150:
+    the daemon takes ~0.1 s a command, however many wait."""
     if backend in VM_BACKENDS or backend == "fncall":
         pytest.skip(f"{backend}: 500 at once take minutes under TCG / a call is one command")
+    n = 150 if backend == "docker" else 500
     busy, quiet = make_sandbox(), make_sandbox()
     quiet_ms: list[float] = []
     done = threading.Event()
@@ -429,9 +434,9 @@ def test_500_concurrent_commands_in_one_sandbox(
             quiet_ms.append((time.perf_counter() - t) * 1000)
 
     async def storm() -> list[dsec.CommandResult]:
-        async with dsec.AsyncClient(server.url, max_connections=500) as ac:
+        async with dsec.AsyncClient(server.url, max_connections=n) as ac:
             sb = await ac.get(busy.id)
-            return await asyncio.gather(*(sb.run(f"echo {i}", timeout=120) for i in range(500)))
+            return await asyncio.gather(*(sb.run(f"echo {i}", timeout=120) for i in range(n)))
 
     prober = threading.Thread(target=probe)
     prober.start()
@@ -440,11 +445,11 @@ def test_500_concurrent_commands_in_one_sandbox(
     finally:
         done.set()
         prober.join()
-    assert [r.stdout for r in results] == [f"{i}\n" for i in range(500)]
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(n)]
     assert all(r.exit_code == 0 for r in results)
     p50 = statistics.median(quiet_ms)
     record_property("quiet_exec_p50_ms", round(p50, 2))
-    print(f"quiet sandbox exec p50 during 500 concurrent commands: {p50:.2f} ms, n={len(quiet_ms)}")
+    print(f"quiet sandbox exec p50 during {n} concurrent commands: {p50:.2f} ms, n={len(quiet_ms)}")
     assert busy.run("echo alive").stdout == "alive\n"
 
 
@@ -509,10 +514,11 @@ def test_a_link_planted_over_usr_is_reported_not_followed(
     )
     time.sleep(2.5)  # two more samples: anything read through the link would show by now
     usr = {p for p in layer_writes() if p.startswith("/usr/")}
-    if backend == "docker":
-        # Docker's `rm -rf` is slow enough for a sample to see files whited out one by
-        # one before the link replaced their directory: the image's own files, each
-        # removed. (The walk itself is the container backend's, held exactly below.)
+    if backend == "docker" or backend in VM_BACKENDS:
+        # Docker's `rm -rf`, and any under TCG, is slow enough for a sample to see files
+        # whited out one by one before the link replaced their directory: the image's own
+        # files, each removed. (The walk itself is the container backend's, held exactly
+        # below.)
         image_files = {
             f"{d}/{name}"
             for d in ("/usr/bin", "/usr/sbin")

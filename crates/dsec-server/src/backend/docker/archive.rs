@@ -179,6 +179,14 @@ impl SpooledRead {
                 }
                 (entry.raw_file_position(), entry.size())
             };
+            // The daemon sizes the entry from a stat, then copies: a file a command
+            // replaced or truncated in between leaves the archive short of its header.
+            let spooled = tar.metadata().map_err(io_internal)?.len();
+            if spooled < start.saturating_add(size) {
+                return Err(ApiError::conflict(format!(
+                    "{path:?} changed in the sandbox while it was read: read it again"
+                )));
+            }
             Ok((tar, start, size))
         })
         .await?;
