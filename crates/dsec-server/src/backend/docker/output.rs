@@ -24,7 +24,9 @@ const EXIT_POLL: Duration = Duration::from_millis(250);
 /// After the exec was seen to exit, output is read until it pauses this long (what the
 /// command wrote may still be in transit through the daemon)...
 const DRAIN: Duration = Duration::from_millis(50);
-/// ...but not longer than this: background processes may hold its pipes forever.
+/// ...but not longer than this: background processes may hold its pipes forever. A
+/// command none of whose output has arrived yet is read until its stream ends, up to this
+/// too: on a loaded daemon its output can arrive well after the exit is seen.
 const DRAIN_MAX: Duration = Duration::from_secs(2);
 /// After a timeout's kill, how long to wait for the exec to be reported gone.
 const KILL_GRACE: Duration = Duration::from_secs(5);
@@ -271,9 +273,14 @@ impl OutputStream for DockerOutput {
             };
             // Output stops being read shortly after the exit, or when a timed-out command
             // outlives its grace.
-            let drained = self
-                .exited_at
-                .map(|t| (self.last_output.max(t) + DRAIN).min(t + DRAIN_MAX));
+            let drained = self.exited_at.map(|t| {
+                let quiet = if self.seen_output {
+                    self.last_output.max(t) + DRAIN
+                } else {
+                    t + DRAIN_MAX
+                };
+                quiet.min(t + DRAIN_MAX)
+            });
             let stop_reading = match (drained, self.give_up_at) {
                 (Some(d), Some(g)) => Some(d.min(g)),
                 (d, g) => d.or(g),
