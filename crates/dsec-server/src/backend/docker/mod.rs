@@ -385,9 +385,13 @@ impl Sandbox for DockerSandbox {
                 })
             }
             // A directory on the path was swapped for a file or a link (or back) after it
-            // was resolved: the daemon, told never to replace one with the other, refused.
+            // was resolved: the daemon, told never to replace one with the other, refused,
+            // or found a file where it was to make one of the missing directories.
             DockerError::DockerResponseServerError { message, .. }
-                if message.contains("cannot overwrite") =>
+                if message.contains("cannot overwrite")
+                    || (message.contains("Error processing tar file")
+                        && (message.contains("file exists")
+                            || message.contains("not a directory"))) =>
             {
                 ApiError::conflict(format!(
                     "writing {path:?}: the path changed in the sandbox while it was written \
