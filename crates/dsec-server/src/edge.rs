@@ -290,6 +290,11 @@ impl Entry {
     /// reaper, a request) does the work, the others wait for it; all return the error
     /// requests to the sandbox get.
     async fn fail(&self) -> ApiError {
+        // Its init went because it is being stopped (TTL, a stop request, shutdown): a
+        // request that saw the channel close meanwhile gets "stopping", not a failure.
+        if matches!(self.state(), SandboxState::Stopping | SandboxState::Stopped) {
+            return self.state_error("");
+        }
         self.failure
             .get_or_init(|| async {
                 let failure = self.sandbox.failure().await;
