@@ -849,19 +849,24 @@ impl Attachment {
     }
 
     /// Removes the sandbox's veth (if its namespace has not taken it already), rules and
-    /// address. Call after the sandbox's processes are gone.
+    /// address. Call after the sandbox's processes are gone. Runs to the end in a task of
+    /// its own, even if the caller's future is dropped (a client that went away mid-stop):
+    /// an address given back halfway would stay taken until a restart.
     pub async fn release(self) {
-        self.active.clients.write().expect("lock").remove(&self.ip);
-        let veth = self.veth.clone();
-        let _ = tokio::task::spawn_blocking(move || delete_link(&veth)).await;
-        let active = &self.active;
-        let script = nft::detach(&active.names, self.n, self.ip);
-        if let Err(e) = active.nft.apply(script).await {
-            tracing::warn!(error = %e, "removing a sandbox's nftables rules");
-        }
-        active.refused.lock().expect("lock").remove(&self.n);
-        // Free for another sandbox only now that its rules are gone.
-        active.used.lock().expect("lock").0.remove(&self.n);
+        let _ = tokio::spawn(async move {
+            self.active.clients.write().expect("lock").remove(&self.ip);
+            let veth = self.veth.clone();
+            let _ = tokio::task::spawn_blocking(move || delete_link(&veth)).await;
+            let active = &self.active;
+            let script = nft::detach(&active.names, self.n, self.ip);
+            if let Err(e) = active.nft.apply(script).await {
+                tracing::warn!(error = %e, "removing a sandbox's nftables rules");
+            }
+            active.refused.lock().expect("lock").remove(&self.n);
+            // Free for another sandbox only now that its rules are gone.
+            active.used.lock().expect("lock").0.remove(&self.n);
+        })
+        .await;
     }
 }
 
