@@ -65,6 +65,11 @@ const POOL_IDLE: Duration = Duration::from_secs(60);
 const TICK: Duration = Duration::from_millis(20);
 /// Calls one worker serves before it is replaced (hygiene: bounded page-cache charge).
 const MAX_CALLS_PER_WORKER: u32 = 256;
+/// How long a pool keeps ready workers beyond its target before it destroys them. Under a
+/// steady load the number of ready workers swings with every burst of calls (those in use
+/// are not ready); a worker destroyed on a swing is one to create again moments later,
+/// at the cost of a container create, so only a lasting surplus is given back.
+const SHRINK_AFTER: Duration = Duration::from_secs(2);
 /// How long a pool waits after the edge's budget refused it a worker.
 const REFUSED_BACKOFF: Duration = Duration::from_millis(250);
 
@@ -255,6 +260,8 @@ impl FnCallBackend {
 
     /// Keeps one pool at its target until it has been idle for [`POOL_IDLE`].
     async fn refill(self: Arc<Self>, pool: Arc<Pool>) {
+        // Since when the pool has had more ready workers than its target.
+        let mut surplus_since: Option<Instant> = None;
         while !self.closing.load(Ordering::Acquire) {
             let now = Instant::now();
             let idle = now.duration_since(*pool.last_call.lock().expect("lock")) > POOL_IDLE;
@@ -280,7 +287,11 @@ impl FnCallBackend {
                     return;
                 }
             }
-            if ready > target {
+            if ready <= target {
+                surplus_since = None;
+            } else if idle || now.duration_since(*surplus_since.get_or_insert(now)) >= SHRINK_AFTER
+            {
+                surplus_since = None;
                 let extra: Vec<Worker> = {
                     let mut q = pool.ready.lock().expect("lock");
                     let n = q.len().saturating_sub(target);
@@ -339,6 +350,8 @@ impl FnCallBackend {
         opts.worker = true;
         let created = self.runtime.create(opts).await;
         pool.creating.fetch_sub(1, Ordering::AcqRel);
+        metrics::counter!("dsec_fncall_workers_created_total", "image" => pool.key.image.clone())
+            .increment(1);
         match created {
             Ok(worker) if self.closing.load(Ordering::Acquire) => {
                 worker.stop().await;
