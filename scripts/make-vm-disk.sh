@@ -12,7 +12,8 @@
 #
 # Cached: the root tree is kept in $DSEC_VM_DISK_CACHE (default /var/tmp/dsec-vm-disk-cache)
 # with the downloaded packages, so a rebuild (a new agent) only assembles the disk (~15 s).
-# Idempotent: OUT is left alone when it was built with the same agent (OUT.agent-sha256).
+# Idempotent: OUT is left alone when it was built by this script with the same agent
+# (OUT.stamp).
 # Environment: DEBIAN_MIRROR (default http://deb.debian.org/debian), DSEC_AGENT (default
 # target/x86_64-unknown-linux-gnu/release/dsec-agent).
 set -euo pipefail
@@ -41,9 +42,10 @@ MBR_BIN=/usr/lib/EXTLINUX/mbr.bin
 [[ -f "$MBR_BIN" ]] || MBR_BIN=/usr/lib/syslinux/mbr/mbr.bin
 [[ -f "$MBR_BIN" ]] || die "syslinux's mbr.bin not found: apt-get install syslinux-common"
 
-AGENT_SUM="$(sha256sum "$AGENT" | cut -d' ' -f1)"
-if [[ -f "$OUT" && "$(cat "$OUT.agent-sha256" 2>/dev/null)" == "$AGENT_SUM" ]]; then
-    log "$OUT is built with this agent: nothing to do"
+# What OUT is made of besides the cached tree: this script and the agent.
+STAMP="$(cat "$0" "$AGENT" | sha256sum | cut -d' ' -f1)"
+if [[ -f "$OUT" && "$(cat "$OUT.stamp" 2>/dev/null)" == "$STAMP" ]]; then
+    log "$OUT is built with this agent and script: nothing to do"
     exit 0
 fi
 t0=$SECONDS
@@ -70,11 +72,6 @@ if [[ ! -f "$TREE/etc/dsec-vm-disk" ]]; then
         --include=systemd-sysv,udev,kmod,initramfs-tools,linux-image-cloud-amd64 \
         bookworm "$tmp" "$MIRROR" >"$CACHE/debootstrap.log" 2>&1 ||
         { tail -20 "$CACHE/debootstrap.log" >&2; die "debootstrap failed (log: $CACHE/debootstrap.log)"; }
-    # A quick boot: no jobs a sandbox never needs.
-    for unit in apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.timer \
-        systemd-timesyncd.service getty@tty1.service; do
-        ln -sf /dev/null "$tmp/etc/systemd/system/$unit"
-    done
     echo "dsec-disk" >"$tmp/etc/hostname"
     echo "/dev/vda1 / ext4 rw,noatime 0 0" >"$tmp/etc/fstab"
     echo "virtio_console" >"$tmp/etc/modules-load.d/dsec.conf"
@@ -99,7 +96,7 @@ cleanup_disk() {
 trap cleanup_disk EXIT
 tree_mib="$(du -sm "$TREE" | cut -f1)"
 fs_mib=$((tree_mib + tree_mib / 4 + 512))
-mkfs.ext4 -q -F -L dsec-root -E offset=$((1 << 20)) -d "$TREE" "$raw" "${fs_mib}M"
+mkfs.ext4 -q -F -L dsec-root -E offset=$((1 << 20)) -d "$TREE" "$raw" "${fs_mib}M" >/dev/null
 python3 - "$raw" "$MBR_BIN" "$fs_mib" <<'EOF'
 import struct, sys
 raw, mbr_bin, fs_mib = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -128,15 +125,26 @@ SERIAL 0 115200
 LABEL debian
     LINUX /boot/$kernel
     INITRD /boot/$initrd
-    APPEND root=/dev/vda1 rw console=ttyS0 net.ifnames=0 panic=-1
+    APPEND root=/dev/vda1 rw console=ttyS0 quiet systemd.show_status=1 modprobe.blacklist=kvm,kvm_amd,kvm_intel net.ifnames=0 panic=-1
 EOF
+# A quick boot: no jobs or consoles a sandbox never needs.
+for unit in apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer e2scrub_reap.service \
+    fstrim.timer dpkg-db-backup.timer systemd-timesyncd.service getty-static.service \
+    getty@tty1.service; do
+    ln -sf /dev/null "$mnt/etc/systemd/system/$unit"
+done
 extlinux --install "$mnt/boot/extlinux" >/dev/null 2>&1
 install -m 0755 "$AGENT" "$mnt/usr/local/sbin/dsec-agent"
 cat >"$mnt/etc/systemd/system/dsec-agent.service" <<'EOF'
 [Unit]
 Description=dsec guest agent (serves the dsec host over the virtio-serial port dsec.agent)
-After=systemd-modules-load.service local-fs.target
+# As early as its port's driver is loaded: the host's first command need not wait for the
+# rest of the boot.
+DefaultDependencies=no
+After=systemd-modules-load.service systemd-remount-fs.service
 Wants=systemd-modules-load.service
+Conflicts=shutdown.target
+Before=shutdown.target
 
 [Service]
 ExecStart=/usr/local/sbin/dsec-agent --service
@@ -145,14 +153,15 @@ Delegate=yes
 Restart=no
 
 [Install]
-WantedBy=multi-user.target
+WantedBy=sysinit.target
 EOF
+mkdir -p "$mnt/etc/systemd/system/sysinit.target.wants"
 ln -sf /etc/systemd/system/dsec-agent.service \
-    "$mnt/etc/systemd/system/multi-user.target.wants/dsec-agent.service"
+    "$mnt/etc/systemd/system/sysinit.target.wants/dsec-agent.service"
 umount "$mnt"
 losetup -d "$loop"
 loop=""
 qemu-img convert -f raw -O qcow2 "$raw" "$work/out.qcow2"
 mv "$work/out.qcow2" "$OUT"
-echo "$AGENT_SUM" >"$OUT.agent-sha256"
+echo "$STAMP" >"$OUT.stamp"
 log "done in $((SECONDS - t0)) s: $OUT ($(du -h "$OUT" | cut -f1), kernel $kernel)"

@@ -123,4 +123,3 @@ def test_what_is_no_disk_is_refused_and_a_raw_disk_is_converted(
         assert img.disk == {"format": "qcow2", "virtual_size": 1 << 20}
     finally:
         client.delete_image(img.name)
-

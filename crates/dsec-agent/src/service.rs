@@ -65,10 +65,9 @@ pub fn run() -> Result<(), String> {
 fn own_cgroup() -> Result<PathBuf, String> {
     let text = std::fs::read_to_string("/proc/self/cgroup")
         .map_err(|e| format!("/proc/self/cgroup: {e}"))?;
-    let relative = text
-        .lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .ok_or("the guest has no cgroup v2 hierarchy (the agent needs one for its commands' limits)")?;
+    let relative = text.lines().find_map(|l| l.strip_prefix("0::")).ok_or(
+        "the guest has no cgroup v2 hierarchy (the agent needs one for its commands' limits)",
+    )?;
     let own = Path::new(CGROUP_ROOT).join(relative.trim_start_matches('/'));
     let leaf = own.join("agent");
     std::fs::create_dir_all(&leaf).map_err(|e| format!("mkdir {}: {e}", leaf.display()))?;

@@ -21,9 +21,6 @@ const QCOW2_MAGIC: &[u8] = b"QFI\xfb";
 /// The qcow2 v3 incompatible feature bit of an external data file.
 const QCOW2_EXTERNAL_DATA_FILE: u64 = 1 << 2;
 
-/// File name endings left out of a disk's default image name.
-pub(crate) const DISK_SUFFIXES: &[&str] = &[".qcow2", ".img", ".raw"];
-
 /// How a disk's bytes are laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum DiskFormat {
@@ -213,10 +210,11 @@ mod tests {
     fn a_qcow2_naming_another_file_is_refused_from_its_header() {
         assert_eq!(qcow2_refusal(&qcow2_header(3, 0, 0)), None);
         assert_eq!(qcow2_refusal(&qcow2_header(2, 0, 0)), None);
-        assert!(qcow2_refusal(&qcow2_header(3, 0x200, 0))
-            .is_some_and(|r| r.contains("backing file")));
+        assert!(
+            qcow2_refusal(&qcow2_header(3, 0x200, 0)).is_some_and(|r| r.contains("backing file"))
+        );
         assert!(qcow2_refusal(&qcow2_header(3, 0, QCOW2_EXTERNAL_DATA_FILE))
             .is_some_and(|r| r.contains("external data file")));
-        assert!(qcow2_refusal(&QCOW2_MAGIC[..]).is_some());
+        assert!(qcow2_refusal(QCOW2_MAGIC).is_some());
     }
 }

@@ -83,7 +83,8 @@ pub struct Pruned {
 ///
 /// The layer store (`root`, possibly shared by many edges over NFS or another network
 /// filesystem) holds `layers/sha256/<hex>.erofs` (one blob per diff id, with a
-/// `<hex>.json` sidecar), `meta/<name>.json` (one per image, written last and
+/// `<hex>.json` sidecar; a bootable disk image's one blob, named the same way so that holds,
+/// leases and pruning treat it as any layer, is its qcow2, which is never mounted), `meta/<name>.json` (one per image, written last and
 /// atomically), `leases/<edge>.json` (what each edge holds) and `gc.lock`. The edge's own
 /// directory (`local`) holds `staging/` (scratch space, emptied at open), `trash/`
 /// (staging trees being deleted in the background) and `mnt/` (its layer mounts). Open one store per edge. Clone is cheap.
@@ -758,9 +759,12 @@ impl Inner {
         progress: &(dyn Fn(ImportProgress) + Sync),
     ) -> Result<Image, ImageError> {
         progress(ImportProgress::Layers(1));
-        let built = self.staging.join(format!("disk-{:016x}.qcow2", rand::random::<u64>()));
+        let built = self
+            .staging
+            .join(format!("disk-{:016x}.qcow2", rand::random::<u64>()));
         let normalised = disk::normalise(path, format, &built, input).and_then(|disk| {
-            let file = File::open(&built).map_err(io_error(format!("cannot read {}", built.display())))?;
+            let file =
+                File::open(&built).map_err(io_error(format!("cannot read {}", built.display())))?;
             let size = file
                 .metadata()
                 .map_err(io_error(format!("cannot read {}", built.display())))?
@@ -1240,7 +1244,6 @@ fn default_name(path: &Path) -> String {
         .into_owned();
     ARCHIVE_SUFFIXES
         .iter()
-        .chain(disk::DISK_SUFFIXES)
         .find_map(|s| base.strip_suffix(s))
         .unwrap_or(&base)
         .to_owned()

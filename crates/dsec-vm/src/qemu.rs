@@ -209,16 +209,22 @@ fn host_tsc_khz() -> Option<u64> {
     Some(khz)
 }
 
+/// What the guest boots: dsec's kernel and initramfs, or a bootable disk of the user's own
+/// (a sandbox's overlay of it) through the firmware.
+enum BootFrom<'a> {
+    Kernel(&'a GuestAssets),
+    Disk(&'a Path),
+}
+
 /// QEMU's arguments for a VM of `hw` in `dir`.
 fn qemu_args(
     hw: &Hardware,
-    assets: &GuestAssets,
+    from: BootFrom<'_>,
     boot: &BootArgs,
     disks: Option<&Disks>,
     memory: Option<(&Path, bool)>,
     fds: (i32, i32),
     console: &Path,
-    boot_disk: Option<&Path>,
 ) -> Vec<String> {
     let (agent_fd, qmp_fd) = fds;
     let cpu = match hw.accel {
@@ -294,8 +300,8 @@ fn qemu_args(
             Machine::Q35 => "virtio-net-pci,netdev=net0,romfile=".into(),
         },
     ]);
-    args.extend(match boot_disk {
-        None => [
+    args.extend(match from {
+        BootFrom::Kernel(assets) => [
             "-kernel".into(),
             assets.kernel.to_string_lossy().into_owned(),
             "-initrd".into(),
@@ -303,7 +309,7 @@ fn qemu_args(
             "-append".into(),
             append,
         ],
-        Some(disk) => boot_disk_args(disk),
+        BootFrom::Disk(disk) => boot_disk_args(disk),
     });
     if let Some(d) = disks {
         for (i, image) in d.image.iter().enumerate() {
@@ -569,18 +575,18 @@ impl Vm {
             image_disks: disks.map_or(1, |d| d.image.len()),
             probe: matches!(start, Start::Probe),
         };
+        let from = match start {
+            Start::Disk(_, disk) => BootFrom::Disk(disk),
+            _ => BootFrom::Kernel(assets),
+        };
         let mut args = qemu_args(
             hw,
-            assets,
+            from,
             &boot,
             disks,
             start.memory(),
             (agent_qemu.as_raw_fd(), qmp_qemu.as_raw_fd()),
             &console,
-            match start {
-                Start::Disk(_, disk) => Some(disk),
-                _ => None,
-            },
         );
         if matches!(
             start,

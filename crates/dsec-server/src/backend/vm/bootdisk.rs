@@ -85,7 +85,7 @@ impl VmBackend {
             )
             .await
             .map_err(vm_error)?;
-            tracing::info!(sandbox = %req.id, image = %image.name, boot_ms = started_at.elapsed().as_millis() as u64, "booted a disk image");
+            tracing::info!(sandbox = %req.id, image = %image.name, boot_s = started_at.elapsed().as_secs_f64(), "booted a disk image");
             if let Err(e) = write_record(&dir, &vm) {
                 vm.kill().await;
                 return Err(e);
