@@ -277,7 +277,14 @@ impl ImageStore {
                 name,
                 project: image.project,
             };
-            let pulled = inner.finish(naming, image.id, image.size, image.layers, image.config);
+            let pulled = inner.finish_with_disk(
+                naming,
+                image.id,
+                image.size,
+                image.layers,
+                image.config,
+                image.disk,
+            );
             drop(held);
             pulled
         })
