@@ -23,8 +23,9 @@ usage() {
     exit 2
 }
 (($# == 1)) || usage
-OUT="$1"
-[[ -n "$OUT" ]] || usage
+[[ -n "$1" ]] || usage
+OUT="$(realpath -m "$1")"
+[[ -z "${DSEC_AGENT:-}" ]] || DSEC_AGENT="$(realpath -m "$DSEC_AGENT")"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 AGENT="${DSEC_AGENT:-target/x86_64-unknown-linux-gnu/release/dsec-agent}"
@@ -43,7 +44,7 @@ MBR_BIN=/usr/lib/EXTLINUX/mbr.bin
 [[ -f "$MBR_BIN" ]] || die "syslinux's mbr.bin not found: apt-get install syslinux-common"
 
 # What OUT is made of besides the cached tree: this script and the agent.
-STAMP="$(cat "$0" "$AGENT" | sha256sum | cut -d' ' -f1)"
+STAMP="$(cat scripts/make-vm-disk.sh "$AGENT" | sha256sum | cut -d' ' -f1)"
 if [[ -f "$OUT" && "$(cat "$OUT.stamp" 2>/dev/null)" == "$STAMP" ]]; then
     log "$OUT is built with this agent and script: nothing to do"
     exit 0
