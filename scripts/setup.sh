@@ -10,7 +10,7 @@
 #
 # The stamp, `.dsec-setup` at the top of the checkout, lists the features this run set up
 # and verified (network, docker, vm, registry, debian-rootfs, http-peers, etcd, postgres,
-# grader-image). scripts/test.sh exports it as $DSEC_SETUP_FEATURES: a test whose feature is
+# grader-image, vm-disk). scripts/test.sh exports it as $DSEC_SETUP_FEATURES: a test whose feature is
 # listed fails when the feature is missing, where on a machine that was not set up for it the
 # test skips.
 #
@@ -57,7 +57,9 @@ PACKAGES=(
     iptables        # an accept rule when Docker's FORWARD policy is DROP (crates/dsec-net)
     nftables        # sandbox egress policies (crates/dsec-net)
     erofs-utils     # EROFS image layers
-    debootstrap     # scripts/make-debian-rootfs.sh
+    debootstrap     # scripts/make-debian-rootfs.sh, scripts/make-vm-disk.sh
+    extlinux        # scripts/make-vm-disk.sh: the test disk's bootloader (with syslinux-common)
+    syslinux-common
     docker-registry # a local OCI registry for image-import tests
     skopeo          # pushes test images to that registry
     postgresql      # the trajectory log on --trajectory-db postgres:// (tests start their own cluster)
@@ -221,6 +223,19 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------
+# 5b. A bootable Debian disk for the vm backend (tests/test_vm_disk.py imports it): about
+#     three minutes the first time (packages cached in /var/tmp/dsec-vm-disk-cache), a few
+#     seconds after (a new agent), a no-op when nothing changed.
+# ---------------------------------------------------------------------------------------
+VM_DISK="${DSEC_TEST_VM_DISK:-/var/tmp/dsec-test-vm-disk.qcow2}"
+if [[ "${DSEC_SETUP_SKIP_VM_DISK:-0}" == 1 ]]; then
+    log "DSEC_SETUP_SKIP_VM_DISK=1: skipping the bootable VM disk"
+else
+    log "a bootable Debian disk for the vm backend in $VM_DISK (scripts/make-vm-disk.sh)"
+    ./scripts/make-vm-disk.sh "$VM_DISK" || log "the bootable VM disk could not be built"
+fi
+
+# ---------------------------------------------------------------------------------------
 # 6. The set-up stamp: what this machine is now set up for, each feature checked
 # ---------------------------------------------------------------------------------------
 features=()
@@ -245,6 +260,7 @@ feature etcd "etcd (etcd-server) missing" have etcd
 feature postgres "PostgreSQL's initdb missing" eval 'compgen -G "/usr/lib/postgresql/*/bin/initdb"'
 feature grader-image "scripts/make-grader-image.sh failed or was skipped" \
     test -f "$GRADER_ROOTFS/etc/dsec-grader"
+feature vm-disk "scripts/make-vm-disk.sh failed or was skipped" test -f "$VM_DISK"
 {
     echo "# Written by scripts/setup.sh on $(date -u +%FT%TZ): the features it set up and checked."
     echo "# scripts/test.sh exports them as DSEC_SETUP_FEATURES; a test of a listed feature"

@@ -128,6 +128,7 @@ FEATURES = {
     "etcd": "etcd (Debian's etcd-server), for the fleet's membership",
     "postgres": "PostgreSQL (postgresql), for the trajectory log on --trajectory-db postgres://",
     "grader-image": "the grader image's root filesystem (scripts/make-grader-image.sh)",
+    "vm-disk": "a bootable Debian disk for the vm backend (scripts/make-vm-disk.sh)",
 }
 #: The features this machine was set up for ($DSEC_SETUP_FEATURES, blank- or comma-separated).
 SETUP_FEATURES = frozenset(os.environ.get("DSEC_SETUP_FEATURES", "").replace(",", " ").split())

@@ -333,12 +333,16 @@ class Image:
     layers: list[str] = field(default_factory=list)
     created_at: float | None = None
     project: str | None = None
+    #: A bootable disk image (a qcow2 or raw disk with its own bootloader and kernel, which
+    #: only ``backend="vm"`` starts): ``{"format": "qcow2", "virtual_size": BYTES}``.
+    disk: dict[str, Any] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Image:
         layers = d.get("layers")
         project = d.get("project")
+        disk = d.get("disk")
         return cls(
             name=str(d.get("name", "")),
             id=str(d.get("id", "")),
@@ -346,6 +350,7 @@ class Image:
             layers=[str(x) for x in layers] if isinstance(layers, list) else [],
             created_at=_opt_float(d.get("created_at")),
             project=str(project) if project is not None else None,
+            disk=dict(disk) if isinstance(disk, dict) else None,
             raw=d,
         )
 

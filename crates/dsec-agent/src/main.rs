@@ -19,10 +19,16 @@
 //! driver's modules are opened at boot, before the root replaces the initramfs, and
 //! loaded by the identity that first carries an address (see `dsec_vm::qemu`).
 //!
+//! A bootable disk of the user's own (the `vm` backend's disk images) boots its own kernel
+//! and init instead; there the agent runs as a service of that init (`--service`, see
+//! [`service`]) and serves the same protocol from the guest's own root.
+//!
 //! When the host closes the channel the guest has no further purpose: the agent exits.
 //! Having confined itself it may not call `reboot(2)` any more, so its exit panics the
 //! kernel, which `panic=-1` turns into an immediate reboot, which ends QEMU (started with
 //! `-no-reboot`). A setup failure reboots directly, still privileged.
+
+mod service;
 
 use std::fs;
 use std::io::Write;
@@ -44,8 +50,21 @@ use nix::sys::socket::{
 const DEVICE_WAIT: Duration = Duration::from_secs(10);
 
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some(service::FLAG) {
+        match service::run() {
+            Ok(()) => std::process::exit(0),
+            Err(e) => {
+                eprintln!("dsec-agent: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
     if std::process::id() != 1 {
-        eprintln!("dsec-agent runs only as PID 1 of a dsec VM guest (the host starts it)");
+        eprintln!(
+            "dsec-agent runs as PID 1 of a dsec VM guest (the host starts it), or as a \
+             service of a guest's own init with {}",
+            service::FLAG
+        );
         std::process::exit(2);
     }
     if let Err(e) = run() {
@@ -152,14 +171,23 @@ fn load_modules(cmdline: &str) -> Result<(), String> {
 }
 
 /// Polls `probe` until it yields or [`DEVICE_WAIT`] passes.
-fn wait_for<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> Result<T, String> {
+fn wait_for<T>(what: &str, probe: impl FnMut() -> Option<T>) -> Result<T, String> {
+    wait_within(what, DEVICE_WAIT, probe)
+}
+
+/// Polls `probe` until it yields or `limit` passes.
+fn wait_within<T>(
+    what: &str,
+    limit: Duration,
+    mut probe: impl FnMut() -> Option<T>,
+) -> Result<T, String> {
     let start = Instant::now();
     loop {
         if let Some(found) = probe() {
             return Ok(found);
         }
-        if start.elapsed() > DEVICE_WAIT {
-            return Err(format!("{what} did not appear within {DEVICE_WAIT:?}"));
+        if start.elapsed() > limit {
+            return Err(format!("{what} did not appear within {limit:?}"));
         }
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -265,11 +293,18 @@ fn guest_cgroup() -> Result<GuestCgroup, String> {
         Some("favordynmods"),
     )
     .map_err(|e| format!("mount cgroup2: {e}"))?;
+    commands_cgroup(root, Path::new("/mnt/scratch"))
+}
+
+/// Makes `<parent>/commands`, the cgroup every command joins, with the memory and pids
+/// controllers; `parent` must hold no process. `scratch` is the root of the filesystem
+/// the commands write to, whose usage the host is told.
+fn commands_cgroup(parent: &Path, scratch: &Path) -> Result<GuestCgroup, String> {
     let write = |path: PathBuf, value: &str| {
         fs::write(&path, value).map_err(|e| format!("{}: {e}", path.display()))
     };
-    write(root.join("cgroup.subtree_control"), "+memory +pids")?;
-    let commands = root.join("commands");
+    write(parent.join("cgroup.subtree_control"), "+memory +pids")?;
+    let commands = parent.join("commands");
     fs::create_dir_all(&commands).map_err(|e| format!("mkdir {}: {e}", commands.display()))?;
     let meminfo = fs::read_to_string("/proc/meminfo").map_err(|e| format!("/proc/meminfo: {e}"))?;
     let available_kib: u64 = meminfo
@@ -297,7 +332,7 @@ fn guest_cgroup() -> Result<GuestCgroup, String> {
         procs: open("cgroup.procs")?,
         pids_max: open("pids.max")?,
         dir: dir(&commands)?,
-        scratch: dir(Path::new("/mnt/scratch"))?,
+        scratch: dir(scratch)?,
         lowers: Vec::new(),
     })
 }

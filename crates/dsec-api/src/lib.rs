@@ -627,6 +627,19 @@ pub struct ImageInfo {
     /// which every project may use.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub project: Option<String>,
+    /// Set on a bootable disk image (a qcow2 or raw disk imported as it is, with its own
+    /// bootloader and kernel): only `backend="vm"` starts it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<DiskImageInfo>,
+}
+
+/// A bootable disk image's disk ([`ImageInfo::disk`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct DiskImageInfo {
+    /// How the stored disk is laid out: `qcow2` (imports are converted to it).
+    pub format: String,
+    /// The size of the disk its guest sees, in bytes.
+    pub virtual_size: u64,
 }
 
 /// `GET /v1/store`: what the image store holds.

@@ -27,6 +27,11 @@ pub struct Image {
     /// Only that backend, with the same shape, can start it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest: Option<GuestSnapshot>,
+    /// Set on a bootable disk image (a user's own qcow2 or raw disk, with its bootloader
+    /// and kernel): its only layer is that disk as a standalone qcow2, not a filesystem.
+    /// Only the `vm` backend can start it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<DiskImage>,
     /// The project that owns it, whose token imported or snapshotted it; its name is
     /// under `<project>/` ([`owned_name`]). `None`: the admin's, shared with every project.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -64,6 +69,15 @@ pub struct GuestSnapshot {
     pub disk_mb: u64,
     /// The backend's name for the saved guest's files (opaque to the store).
     pub saved: String,
+}
+
+/// A bootable disk stored as an image ([`Image::disk`]).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct DiskImage {
+    /// How its blob is laid out: always `qcow2` (imports are normalised to it).
+    pub format: String,
+    /// The size of the disk the guest sees, in bytes.
+    pub virtual_size: u64,
 }
 
 /// Whose an image made by a fork is.

@@ -2,7 +2,8 @@
 //!
 //! Images come from OCI layout directories, `docker save` archives, rootfs
 //! directories or tarballs, OCI registries, and the local Docker daemon
-//! (`docker://REF`). Whatever the source, every layer is unpacked once (OCI whiteouts
+//! (`docker://REF`); bootable qcow2 or raw disks become *disk images* for the `vm`
+//! backend, whose one blob is the disk itself (`disk`). Whatever the source, every layer is unpacked once (OCI whiteouts
 //! turned into overlayfs ones) and kept as an EROFS blob, `layers/sha256/<hex>.erofs`,
 //! in a layer store that many servers may share; each server mounts the blobs its
 //! sandboxes need once and every sandbox stacks those mounts. An image is a small JSON
@@ -31,6 +32,7 @@
 
 mod blob;
 mod digest;
+mod disk;
 mod distribution;
 mod docker;
 mod error;
@@ -48,7 +50,7 @@ mod unpack;
 
 pub use distribution::Registry;
 pub use error::ImageError;
-pub use image::{owned_name, Fork, GuestSnapshot, Image, ImageConfig};
+pub use image::{owned_name, DiskImage, Fork, GuestSnapshot, Image, ImageConfig};
 pub use store::{
     HeldBlobs, ImageStore, ImportProgress, MountedImage, Pruned, StoreUsage, MAX_LAYERS,
 };

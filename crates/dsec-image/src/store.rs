@@ -18,11 +18,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::blob;
 use crate::digest::{sha256, sha256_hex, HashingReader};
+use crate::disk::{self, DiskFormat};
 use crate::distribution::{self, Registry};
 use crate::docker;
 use crate::error::{io_error, store_error, Fault, ImageError};
 use crate::holds::{unix_now, Held, HoldCounts, StoreLock};
-use crate::image::{owned_name, Fork, GuestSnapshot, Image, ImageConfig};
+use crate::image::{owned_name, DiskImage, Fork, GuestSnapshot, Image, ImageConfig};
 use crate::mount::LayerMounts;
 use crate::oci;
 use crate::plan::{Plan, PlannedLayer};
@@ -82,7 +83,8 @@ pub struct Pruned {
 ///
 /// The layer store (`root`, possibly shared by many edges over NFS or another network
 /// filesystem) holds `layers/sha256/<hex>.erofs` (one blob per diff id, with a
-/// `<hex>.json` sidecar), `meta/<name>.json` (one per image, written last and
+/// `<hex>.json` sidecar; a bootable disk image's one blob, named the same way so that holds,
+/// leases and pruning treat it as any layer, is its qcow2, which is never mounted), `meta/<name>.json` (one per image, written last and
 /// atomically), `leases/<edge>.json` (what each edge holds) and `gc.lock`. The edge's own
 /// directory (`local`) holds `staging/` (scratch space, emptied at open), `trash/`
 /// (staging trees being deleted in the background) and `mnt/` (its layer mounts). Open one store per edge. Clone is cheap.
@@ -275,7 +277,14 @@ impl ImageStore {
                 name,
                 project: image.project,
             };
-            let pulled = inner.finish(naming, image.id, image.size, image.layers, image.config);
+            let pulled = inner.finish_with_disk(
+                naming,
+                image.id,
+                image.size,
+                image.layers,
+                image.config,
+                image.disk,
+            );
             drop(held);
             pulled
         })
@@ -481,6 +490,7 @@ impl ImageStore {
             config: base.config.clone(),
             fork: None,
             guest: Some(guest),
+            disk: None,
             project: naming.project,
         };
         self.inner.write_meta(&image)?;
@@ -718,10 +728,14 @@ impl Inner {
             return self.import_rootfs(&held, unpacked, name, input, progress);
         }
         if !is_archive(path)? {
-            return Err(ImageError::InvalidSource {
-                input: input.to_owned(),
-                reason: "not a directory, tar, gzip or zstd archive".into(),
-            });
+            let head = disk::head(path).map_err(io_error(format!("cannot read {input}")))?;
+            let Some(format) = disk::sniff(&head) else {
+                return Err(ImageError::InvalidSource {
+                    input: input.to_owned(),
+                    reason: "not a directory, tar, gzip or zstd archive, qcow2 or raw disk".into(),
+                });
+            };
+            return self.import_disk(&held, path, format, name, input, progress);
         }
         let file = File::open(path).map_err(io_error(format!("cannot open {input}")))?;
         // One pass serves both cases: an image archive is unpacked to be read,
@@ -738,6 +752,54 @@ impl Inner {
             return self.import_rootfs(&held, unpacked, name, input, progress);
         };
         self.import_plan(&held, plan.map_err(fault)?, name, input, progress)
+    }
+
+    /// Imports a bootable disk (see [`disk`]): normalised to a standalone qcow2, which is
+    /// stored, content-addressed, as the image's only blob.
+    fn import_disk(
+        &self,
+        held: &Held,
+        path: &Path,
+        format: DiskFormat,
+        name: Naming,
+        input: &str,
+        progress: &(dyn Fn(ImportProgress) + Sync),
+    ) -> Result<Image, ImageError> {
+        progress(ImportProgress::Layers(1));
+        let built = self
+            .staging
+            .join(format!("disk-{:016x}.qcow2", rand::random::<u64>()));
+        let normalised = disk::normalise(path, format, &built, input).and_then(|disk| {
+            let file =
+                File::open(&built).map_err(io_error(format!("cannot read {}", built.display())))?;
+            let size = file
+                .metadata()
+                .map_err(io_error(format!("cannot read {}", built.display())))?
+                .len();
+            let mut reader = HashingReader::new(BufReader::with_capacity(1 << 20, file));
+            reader
+                .drain()
+                .map_err(io_error(format!("cannot read {}", built.display())))?;
+            Ok((disk, size, reader.digest()))
+        });
+        let (disk, size, diff_id) = match normalised {
+            Ok(done) => done,
+            Err(e) => {
+                let _ = fs::remove_file(&built);
+                return Err(e);
+            }
+        };
+        held.hold(&diff_id);
+        let new = self.publish(&diff_id, &built, size)?;
+        progress(ImportProgress::LayerDone {
+            diff_id: diff_id.clone(),
+            size,
+            reused: !new,
+        });
+        let layers = vec![diff_id];
+        let id = sha256(&serde_json::to_vec(&layers).unwrap_or_default());
+        tracing::info!(source = %input, virtual_size = disk.virtual_size, "imported a bootable disk");
+        self.finish_with_disk(name, id, size, layers, ImageConfig::default(), Some(disk))
     }
 
     fn import_rootfs(
@@ -960,6 +1022,19 @@ impl Inner {
         layers: Vec<String>,
         config: ImageConfig,
     ) -> Result<Image, ImageError> {
+        self.finish_with_disk(naming, id, size, layers, config, None)
+    }
+
+    /// [`finish`](Self::finish), recording the image as the bootable `disk` if it is one.
+    fn finish_with_disk(
+        &self,
+        naming: Naming,
+        id: String,
+        size: u64,
+        layers: Vec<String>,
+        config: ImageConfig,
+        disk: Option<DiskImage>,
+    ) -> Result<Image, ImageError> {
         self.check_owner(&naming)?;
         let image = Image {
             name: naming.name,
@@ -970,6 +1045,7 @@ impl Inner {
             config,
             fork: None,
             guest: None,
+            disk,
             project: naming.project,
         };
         self.write_meta(&image)?;

@@ -842,6 +842,13 @@ impl Edge {
                     )));
                 }
             }
+            if image.disk.is_some() && kind.name() != "vm" {
+                return Err(ApiError::invalid(format!(
+                    "image {} is a bootable disk (its own bootloader and kernel): create it \
+                     with backend=\"vm\"",
+                    req.image
+                )));
+            }
             if !shown(caller, &image_info(&self.images, image)) {
                 return Err(ImageError::NotFound { name: req.image }.into());
             }

@@ -9,10 +9,13 @@
 //!   when a probe shows it works, TCG otherwise), boot templates snapshotted once and
 //!   restored for each new sandbox, and the control [`dsec_runtime::channel`] to the
 //!   guest's agent over virtio-serial;
-//! - [`qmp`]: the QEMU monitor protocol, for pause, resume and snapshots.
+//! - [`qmp`]: the QEMU monitor protocol, for pause, resume and snapshots;
+//! - [`bootdisk`]: bootable disks of the user's own, booted by the firmware, whose agent
+//!   runs as a service of the guest's own init.
 #![warn(missing_docs)]
 
 pub mod assets;
+pub mod bootdisk;
 pub mod disk;
 pub mod qemu;
 pub mod qmp;

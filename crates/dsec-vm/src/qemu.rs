@@ -46,6 +46,7 @@ use tokio::net::UnixStream;
 use tokio::sync::watch;
 
 use crate::assets::GuestAssets;
+use crate::bootdisk::boot_disk_args;
 use crate::disk::BaseFs;
 use crate::qmp::Qmp;
 use crate::VmError;
@@ -208,10 +209,17 @@ fn host_tsc_khz() -> Option<u64> {
     Some(khz)
 }
 
+/// What the guest boots: dsec's kernel and initramfs, or a bootable disk of the user's own
+/// (a sandbox's overlay of it) through the firmware.
+enum BootFrom<'a> {
+    Kernel(&'a GuestAssets),
+    Disk(&'a Path),
+}
+
 /// QEMU's arguments for a VM of `hw` in `dir`.
 fn qemu_args(
     hw: &Hardware,
-    assets: &GuestAssets,
+    from: BootFrom<'_>,
     boot: &BootArgs,
     disks: Option<&Disks>,
     memory: Option<(&Path, bool)>,
@@ -267,12 +275,6 @@ fn qemu_args(
         hw.vcpus.to_string(),
         "-m".into(),
         format!("{}M", hw.memory_mb),
-        "-kernel".into(),
-        assets.kernel.to_string_lossy().into_owned(),
-        "-initrd".into(),
-        assets.initramfs.to_string_lossy().into_owned(),
-        "-append".into(),
-        append,
         "-chardev".into(),
         format!("file,id=console,path={}", console.display()),
         "-serial".into(),
@@ -298,6 +300,17 @@ fn qemu_args(
             Machine::Q35 => "virtio-net-pci,netdev=net0,romfile=".into(),
         },
     ]);
+    args.extend(match from {
+        BootFrom::Kernel(assets) => [
+            "-kernel".into(),
+            assets.kernel.to_string_lossy().into_owned(),
+            "-initrd".into(),
+            assets.initramfs.to_string_lossy().into_owned(),
+            "-append".into(),
+            append,
+        ],
+        BootFrom::Disk(disk) => boot_disk_args(disk),
+    });
     if let Some(d) = disks {
         for (i, image) in d.image.iter().enumerate() {
             args.extend([
@@ -353,6 +366,10 @@ pub enum Start<'a> {
     Receive(TemplateFiles<'a>),
     /// Boot only far enough for the agent to answer (accelerator probe; no disks).
     Probe,
+    /// Boot a bootable disk of the user's own through the firmware, its own bootloader,
+    /// kernel and init, whose agent runs as a service; once it reports ready the guest
+    /// takes its identity (see [`crate::bootdisk`]).
+    Disk(GuestIdentity<'a>, &'a Path),
 }
 
 /// The channel of a guest saved to disk, with the hold of its writes, taken before it
@@ -391,9 +408,10 @@ pub struct TemplateFiles<'a> {
 impl<'a> Start<'a> {
     fn identity(&self) -> Option<GuestIdentity<'a>> {
         match self {
-            Start::Cold(identity) | Start::Restore(identity, _) | Start::Resume(identity, ..) => {
-                Some(*identity)
-            }
+            Start::Cold(identity)
+            | Start::Disk(identity, _)
+            | Start::Restore(identity, _)
+            | Start::Resume(identity, ..) => Some(*identity),
             Start::Template(_) | Start::Receive(_) | Start::Probe => None,
         }
     }
@@ -403,7 +421,7 @@ impl<'a> Start<'a> {
         match self {
             Start::Template(files) | Start::Receive(files) => Some((files.memory, true)),
             Start::Restore(_, files) | Start::Resume(_, files, _) => Some((files.memory, false)),
-            Start::Cold(_) | Start::Probe => None,
+            Start::Cold(_) | Start::Disk(..) | Start::Probe => None,
         }
     }
 }
@@ -557,9 +575,13 @@ impl Vm {
             image_disks: disks.map_or(1, |d| d.image.len()),
             probe: matches!(start, Start::Probe),
         };
+        let from = match start {
+            Start::Disk(_, disk) => BootFrom::Disk(disk),
+            _ => BootFrom::Kernel(assets),
+        };
         let mut args = qemu_args(
             hw,
-            assets,
+            from,
             &boot,
             disks,
             start.memory(),
@@ -687,7 +709,7 @@ impl Vm {
                 }
                 // Its guest never runs: the channel is never used.
                 Start::Receive(_) => Ok(Channel::attach(agent_host, Vec::new(), 1)),
-                Start::Cold(_) | Start::Template(_) | Start::Probe => {
+                Start::Cold(_) | Start::Disk(..) | Start::Template(_) | Start::Probe => {
                     let channel = Channel::open(agent_host, timeout.unwrap_or(BOOT_TIMEOUT))
                         .await
                         .map(|(channel, _)| channel)

@@ -589,6 +589,10 @@ pub(crate) fn image_info(images: &ImageStore, image: Image) -> ImageInfo {
         disk_bytes: images.disk_bytes(&image),
         fork_of: image.fork.map(|f| f.parent),
         project: image.project,
+        disk: image.disk.map(|d| dsec_api::DiskImageInfo {
+            format: d.format,
+            virtual_size: d.virtual_size,
+        }),
         name: image.name,
         id: image.id,
         size: image.size,

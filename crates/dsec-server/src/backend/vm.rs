@@ -56,6 +56,8 @@ use super::{
 };
 use crate::error::ApiError;
 
+mod bootdisk;
+
 /// The smallest guest that boots the cloud kernel and runs commands comfortably.
 const MIN_VM_MEMORY_MB: u64 = 128;
 
@@ -916,7 +918,6 @@ impl Backend for VmBackend {
         }
         let host = &self.host;
         let image = host.images.resolve(&req.image).await?;
-        let assets = host.assets().await?;
         // CPUs the edge checked to a small positive number; `as` from f64 saturates.
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let vcpus = req.cpus.ceil().max(1.0) as u32;
@@ -926,6 +927,10 @@ impl Backend for VmBackend {
             vcpus,
             memory_mb: req.memory_mb,
         };
+        if image.disk.is_some() {
+            return self.create_from_disk(req, image, hardware).await;
+        }
+        let assets = host.assets().await?;
         let held = host.images.blobs(&image)?;
         // In use before it is read: pruning must not take it in between.
         let in_use = image
@@ -1499,7 +1504,8 @@ impl Sandbox for VmSandbox {
         }
         let vm = self.vm()?;
         vm.pause().await.map_err(vm_error)?;
-        if self.host.config.pause == PauseMode::Save {
+        // A bootable disk's guest is paused in memory only (see `bootdisk`).
+        if self.host.config.pause == PauseMode::Save && self.image.disk.is_none() {
             // Paused in memory if it cannot be saved: still a pause.
             match self.save_to_disk(&vm).await {
                 Ok(saved) => {
@@ -1562,6 +1568,9 @@ impl Sandbox for VmSandbox {
     }
 
     async fn snapshot(&self, name: &str, project: Option<&str>) -> Result<ImageInfo, ApiError> {
+        if self.image.disk.is_some() {
+            return Err(bootdisk::unsupported("a snapshot or fork"));
+        }
         let mut on_disk = self.on_disk.lock().await;
         if let Some(saved) = on_disk.take() {
             // Saved from memory, not from its pause files: back in a QEMU, paused again.
@@ -1676,6 +1685,7 @@ impl Sandbox for VmSandbox {
         match &*attachment {
             Some(a) => a.set_policy(&policy).await?,
             None if policy.is_off() => {}
+            None if self.image.disk.is_some() => return Err(bootdisk::unsupported("a network")),
             None if on_disk.is_some() => {
                 return Err(ApiError::unavailable(
                     "this sandbox is paused and saved to disk: resume it before giving it a \
