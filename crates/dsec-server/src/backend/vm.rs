@@ -1414,7 +1414,7 @@ const WRITE_BACK_EVERY: std::time::Duration = std::time::Duration::from_millis(1
 
 /// Starts writing `memory`'s dirty pages to disk every [`WRITE_BACK_EVERY`], until
 /// dropped: the sync once the snapshot is whole then finds most of the file written,
-/// where it would write all of it after the copy (0.3–0.5 s of a snapshot under TCG here).
+/// where it would write all of it after the copy (0.3–1.1 s of a snapshot, measured here).
 async fn write_back(memory: &Path) {
     let Ok(file) = std::fs::File::open(memory) else {
         return std::future::pending().await;
