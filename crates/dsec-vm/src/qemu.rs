@@ -33,7 +33,7 @@
 //! guest takes its own address as it takes its own name. Nothing of it is on the host
 //! once QEMU is gone: the namespace, and the veth in it, go with the process.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, OnceLock};
@@ -69,6 +69,10 @@ const MAX_STALE_BUFFER: usize = 1 << 20;
 
 /// A migration bandwidth (bytes/s) no local copy reaches.
 const UNLIMITED_BANDWIDTH: u64 = 1 << 40;
+
+/// The name under which QEMU holds what a guest migrates through (`getfd`): a socket to
+/// the receiving QEMU, or a saved device state.
+const MIGRATION_FD: &str = "migration";
 
 /// How long a pause waits for the guest to read what was sent to it.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
@@ -436,6 +440,8 @@ fn ignore_shared(state: bool) -> serde_json::Value {
 /// is an error with QEMU's reason.
 async fn migration_done(qmp: &Qmp, what: &str, done: impl Fn() -> bool) -> Result<(), VmError> {
     let waiting = async {
+        // Loading a device state takes milliseconds, a guest's RAM up to seconds.
+        let mut pause = Duration::from_millis(1);
         loop {
             let info = qmp.execute("query-migrate", serde_json::json!({})).await?;
             match info.get("status").and_then(serde_json::Value::as_str) {
@@ -447,7 +453,10 @@ async fn migration_done(qmp: &Qmp, what: &str, done: impl Fn() -> bool) -> Resul
                         .unwrap_or("QEMU gave no reason");
                     return Err(VmError::Qemu(format!("{what} failed: {why}")));
                 }
-                _ => tokio::time::sleep(Duration::from_millis(10)).await,
+                _ => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(10));
+                }
             }
         }
     };
@@ -459,6 +468,23 @@ async fn migration_done(qmp: &Qmp, what: &str, done: impl Fn() -> bool) -> Resul
                 MIGRATION_TIMEOUT.as_secs()
             )))
         })
+}
+
+/// Leaves the kernel out of the arguments of a microvm whose guest comes in by migration:
+/// it never boots, and QEMU would hold the whole kernel image in its own memory (~14 MiB
+/// of every guest's private memory). Its migration state does not depend on the kernel;
+/// a q35 machine's does (its linuxboot option ROM is migrated RAM), so it keeps it.
+fn without_kernel(args: &mut Vec<String>) {
+    let mut kept = Vec::with_capacity(args.len());
+    let mut rest = std::mem::take(args).into_iter();
+    while let Some(arg) = rest.next() {
+        if matches!(arg.as_str(), "-kernel" | "-initrd" | "-append") {
+            rest.next();
+        } else {
+            kept.push(arg);
+        }
+    }
+    *args = kept;
 }
 
 /// `path` quoted for `/bin/sh`, which runs QEMU's `exec:` migration commands.
@@ -592,6 +618,9 @@ impl Vm {
             start,
             Start::Restore(..) | Start::Resume(..) | Start::Receive(_)
         ) {
+            if hw.machine == Machine::Microvm {
+                without_kernel(&mut args);
+            }
             args.extend(["-incoming".into(), "defer".into()]);
         }
         let log_path = dir.join("qemu.log");
@@ -675,7 +704,12 @@ impl Vm {
             let incoming = async {
                 qmp.execute("migrate-set-capabilities", ignore_shared(true))
                     .await?;
-                let uri = format!("exec:cat < {}", shell_quoted(files.state));
+                // Read by QEMU itself: no shell and `cat` to start.
+                let state =
+                    std::fs::File::open(files.state).map_err(VmError::io("open", files.state))?;
+                qmp.send_fd(MIGRATION_FD, state.as_fd()).await?;
+                drop(state);
+                let uri = format!("fd:{MIGRATION_FD}");
                 qmp.execute("migrate-incoming", serde_json::json!({ "uri": uri }))
                     .await?;
                 migration_done(&qmp, "loading the boot template's device state", || true).await?;
@@ -826,7 +860,7 @@ impl Vm {
     /// Sends a paused guest's memory and devices to `receiver` (started with
     /// [`Start::Receive`], for the same hardware and disks), which then holds the same
     /// guest, stopped. This guest stays paused: [`Vm::resume`] runs it on.
-    pub async fn send_state(&self, receiver: &Vm, through: &Path) -> Result<(), VmError> {
+    pub async fn send_state(&self, receiver: &Vm) -> Result<(), VmError> {
         let drained = self.held.lock().await.as_ref().map(WriteHold::drained);
         if drained != Some(true) {
             return Err(VmError::Qemu(
@@ -835,50 +869,36 @@ impl Vm {
                     .into(),
             ));
         }
-        let _ = std::fs::remove_file(through);
-        rustix::fs::mknodat(
-            rustix::fs::CWD,
-            through,
-            rustix::fs::FileType::Fifo,
-            rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
-            0,
-        )
-        .map_err(|e| VmError::io("create", through)(e.into()))?;
-        let sent = async {
-            // RAM included: this guest's is private, the receiver's a shared file.
-            for vm in [self, receiver] {
-                vm.qmp
-                    .execute("migrate-set-capabilities", ignore_shared(false))
-                    .await?;
-            }
-            // A copy between two processes of this host: QEMU's default cap on migration
-            // bandwidth (128 MiB/s) would be most of the time a snapshot takes.
-            self.qmp
-                .execute(
-                    "migrate-set-parameters",
-                    serde_json::json!({ "max-bandwidth": UNLIMITED_BANDWIDTH }),
-                )
+        // One socket pair between the two QEMUs: the RAM goes from one to the other with
+        // no process or pipe in between.
+        let (out, into) = std::os::unix::net::UnixStream::pair()
+            .map_err(|e| VmError::Qemu(format!("socketpair: {e}")))?;
+        // RAM included: this guest's is private, the receiver's a shared file.
+        for vm in [self, receiver] {
+            vm.qmp
+                .execute("migrate-set-capabilities", ignore_shared(false))
                 .await?;
-            let fifo = shell_quoted(through);
-            receiver
-                .qmp
-                .execute(
-                    "migrate-incoming",
-                    serde_json::json!({ "uri": format!("exec:cat < {fifo}") }),
-                )
-                .await?;
-            self.qmp
-                .execute(
-                    "migrate",
-                    serde_json::json!({ "uri": format!("exec:cat > {fifo}") }),
-                )
-                .await?;
-            migration_done(&self.qmp, "sending the guest's state", || true).await?;
-            migration_done(&receiver.qmp, "receiving the guest's state", || true).await
-        };
-        let result = sent.await;
-        let _ = std::fs::remove_file(through);
-        result
+        }
+        // A copy between two processes of this host: QEMU's default cap on migration
+        // bandwidth (128 MiB/s) would be most of the time a snapshot takes.
+        self.qmp
+            .execute(
+                "migrate-set-parameters",
+                serde_json::json!({ "max-bandwidth": UNLIMITED_BANDWIDTH }),
+            )
+            .await?;
+        receiver.qmp.send_fd(MIGRATION_FD, into.as_fd()).await?;
+        drop(into);
+        let uri = serde_json::json!({ "uri": format!("fd:{MIGRATION_FD}") });
+        receiver
+            .qmp
+            .execute("migrate-incoming", uri.clone())
+            .await?;
+        self.qmp.send_fd(MIGRATION_FD, out.as_fd()).await?;
+        drop(out);
+        self.qmp.execute("migrate", uri).await?;
+        migration_done(&self.qmp, "sending the guest's state", || true).await?;
+        migration_done(&receiver.qmp, "receiving the guest's state", || true).await
     }
 
     /// Saves a guest started with [`Start::Template`]: stops it and writes its CPUs' and
