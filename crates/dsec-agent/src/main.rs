@@ -98,7 +98,17 @@ fn run() -> Result<(), String> {
             .write_all(&ready)
             .map_err(|e| format!("answering the probe: {e}"));
     }
-    let prepared = build_root(&args).and_then(|cgroup| {
+    serve(control, build_root(&args), net_modules)
+}
+
+/// Serves the host on `control` until it goes away, its commands in `cgroup`; a guest that
+/// could not be set up (`cgroup` is the reason) tells the host why, on the channel.
+fn serve(
+    control: OwnedFd,
+    cgroup: Result<GuestCgroup, String>,
+    net_modules: Vec<OwnedFd>,
+) -> Result<(), String> {
+    let prepared = cgroup.and_then(|cgroup| {
         let seccomp =
             SeccompProfile::docker_default().map_err(|e| format!("seccomp profile: {e}"))?;
         Ok((seccomp, cgroup))

@@ -19,7 +19,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use dsec_runtime::guest;
-use dsec_runtime::seccomp::SeccompProfile;
 
 /// The command-line flag that selects this mode.
 pub const FLAG: &str = "--service";
@@ -43,20 +42,8 @@ pub fn run() -> Result<(), String> {
         .open(&node)
         .map_err(|e| format!("{}: {e}", node.display()))?
         .into();
-    let prepared = own_cgroup().and_then(|parent| {
-        let cgroup = super::commands_cgroup(&parent, Path::new("/"))?;
-        let seccomp =
-            SeccompProfile::docker_default().map_err(|e| format!("seccomp profile: {e}"))?;
-        Ok((seccomp, cgroup))
-    });
-    let (seccomp, cgroup) = match prepared {
-        Ok(prepared) => prepared,
-        Err(message) => {
-            super::report_setup_error(control, &message);
-            return Err(message);
-        }
-    };
-    dsec_runtime::init::serve_guest(control, seccomp, cgroup, Vec::new()).map_err(|e| e.message)
+    let cgroup = own_cgroup().and_then(|parent| super::commands_cgroup(&parent, Path::new("/")));
+    super::serve(control, cgroup, Vec::new())
 }
 
 /// The agent's own cgroup (delegated to it by the guest's init), emptied of processes:

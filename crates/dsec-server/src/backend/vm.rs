@@ -1065,33 +1065,65 @@ impl Backend for VmBackend {
                 return Err(e);
             }
         };
-        Ok(Created {
-            sandbox: Box::new(VmSandbox {
-                _layers: held,
-                vm: std::sync::RwLock::new(Some(Arc::new(vm))),
-                on_disk: tokio::sync::Mutex::new(None),
-                saved_to_disk: AtomicBool::new(false),
-                id: req.id.clone(),
-                pids: req.pids,
-                guest_usage: Arc::default(),
+        Ok(self.running(
+            req,
+            Running {
+                vm,
+                layers: held,
                 dir,
-                host: Arc::clone(host),
-                image: image.clone(),
+                image,
                 hardware,
                 disks,
+                restored_from: in_use,
+                attachment,
+            },
+        ))
+    }
+}
+
+impl VmBackend {
+    /// The sandbox a create has just started, as the edge takes it.
+    fn running(&self, req: SandboxRequest, started: Running) -> Created {
+        let defaults = ImageDefaults {
+            env: started.image.config.env.clone(),
+            workdir: started.image.config.workdir.clone(),
+        };
+        Created {
+            sandbox: Box::new(VmSandbox {
+                _layers: started.layers,
+                vm: std::sync::RwLock::new(Some(Arc::new(started.vm))),
+                on_disk: tokio::sync::Mutex::new(None),
+                saved_to_disk: AtomicBool::new(false),
+                id: req.id,
+                pids: req.pids,
+                guest_usage: Arc::default(),
+                dir: started.dir,
+                host: Arc::clone(&self.host),
+                image: started.image,
+                hardware: started.hardware,
+                disks: started.disks,
                 disk_mb: req.disk_mb,
-                _restored_from: in_use,
+                _restored_from: started.restored_from,
                 net: Arc::clone(&self.net),
-                attachment: tokio::sync::Mutex::new(attachment),
+                attachment: tokio::sync::Mutex::new(started.attachment),
                 policy: Mutex::new(req.network),
                 ca_bundle: req.ca_bundle,
             }),
-            image: ImageDefaults {
-                env: image.config.env,
-                workdir: image.config.workdir,
-            },
-        })
+            image: defaults,
+        }
     }
+}
+
+/// What a create started: [`VmBackend::running`] makes a sandbox of it.
+struct Running {
+    vm: Vm,
+    layers: HeldBlobs,
+    dir: PathBuf,
+    image: Image,
+    hardware: Hardware,
+    disks: Disks,
+    restored_from: Option<SavedInUse>,
+    attachment: Option<Attachment>,
 }
 
 struct VmSandbox {

@@ -11,16 +11,13 @@
 //! network (the guest's own init owns its interfaces), snapshots and forks, a pause
 //! saved to disk — is refused or falls back (an in-memory pause).
 
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
-
 use dsec_image::Image;
 use dsec_vm::bootdisk::create_disk_overlay;
 use dsec_vm::disk::BaseFs;
 use dsec_vm::qemu::{Disks, GuestIdentity, Hardware, Machine, Start, Vm};
 
-use super::{blocking_error, vm_error, write_record, VmBackend, VmSandbox};
-use crate::backend::{Created, ImageDefaults, SandboxRequest};
+use super::{blocking_error, vm_error, write_record, Running, VmBackend};
+use crate::backend::{Created, SandboxRequest};
 use crate::error::ApiError;
 
 /// Why a bootable disk's sandbox cannot have what needs dsec's own guest.
@@ -99,35 +96,22 @@ impl VmBackend {
                 return Err(e);
             }
         };
-        Ok(Created {
-            sandbox: Box::new(VmSandbox {
-                _layers: held,
-                vm: std::sync::RwLock::new(Some(Arc::new(vm))),
-                on_disk: tokio::sync::Mutex::new(None),
-                saved_to_disk: AtomicBool::new(false),
-                id: req.id.clone(),
-                pids: req.pids,
-                guest_usage: Arc::default(),
+        Ok(self.running(
+            req,
+            Running {
+                vm,
+                layers: held,
                 dir,
-                host: Arc::clone(host),
-                image: image.clone(),
+                image,
                 hardware,
                 disks: Disks {
                     image: Vec::new(),
                     base_fs: BaseFs::default(),
                     scratch: overlay,
                 },
-                disk_mb: req.disk_mb,
-                _restored_from: None,
-                net: Arc::clone(&self.net),
-                attachment: tokio::sync::Mutex::new(None),
-                policy: Mutex::new(req.network),
-                ca_bundle: req.ca_bundle,
-            }),
-            image: ImageDefaults {
-                env: image.config.env,
-                workdir: image.config.workdir,
+                restored_from: None,
+                attachment: None,
             },
-        })
+        ))
     }
 }
