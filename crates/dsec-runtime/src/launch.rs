@@ -22,6 +22,7 @@
 
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use nix::sys::signal::{SigSet, SigmaskHow, Signal};
 use rustix::process::Pid;
@@ -263,6 +264,23 @@ pub(crate) struct ChildFds<'a> {
     pub(crate) steps: Option<StepFds<'a>>,
     /// stdin is a terminal's slave side, to become the command's controlling terminal.
     pub(crate) controlling_tty: bool,
+    /// Where a child sharing init's memory ([`spawn_shared`]) also leaves its failing
+    /// stage and errno: a write to the report pipe needs a page,
+    /// charged to the commands' memory cgroup, and fails when that cgroup is full of what
+    /// nothing can free, and a command that could not start must still say why.
+    pub(crate) failure: &'a AtomicU64,
+}
+
+/// A failing stage and errno as a child sharing init's memory leaves them in
+/// [`ChildFds::failure`]; zero is no failure (stages count from 1).
+fn pack_failure(stage: ChildStage, errno: i32) -> u64 {
+    (u64::from(stage as u32) << 32) | u64::from(errno.cast_unsigned())
+}
+
+/// The report a child left in [`ChildFds::failure`], as the report pipe would carry it
+/// (stage, then errno); `None` if it left none.
+pub(crate) fn failure_report(packed: u64) -> Option<[u8; 8]> {
+    (packed != 0).then(|| packed.rotate_left(32).to_le_bytes())
 }
 
 /// Everything the child needs, converted before `fork` so that the child only makes
@@ -510,6 +528,8 @@ impl Launch {
 
 /// Reports a failing step of a command's first process on its report pipe, and exits.
 fn fail(fds: &ChildFds<'_>, stage: ChildStage, errno: i32) -> ! {
+    fds.failure
+        .store(pack_failure(stage, errno), Ordering::Relaxed);
     let mut msg = [0u8; 8];
     msg[..4].copy_from_slice(&(stage as u32).to_le_bytes());
     msg[4..].copy_from_slice(&errno.to_le_bytes());

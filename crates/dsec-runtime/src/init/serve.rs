@@ -10,6 +10,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
@@ -531,7 +532,9 @@ impl Init {
             (None, None) => unreachable!("a command off a terminal has a step"),
         };
         let started = Instant::now();
+        let failure = AtomicU64::new(0);
         let fds = ChildFds {
+            failure: &failure,
             stdin: stdin_child,
             stdout: stdout_child,
             stderr: stderr_child,
@@ -609,6 +612,12 @@ impl Init {
                 Ok(n) => got += n,
                 Err(Errno::INTR) => {}
                 Err(_) => break,
+            }
+        }
+        if got == 0 {
+            if let Some(left) = launch::failure_report(failure.load(Ordering::Relaxed)) {
+                report[..8].copy_from_slice(&left);
+                got = 8;
             }
         }
         if got >= 8 {
