@@ -30,6 +30,13 @@ pub enum ImageError {
         /// What is damaged.
         reason: String,
     },
+    /// The image is a bootable disk ([`crate::Image::disk`]): its one blob is a qcow2 that
+    /// only a VM's firmware boots, never a filesystem the host mounts.
+    #[error("image {name:?} is a bootable disk (its own bootloader and kernel): create it with backend=\"vm\"")]
+    BootableDisk {
+        /// The image's name.
+        name: String,
+    },
     /// The registry could not be reached or refused the pull.
     #[error("cannot pull {reference:?}: {reason}")]
     Registry {

@@ -514,6 +514,13 @@ impl ImageStore {
     /// sandbox to stack, and holds them until the result is dropped. A layer whose blob
     /// is gone or unreadable fails only this call, with the reason.
     pub async fn mount(&self, image: &Image) -> Result<MountedImage, ImageError> {
+        // A disk image's blob holds the user's bytes as they imported them: mounting it
+        // would hand the host kernel's EROFS parser a file its user crafted.
+        if image.disk.is_some() {
+            return Err(ImageError::BootableDisk {
+                name: image.name.clone(),
+            });
+        }
         let (inner, image) = (self.inner.clone(), image.clone());
         blocking(move || {
             let blobs = inner.held_blobs(&image)?;

@@ -952,3 +952,25 @@ async fn pull_from_a_local_registry() {
     assert_eq!(stored_layers(tmp.path()).len(), 2);
     assert_eq!(entries(&tmp.path().join("images/staging")), 0);
 }
+
+/// A disk image's blob is the user's own bytes: the store never mounts it, whichever path
+/// asks (a create that pulled it from a registry skips the edge's own check).
+#[tokio::test]
+#[ignore = "needs qemu-img (qemu-utils) from scripts/setup.sh; run with --include-ignored"]
+async fn a_bootable_disk_is_never_mounted_as_layers() {
+    let (tmp, store) = new_store();
+    let raw = tmp.path().join("disk.raw");
+    let mut bytes = vec![0u8; 1 << 20];
+    bytes[510..512].copy_from_slice(&[0x55, 0xAA]); // a master boot record's signature
+    fs::write(&raw, &bytes).unwrap();
+    let image = store
+        .import(raw.to_str().unwrap(), Some("disk"))
+        .await
+        .unwrap();
+    assert!(image.disk.is_some(), "{image:?}");
+    match store.mount(&image).await {
+        Err(ImageError::BootableDisk { name }) => assert_eq!(name, "disk"),
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(_) => panic!("a disk image's qcow2 was mounted as EROFS layers"),
+    }
+}

@@ -843,11 +843,7 @@ impl Edge {
                 }
             }
             if image.disk.is_some() && kind.name() != "vm" {
-                return Err(ApiError::invalid(format!(
-                    "image {} is a bootable disk (its own bootloader and kernel): create it \
-                     with backend=\"vm\"",
-                    req.image
-                )));
+                return Err(ImageError::BootableDisk { name: req.image }.into());
             }
             if !shown(caller, &image_info(&self.images, image)) {
                 return Err(ImageError::NotFound { name: req.image }.into());

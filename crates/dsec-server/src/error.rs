@@ -107,9 +107,9 @@ impl From<ImageError> for ApiError {
     fn from(e: ImageError) -> ApiError {
         let kind = match &e {
             ImageError::NotFound { .. } => ErrorKind::NotFound,
-            ImageError::InvalidSource { .. } | ImageError::Corrupt { .. } => {
-                ErrorKind::InvalidArgument
-            }
+            ImageError::InvalidSource { .. }
+            | ImageError::Corrupt { .. }
+            | ImageError::BootableDisk { .. } => ErrorKind::InvalidArgument,
             ImageError::Registry { .. } | ImageError::Push { .. } | ImageError::Store { .. } => {
                 ErrorKind::Unavailable
             }
