@@ -44,7 +44,7 @@ def test_a_bootable_disk_serves_the_sdk_from_its_own_system(
     client: dsec.Client, server: Server, disk_image: str
 ) -> None:
     t0 = time.monotonic()
-    sb = client.create(backend="vm", image=disk_image, memory_mb=512)
+    sb = client.create(backend="vm", image=disk_image, memory_mb=512, disk_mb=1024)
     boot_s = time.monotonic() - t0
     print(f"disk image: create (firmware, kernel, systemd, agent) took {boot_s:.1f} s")
     try:
@@ -90,6 +90,9 @@ def test_a_disk_image_starts_only_on_vm(client: dsec.Client, disk_image: str) ->
         client.create(backend="container", image=disk_image)
     with pytest.raises(dsec.InvalidArgument, match="network"):
         client.create(backend="vm", image=disk_image, network=True)
+    # Its guest may write the whole disk into its overlay on the host: disk_mb must cover it.
+    with pytest.raises(dsec.InvalidArgument, match="disk_mb=.* or more"):
+        client.create(backend="vm", image=disk_image, disk_mb=16)
 
 
 def test_a_qcow2_naming_another_file_is_refused(client: dsec.Client, tmp_path: Path) -> None:

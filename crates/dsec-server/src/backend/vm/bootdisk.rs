@@ -46,6 +46,20 @@ impl VmBackend {
         if !req.network.is_off() {
             return Err(unsupported("a network"));
         }
+        // The guest may write every block of its disk, and each lands in the sandbox's
+        // overlay on the host: the disk's size is what it may write, bounded by `disk_mb`
+        // as a container's writable layer is (the importer chose the size, not the host).
+        let disk_mib = image
+            .disk
+            .as_ref()
+            .map_or(0, |d| d.virtual_size.div_ceil(1 << 20));
+        if disk_mib > req.disk_mb {
+            return Err(ApiError::invalid(format!(
+                "image {} is a {disk_mib} MiB disk, all of which its guest may write, more \
+                 than disk_mb={} allows: create it with disk_mb={disk_mib} or more",
+                image.name, req.disk_mb
+            )));
+        }
         let host = &self.host;
         let assets = host.assets().await?;
         let held = host.images.blobs(&image)?;
