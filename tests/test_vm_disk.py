@@ -91,7 +91,7 @@ def test_a_disk_image_starts_only_on_vm(client: dsec.Client, disk_image: str) ->
     with pytest.raises(dsec.InvalidArgument, match="network"):
         client.create(backend="vm", image=disk_image, network=True)
     # Its guest may write the whole disk into its overlay on the host: disk_mb must cover it.
-    with pytest.raises(dsec.InvalidArgument, match="disk_mb=.* or more"):
+    with pytest.raises(dsec.InvalidArgument, match=r"disk_mb=\d+ or more"):
         client.create(backend="vm", image=disk_image, disk_mb=16)
 
 
