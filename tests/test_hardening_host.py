@@ -183,7 +183,8 @@ def test_pids_above_the_hosts_limit_are_refused(
 
 def ran_or_oom_killed(r: dsec.CommandResult) -> bool:
     """The command ran, was OOM-killed, or could not start for want of memory (the clone
-    charged to a cgroup full of what nothing can free fails) and said so."""
+    charged to a cgroup full of what nothing can free fails, or execve finds no page to
+    copy the arguments into, which the kernel calls E2BIG) and said so."""
     refused = r.exit_code == 126 and "Cannot allocate memory" in r.stderr
     return r.exit_code == 0 or r.oom_killed or refused
 

@@ -614,6 +614,38 @@ fn close_other_fds(keep: &[RawFd]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The least room the kernel gives `execve`'s arguments and environment (`ARG_MAX` in
+/// `fs/exec.c`: the stack limit's quarter, never below this), counting each string, its
+/// NUL and its pointer.
+const EXEC_ARG_FLOOR: usize = 128 * 1024;
+
+/// The room `execve` needs for strings of these lengths, as the kernel counts it.
+pub(crate) fn exec_arg_bytes(lengths: impl Iterator<Item = usize>) -> usize {
+    lengths.map(|len| len + 1 + size_of::<usize>()).sum()
+}
+
+/// What a command's first process says on stderr when its `execve` fails.
+///
+/// `execve` says E2BIG ("Argument list too long") also when a page to copy the arguments
+/// into cannot be had: in a sandbox whose memory cgroup is full of what nothing can free,
+/// that is the cause, and the user is told so rather than sent to shorten a short command.
+pub(crate) fn exec_failure_message(program: &str, errno: i32, arg_bytes: usize) -> String {
+    if errno == libc::E2BIG && arg_bytes < EXEC_ARG_FLOOR {
+        return format!(
+            "dsec: cannot execute {program:?}: {} (the kernel said \"{}\", but the arguments \
+             and environment take {arg_bytes} bytes of the {EXEC_ARG_FLOOR} it always allows: \
+             the pages to copy them into could not be charged to the sandbox's full memory \
+             limit)\n",
+            std::io::Error::from_raw_os_error(libc::ENOMEM),
+            std::io::Error::from_raw_os_error(libc::E2BIG),
+        );
+    }
+    format!(
+        "dsec: cannot execute {program:?}: {}\n",
+        std::io::Error::from_raw_os_error(errno)
+    )
+}
+
 /// A stepped call's step, forked by its runner: standard descriptors wired, signals and
 /// OOM score reset, exec.
 pub(crate) fn exec_step(program: &Program, env: &[CString], stdio: [BorrowedFd<'_>; 3]) -> ! {
@@ -629,11 +661,38 @@ pub(crate) fn exec_step(program: &Program, env: &[CString], stdio: [BorrowedFd<'
         Ok(()) => program.exec(env),
         Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
     };
-    let msg = format!(
-        "dsec: cannot execute {:?}: {}\n",
-        program.name(),
-        std::io::Error::from_raw_os_error(errno)
-    );
+    let arg_bytes = exec_arg_bytes(program.argv.iter().chain(env).map(|s| s.as_bytes().len()));
+    let msg = exec_failure_message(&program.name(), errno, arg_bytes);
     let _ = write_all_blocking(rustix::stdio::stderr(), msg.as_bytes());
     exit_now(if errno == libc::ENOENT { 127 } else { 126 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e2big_for_a_short_command_is_blamed_on_memory() {
+        let bytes = exec_arg_bytes(
+            ["/bin/sh", "-c", "echo alive", "PATH=/bin"]
+                .map(str::len)
+                .into_iter(),
+        );
+        assert_eq!(bytes, 8 + 3 + 11 + 10 + 4 * size_of::<usize>());
+        let msg = exec_failure_message("/bin/sh", libc::E2BIG, bytes);
+        assert!(msg.contains("Cannot allocate memory"), "{msg}");
+        assert!(msg.contains("memory limit"), "{msg}");
+    }
+
+    #[test]
+    fn e2big_for_long_arguments_stays_argument_list_too_long() {
+        let msg = exec_failure_message("/bin/echo", libc::E2BIG, 3 << 20);
+        assert!(msg.contains("Argument list too long"), "{msg}");
+        assert!(!msg.contains("memory"), "{msg}");
+        let msg = exec_failure_message("/no/such", libc::ENOENT, 10);
+        assert_eq!(
+            msg,
+            "dsec: cannot execute \"/no/such\": No such file or directory (os error 2)\n"
+        );
+    }
 }

@@ -414,10 +414,12 @@ impl Init {
                 if spec.interactive {
                     proto::encode_json(&mut self.outbuf, FrameKind::Started, id, &Started { pid });
                 }
-                let err = std::io::Error::from_raw_os_error(errno);
-                let msg = format!(
-                    "dsec: cannot execute {:?}: {err}\n",
-                    spec.argv.first().map(String::as_str).unwrap_or_default()
+                let arg_bytes =
+                    launch::exec_arg_bytes(spec.argv.iter().chain(&spec.env).map(String::len));
+                let msg = launch::exec_failure_message(
+                    spec.argv.first().map(String::as_str).unwrap_or_default(),
+                    errno,
+                    arg_bytes,
                 );
                 proto::encode(&mut self.outbuf, FrameKind::Stderr, id, msg.as_bytes());
                 let code = if errno == libc::ENOENT { 127 } else { 126 };
