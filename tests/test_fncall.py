@@ -77,6 +77,34 @@ def test_a_reused_worker_is_pristine(fn: dsec.Sandbox) -> None:
     assert len(hosts) < 12
 
 
+def test_every_call_sees_the_same_confined_view(fn: dsec.Sandbox) -> None:
+    """A worker builds its next call's root ahead (a standby mount namespace) and a call
+    that finds none ready builds its own: either way a call sees the same mounts, with
+    /proc its own pid namespace's and the kernel's interfaces masked or read-only."""
+    look = (
+        "cut -d' ' -f5,6 /proc/self/mountinfo | sort; echo ==;"
+        " ls /proc | grep -c '^[0-9]'; ls /proc/acpi | wc -l; wc -c < /proc/keys;"
+        " echo 1 > /proc/sys/kernel/domainname 2>/dev/null || echo ro"
+    )
+    views = []
+    for i in range(8):
+        r = fn.run(look)
+        assert r.exit_code == 0, r.stderr
+        views.append(r.stdout)
+        if i % 2:
+            time.sleep(0.05)  # some calls find the next root ready, some may not
+    mounts, checks = views[0].split("==\n")
+    assert all(v == views[0] for v in views), views
+    points = {line.split()[0]: line.split()[1] for line in mounts.splitlines()}
+    assert points["/proc/sys"].startswith("ro"), points
+    assert points["/proc/acpi"].startswith("ro"), points
+    assert "/proc/keys" in points and "/sys/firmware" in points, points
+    # Its own processes only (ls, grep and the shell, maybe wc), an empty /proc/acpi,
+    # /proc/keys reading as /dev/null, /proc/sys not writable.
+    procs, acpi, keys, sysctl = checks.split()
+    assert int(procs) <= 4 and (acpi, keys, sysctl) == ("0", "0", "ro"), checks
+
+
 def test_environment_and_files_do_not_carry(fn: dsec.Sandbox) -> None:
     r = fn.run("cat /in/data; echo ${MARK:-unset}", env={"MARK": "x"}, files={"/in/data": "1\n"})
     assert r.stdout == "1\nx\n"

@@ -7,6 +7,8 @@
 //! every descriptor above 2 close-on-exec as they start, and each command's first process
 //! does it again right before its `execve`, whatever init or the agent holds.
 
+use std::os::fd::RawFd;
+
 /// Marks every descriptor above 2 close-on-exec (`close_range(3, ~0,
 /// CLOSE_RANGE_CLOEXEC)`). Close-on-exec rather than close: a command's report pipe must
 /// stay usable until the `execve`. One system call, so safe between `clone` and `execve`.
@@ -22,6 +24,31 @@ pub fn close_on_exec_above_stdio() -> std::io::Result<()> {
     };
     if r < 0 {
         return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Closes every descriptor of this process but `keep`: for a process forked to live on
+/// without anything of its parent's (a copy of a command's pipe would keep the pipe's
+/// reader from its end-of-file).
+///
+/// # Safety
+/// Every descriptor but `keep` is closed under whatever owns it: the caller never uses
+/// or drops those owners again (it runs until it exits without unwinding).
+pub unsafe fn close_all_but(keep: &[RawFd]) -> std::io::Result<()> {
+    let mut keep: Vec<libc::c_uint> = keep.iter().filter_map(|&fd| fd.try_into().ok()).collect();
+    keep.sort_unstable();
+    let mut first: libc::c_uint = 0;
+    for fd in keep.into_iter().chain([libc::c_uint::MAX]) {
+        if fd > first {
+            // SAFETY: close_range(2) with integer arguments; the caller gave up what
+            // owned these descriptors.
+            let r = unsafe { libc::syscall(libc::SYS_close_range, first, fd - 1, 0) };
+            if r < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        first = fd.saturating_add(1);
     }
     Ok(())
 }

@@ -228,6 +228,15 @@ pub(crate) struct CallSetup {
     pub(crate) seccomp: SeccompProfile,
 }
 
+/// A fncall call's setup, and where its root comes from.
+pub(crate) struct CallRoot<'a> {
+    pub(crate) setup: &'a CallSetup,
+    /// The pidfd of the worker's standby process, whose mount namespace holds a root
+    /// built ahead for this call (see `init::standby`); `None`: the call's first process
+    /// builds its root itself, in the mount namespace it was cloned into.
+    pub(crate) standby: Option<BorrowedFd<'a>>,
+}
+
 /// A stepped call's runner's descriptors, inherited from init: the runner is a fork of
 /// init, so init's descriptors they borrow are open in it too.
 pub(crate) struct StepFds<'a> {
@@ -406,7 +415,7 @@ impl Launch {
     /// directory, confines itself if it is a call (otherwise capabilities, no_new_privs and
     /// seccomp are inherited from init), and execs. Reports a failing step through the
     /// report pipe and exits.
-    pub(crate) fn exec_child(&self, fds: &ChildFds<'_>, call: Option<&CallSetup>) -> ! {
+    pub(crate) fn exec_child(&self, fds: &ChildFds<'_>, call: Option<&CallRoot<'_>>) -> ! {
         self.set_up(fds, call);
         if crate::fds::close_on_exec_above_stdio().is_err() {
             fail(fds, ChildStage::Stdio, last_errno());
@@ -418,7 +427,7 @@ impl Launch {
     /// exec'ing (see [`crate::steps`]): set up as [`Launch::exec_child`] would, but keeping
     /// its stdio and only the descriptors of `fds.steps`; then, with SIGCHLD blocked as
     /// init keeps it, it returns for the caller to run the steps.
-    pub(crate) fn become_runner(&self, fds: &ChildFds<'_>, call: &CallSetup) {
+    pub(crate) fn become_runner(&self, fds: &ChildFds<'_>, call: &CallRoot<'_>) {
         self.set_up(fds, Some(call));
         // Set up: init stops waiting for a failure report when this closes.
         // SAFETY: closing this process's copy of the report pipe, used no more: the
@@ -431,7 +440,7 @@ impl Launch {
     }
 
     /// Everything before the `execve` (or the runner's first step).
-    fn set_up(&self, fds: &ChildFds<'_>, call: Option<&CallSetup>) {
+    fn set_up(&self, fds: &ChildFds<'_>, call: Option<&CallRoot<'_>>) {
         let _ = nix::sys::signal::pthread_sigmask(
             SigmaskHow::SIG_SETMASK,
             Some(&SigSet::empty()),
@@ -449,7 +458,13 @@ impl Launch {
         }
         match call {
             Some(call) => {
-                if let Err(e) = crate::rootfs::setup_call(call.layer_count, call.disk_bytes) {
+                let built = match call.standby {
+                    Some(holder) => crate::rootfs::enter_call_root(holder),
+                    None => {
+                        crate::rootfs::setup_call(call.setup.layer_count, call.setup.disk_bytes)
+                    }
+                };
+                if let Err(e) = built {
                     fail(fds, ChildStage::CallRoot, e.errno());
                 }
             }
@@ -519,7 +534,7 @@ impl Launch {
             if crate::caps::drop_to_default().is_err() {
                 fail(fds, ChildStage::Confine, libc::EPERM);
             }
-            if call.seccomp.apply().is_err() {
+            if call.setup.seccomp.apply().is_err() {
                 fail(fds, ChildStage::Confine, last_errno());
             }
         }

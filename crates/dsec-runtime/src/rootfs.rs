@@ -11,7 +11,7 @@
 
 use std::ffi::CString;
 use std::fs;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 
@@ -133,7 +133,22 @@ pub fn setup(spec: &SandboxSpec) -> Result<OwnedFd, RootfsError> {
 /// Builds a call's root inside a fncall worker and pivots into it. Runs in the call's
 /// first process, in mount, pid and IPC namespaces of its own: its writable layer, mounts
 /// and processes all vanish when it exits, and the worker is untouched.
+///
+/// The same as [`prepare_call_root`] then [`finish_call_root`] in one process; a worker
+/// also builds its next call's root ahead (see `init::standby`).
 pub fn setup_call(layer_count: usize, disk_bytes: u64) -> Result<(), RootfsError> {
+    prepare_call_root(layer_count, disk_bytes)?;
+    finish_call_root()
+}
+
+/// Everything of a call's root that does not depend on the call's pid namespace: the
+/// writable layer, `/dev`, `/sys` and its masks, and an empty read-only directory on
+/// `/proc` for [`finish_call_root`] to mask with; then the pivot. Runs in a mount
+/// namespace of its own.
+///
+/// The detach of the old root after the pivot waits for an RCU grace period (about 2 ms
+/// here): a process that builds this ahead keeps that wait off the call's path.
+pub fn prepare_call_root(layer_count: usize, disk_bytes: u64) -> Result<(), RootfsError> {
     make_private()?;
     let base = Path::new(WORKER_DIR);
     let layers: Vec<PathBuf> = (0..layer_count)
@@ -141,8 +156,47 @@ pub fn setup_call(layer_count: usize, disk_bytes: u64) -> Result<(), RootfsError
         .collect();
     let (rootfs, rw) = (base.join("root"), base.join("rw"));
     build_overlay(&rw, &rootfs, &layers, disk_bytes)?;
-    build_view(&rootfs, &rw, Pid1::Alone, None)?;
+    mount_dev_sys(&rootfs, &rw, None)?;
+    let empty = make_empty_dir(&rw)?;
+    mask_all(&rootfs, &empty, non_proc(MASKED_PATHS))?;
+    bind_with(
+        &empty,
+        &ensure_dir(&rootfs.join("proc"))?,
+        MountFlags::RDONLY | NOSUID_NODEV_NOEXEC,
+    )?;
     pivot(&rootfs)
+}
+
+/// The rest of a call's root, made by the call's first process, PID 1 of its new pid
+/// namespace, in the root [`prepare_call_root`] built and pivoted into: its `/proc`,
+/// masked and read-only paths.
+pub fn finish_call_root() -> Result<(), RootfsError> {
+    let root = Path::new("/");
+    let proc_dir = Path::new("/proc");
+    // The empty directory on /proc, named through this descriptor once proc covers it.
+    let empty = rustix::fs::open(
+        proc_dir,
+        rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .step("open", proc_dir)?;
+    mount_proc(root)?;
+    let empty = PathBuf::from(format!("/proc/self/fd/{}", empty.as_raw_fd()));
+    mount_proc_masks(root, &empty, Pid1::Alone)
+}
+
+/// Enters the root a worker's standby process built ([`prepare_call_root`]), through its
+/// pidfd `holder`, and finishes it: the call's mounts then go when that process and the
+/// call have both exited, the RCU wait of their teardown in the standby process.
+pub fn enter_call_root(holder: BorrowedFd<'_>) -> Result<(), RootfsError> {
+    let root = Path::new("/");
+    rustix::thread::move_into_thread_name_spaces(
+        holder,
+        rustix::thread::ThreadNameSpaceType::MOUNT,
+    )
+    .step("enter the standby root of", root)?;
+    rustix::process::chdir(root).step("chdir", root)?;
+    finish_call_root()
 }
 
 /// Builds a VM guest's root on `rootfs` and makes it `/`. Runs in the guest's agent
@@ -300,16 +354,47 @@ fn build_view(
     pid1: Pid1,
     sysfs: Option<&Path>,
 ) -> Result<(), RootfsError> {
-    mount_proc_dev_sys(rootfs, scratch, sysfs)?;
+    mount_proc(rootfs)?;
+    mount_dev_sys(rootfs, scratch, sysfs)?;
+    let empty = make_empty_dir(scratch)?;
+    mask_all(rootfs, &empty, non_proc(MASKED_PATHS))?;
+    mount_proc_masks(rootfs, &empty, pid1)
+}
+
+/// The empty directory masks bind, made in `scratch`.
+fn make_empty_dir(scratch: &Path) -> Result<PathBuf, RootfsError> {
     let empty = scratch.join("empty");
     fs::create_dir(&empty).step("mkdir", &empty)?;
+    Ok(empty)
+}
+
+/// The paths of `paths` outside `/proc`.
+fn non_proc<'a>(paths: &'a [&'a str]) -> impl Iterator<Item = &'a str> {
+    paths.iter().copied().filter(|p| !p.starts_with("/proc/"))
+}
+
+/// Masks each of `paths` in `rootfs`: a directory with `empty` (read-only), a file with
+/// `/dev/null`.
+fn mask_all<'a>(
+    rootfs: &Path,
+    empty: &Path,
+    paths: impl Iterator<Item = &'a str>,
+) -> Result<(), RootfsError> {
     let mut masked_dir = None;
+    for path in paths {
+        mask(rootfs, path, empty, &mut masked_dir)?;
+    }
+    Ok(())
+}
+
+/// The masked and read-only paths under `rootfs`'s mounted `/proc`.
+fn mount_proc_masks(rootfs: &Path, empty: &Path, pid1: Pid1) -> Result<(), RootfsError> {
     let masked = MASKED_PATHS
         .iter()
-        .chain((pid1 == Pid1::Protected).then_some(&PID1_MASKED));
-    for path in masked {
-        mask(rootfs, path, &empty, &mut masked_dir)?;
-    }
+        .copied()
+        .filter(|p| p.starts_with("/proc/"))
+        .chain((pid1 == Pid1::Protected).then_some(PID1_MASKED));
+    mask_all(rootfs, empty, masked)?;
     let readonly = READONLY_PATHS
         .iter()
         .chain(PID1_READONLY.iter().filter(|_| pid1 == Pid1::Protected));
@@ -340,16 +425,15 @@ fn expose_layers(rootfs: &Path, layers: &[PathBuf]) -> Result<(), RootfsError> {
     Ok(())
 }
 
-/// `/proc`, `/dev` (made in `scratch`, then bound: its files and `/dev/shm` count against
-/// the writable layer's size) and `/sys` (`sysfs` bound, or a sysfs of its own).
-fn mount_proc_dev_sys(
-    rootfs: &Path,
-    scratch: &Path,
-    sysfs: Option<&Path>,
-) -> Result<(), RootfsError> {
+/// A procfs of the calling process's pid namespace on `rootfs`'s `/proc`.
+fn mount_proc(rootfs: &Path) -> Result<(), RootfsError> {
     let proc_dir = ensure_dir(&rootfs.join("proc"))?;
-    mount("proc", &proc_dir, "proc", NOSUID_NODEV_NOEXEC, None).step("mount proc on", &proc_dir)?;
+    mount("proc", &proc_dir, "proc", NOSUID_NODEV_NOEXEC, None).step("mount proc on", &proc_dir)
+}
 
+/// `/dev` (made in `scratch`, then bound: its files and `/dev/shm` count against the
+/// writable layer's size) and `/sys` (`sysfs` bound, or a sysfs of its own).
+fn mount_dev_sys(rootfs: &Path, scratch: &Path, sysfs: Option<&Path>) -> Result<(), RootfsError> {
     let dev = scratch.join("dev");
     fs::create_dir(&dev).step("mkdir", &dev)?;
     fs::set_permissions(&dev, std::os::unix::fs::PermissionsExt::from_mode(0o755))

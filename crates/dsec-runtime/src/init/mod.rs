@@ -46,6 +46,7 @@ use crate::spec::SandboxSpec;
 
 mod agent;
 mod serve;
+mod standby;
 
 pub use agent::{serve_guest, GuestCgroup};
 use serve::Init;

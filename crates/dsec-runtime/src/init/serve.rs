@@ -20,10 +20,11 @@ use rustix::fs::OFlags;
 use rustix::io::Errno;
 use rustix::pipe::PipeFlags;
 
+use super::standby::{self, Standby};
 use super::{agent, setup_error, Confine, Prepared};
 use crate::files::service::FileService;
 use crate::files::FileError;
-use crate::launch::{self, ChildFds, ChildStage, Launch, StepFds, REPORT_MAX};
+use crate::launch::{self, CallRoot, ChildFds, ChildStage, Launch, StepFds, REPORT_MAX};
 use crate::proto::{
     self, ExecExit, ExecSpec, Frame, FrameKind, InitError, InitStage, Started, WinSize,
 };
@@ -135,6 +136,11 @@ pub(super) struct Init {
     /// The stack each command's first process runs on until its `execve`.
     child_stack: Vec<u8>,
     files: FileService,
+    /// A fncall worker's root built ahead for its next call (see [`standby`]).
+    standby: Option<Standby>,
+    /// The standby whose root a running call took, and that call's id: released when the
+    /// call ends.
+    standby_in_use: Option<(u32, Standby)>,
 }
 
 /// What a poll slot stands for.
@@ -175,10 +181,21 @@ impl Init {
             execs: HashMap::new(),
             by_pid: HashMap::new(),
             scratch: vec![0; CHUNK],
+            standby: None,
+            standby_in_use: None,
+        }
+    }
+
+    /// Starts building the next call's root if a fncall worker has none on its way. A
+    /// standby that cannot start is no error: the call then builds its own root.
+    fn refill_standby(&mut self) {
+        if let (Confine::Call(call), None) = (&self.prepared.confine, &self.standby) {
+            self.standby = Standby::start(call).ok();
         }
     }
 
     pub(super) fn serve(&mut self) {
+        self.refill_standby();
         let mut slots: Vec<Slot> = Vec::new();
         let mut ready: Vec<(Slot, PollFlags)> = Vec::new();
         loop {
@@ -534,6 +551,8 @@ impl Init {
             (None, None) => unreachable!("a command off a terminal has a step"),
         };
         let started = Instant::now();
+        // The standby a call takes is released when the call ends, or here if it fails.
+        let mut standby = None;
         let failure = AtomicU64::new(0);
         let fds = ChildFds {
             failure: &failure,
@@ -555,16 +574,31 @@ impl Init {
         let pid = match self.prepared.confine {
             // A fncall worker's command gets mount, pid and IPC namespaces of its own, so
             // it is PID 1 there and everything it leaves behind dies with it.
-            Confine::Call(ref call) => {
-                let flags = libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC;
+            Confine::Call(ref setup) => {
+                let state = self.standby.as_mut().map(Standby::state);
+                if state == Some(standby::State::Ready) {
+                    standby = self.standby.take();
+                } else if state == Some(standby::State::Failed) {
+                    self.standby = None;
+                }
+                // The call's root is in the standby's mount namespace, or built in one
+                // of its own.
+                let mut flags = libc::CLONE_NEWPID | libc::CLONE_NEWIPC;
+                if standby.is_none() {
+                    flags |= libc::CLONE_NEWNS;
+                }
                 let pid = launch::fork_into(flags).map_err(errno(InitStage::Fork))?;
                 if pid == 0 {
+                    let call = CallRoot {
+                        setup,
+                        standby: standby.as_ref().map(Standby::pidfd),
+                    };
                     match (&plan, &fds.steps) {
                         (Some(plan), Some(step_fds)) => {
-                            launch.become_runner(&fds, call);
+                            launch.become_runner(&fds, &call);
                             plan.run(launch.env(), step_fds)
                         }
-                        _ => launch.exec_child(&fds, Some(call)),
+                        _ => launch.exec_child(&fds, Some(&call)),
                     }
                 }
                 pid
@@ -653,6 +687,9 @@ impl Init {
             proto::encode_json(&mut self.outbuf, FrameKind::Started, id, &Started { pid });
         }
         self.by_pid.insert(pid, id);
+        if let Some(standby) = standby {
+            self.standby_in_use = Some((id, standby));
+        }
         self.execs.insert(
             id,
             Exec {
@@ -861,6 +898,14 @@ impl Init {
             oom_killed: exit_code == Some(128 + libc::SIGKILL) && self.oom_kill_since_last(),
         };
         proto::encode_json(&mut self.outbuf, FrameKind::Exit, id, &exit);
+        let released = self.standby_in_use.take_if(|(call, _)| *call == id);
+        let calls = matches!(self.prepared.confine, Confine::Call(_));
+        if released.is_some() || (calls && self.standby.is_none()) {
+            // The result first: the next root is built while it travels.
+            self.flush();
+            drop(released);
+            self.refill_standby();
+        }
     }
 
     /// Whether a VM guest's OOM killer struck since the last look. Asked only when a
