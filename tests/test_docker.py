@@ -9,10 +9,12 @@ dsec.id=<sandbox> and dsec.edge=<state-dir tag>.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import dsec
@@ -46,6 +48,61 @@ def running(container: str) -> bool:
         text=True,
     )
     return r.returncode == 0 and r.stdout.strip() == "true"
+
+
+def docker_socket() -> str:
+    """The path of the Docker daemon's unix socket the servers under test use."""
+    host = os.environ.get("DOCKER_HOST", "")
+    return host.removeprefix("unix://") if host.startswith("unix://") else "/var/run/docker.sock"
+
+
+def docker_connections(pid: int) -> int:
+    """How many unix sockets process ``pid`` holds connected to the Docker daemon's socket:
+    its descriptors' socket inodes, each looked up in `ss -x` for the peer's address."""
+    mine = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            mine.add(target.removeprefix("socket:[").removesuffix("]"))
+    # Netid State Recv-Q Send-Q Local-Address Inode Peer-Address Peer-Inode
+    rows = [
+        row
+        for row in (
+            line.split()
+            for line in subprocess.run(
+                ["ss", "-xH"], capture_output=True, text=True, check=True
+            ).stdout.splitlines()
+        )
+        if len(row) == 8
+    ]
+    address = {row[5]: row[4] for row in rows}
+    socket = docker_socket()
+    return sum(1 for row in rows if row[5] in mine and address.get(row[7]) == socket)
+
+
+def kill_and_wait_failed(sb: dsec.Sandbox) -> dsec.SandboxFailed:
+    """`docker kill`s the sandbox's container behind dsec's back; the sandbox's commands
+    must then fail with SandboxFailed within a few seconds."""
+    (cid,) = containers_of(sb.id)
+    subprocess.run(["docker", "kill", cid], capture_output=True, check=True)
+
+    def failed() -> dsec.SandboxFailed | None:
+        try:
+            sb.run("true", timeout=10)
+        except dsec.SandboxFailed as e:
+            return e
+        except dsec.Conflict:  # the exec refused before the sandbox is marked failed
+            pass
+        return None
+
+    err = wait_until(failed, 10)
+    assert err is not None, "a sandbox whose container was killed still runs commands"
+    assert (err.status, err.kind) == (409, "sandbox_failed")
+    assert sb.info().state == "failed"
+    return err
 
 
 @pytest.fixture
@@ -125,6 +182,48 @@ def test_usage_and_oom_come_from_the_container(
         assert (r.exit_code, r.oom_killed) == (137, True)
         assert sb.run("echo alive").stdout == "alive\n"
         assert sb.run("true").oom_killed is False
+
+
+def test_container_killed_behind_dsecs_back_fails_its_sandbox(
+    client: dsec.Client, docker_image: str
+) -> None:
+    with client.create(backend="docker", image=docker_image) as quiet:
+        sb = client.create(backend="docker", image=docker_image)
+        kill_and_wait_failed(sb)
+        with pytest.raises(dsec.SandboxFailed):
+            sb.read_file("/etc/hostname")
+        assert quiet.run("echo ok").stdout == "ok\n"
+        sb.stop()
+        assert containers_of(sb.id) == []
+
+
+@pytest.mark.timeout(240)
+def test_idle_sandboxes_share_one_daemon_connection(
+    make_server: Callable[..., Server], docker_image: str
+) -> None:
+    """How a sandbox learns that its container stopped must not hold a connection to the
+    daemon per sandbox (it once was a long poll each): a handful at most, whatever their
+    number, none once the last one is gone, and a container killed is still noticed."""
+    s = make_server(import_busybox=False)
+    n = 20
+    with s.client() as c:
+        sbs = [c.create(backend="docker", image=docker_image) for _ in range(n)]
+        assert wait_until(lambda: docker_connections(s.pid) <= 4, 5), (
+            f"{docker_connections(s.pid)} connections to the Docker daemon for {n} idle "
+            "sandboxes"
+        )
+        kill_and_wait_failed(sbs[n // 2])
+        assert all(sb.run("echo ok").stdout == "ok\n" for sb in sbs if sb is not sbs[n // 2])
+        for sb in sbs:
+            sb.stop()
+        assert wait_until(lambda: docker_connections(s.pid) == 0, 10), (
+            f"{docker_connections(s.pid)} connections to the daemon left after the last "
+            "docker sandbox stopped"
+        )
+        # The next sandbox is watched again.
+        with c.create(backend="docker", image=docker_image) as again:
+            kill_and_wait_failed(again)
+    s.stop()
 
 
 @pytest.mark.timeout(180)

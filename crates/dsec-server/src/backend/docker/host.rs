@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use bollard::errors::Error as DockerError;
@@ -267,26 +266,6 @@ impl Drop for Unfinished {
             });
         }
     }
-}
-
-/// Marks the sandbox dead once its container stops.
-pub(super) async fn watch(inner: Arc<Inner>) {
-    let mut wait = inner.docker.wait_container(&inner.id, None);
-    loop {
-        // Errors include "exited non-zero": ask the daemon what state it is in.
-        let _ = wait.next().await;
-        match inner.docker.inspect_container(&inner.id, None).await {
-            Ok(c) if c.state.as_ref().and_then(|s| s.running) == Some(true) => {
-                wait = inner.docker.wait_container(&inner.id, None);
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-            Ok(_) => break,
-            Err(e) if status(&e).is_some() => break,
-            // The daemon went away: its containers are gone or unusable.
-            Err(_) => break,
-        }
-    }
-    inner.alive.store(false, Ordering::Release);
 }
 
 /// The container's cgroup and pid namespace as this host sees them; `None` when the daemon

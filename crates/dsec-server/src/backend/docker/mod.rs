@@ -14,6 +14,10 @@
 //! absent starts and serves every other backend, and `create(backend="docker")` answers
 //! `Unavailable` naming the address it tried.
 //!
+//! A sandbox learns that its container stopped from one stream of the daemon's events that
+//! all of its sandboxes share ([`liveness`]), so an idle sandbox holds no connection to the
+//! daemon.
+//!
 //! Semantics that match the native backend, and how:
 //! - a timeout kills the command's whole tree. Docker runs each exec as a session leader
 //!   (runc calls `setsid`), so the tree is: the exec's main process, its descendants, and
@@ -40,6 +44,7 @@
 
 mod archive;
 mod host;
+mod liveness;
 mod notify;
 mod ops;
 mod output;
@@ -47,7 +52,7 @@ mod paths;
 mod process;
 mod user;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -66,9 +71,8 @@ use self::archive::{
     blocking, list_tar, sized, tar_head, tar_padding, SpooledRead, ARCHIVE_OVERHEAD,
     MAX_LIST_ARCHIVE,
 };
-use self::host::{
-    daemon_error, exec_error, is_paused_refusal, remove, watch, LocalView, Unfinished,
-};
+use self::host::{daemon_error, exec_error, is_paused_refusal, remove, LocalView, Unfinished};
+use self::liveness::{Alive, Liveness};
 use self::output::DockerOutput;
 use self::paths::join;
 use super::{
@@ -87,6 +91,8 @@ pub struct DockerBackend {
     client: tokio::sync::Mutex<Option<Docker>>,
     /// The daemon refused a `size` storage option once: it cannot limit the writable layer.
     no_storage_quota: AtomicBool,
+    /// Its containers watched for their end, over one event stream (see [`liveness`]).
+    liveness: Arc<Liveness>,
 }
 
 impl DockerBackend {
@@ -98,6 +104,7 @@ impl DockerBackend {
             .unwrap_or_else(|| "unix:///var/run/docker.sock".to_owned());
         DockerBackend {
             host,
+            liveness: Liveness::new(edge.clone()),
             edge,
             client: tokio::sync::Mutex::new(None),
             no_storage_quota: AtomicBool::new(false),
@@ -121,6 +128,9 @@ impl Backend for DockerBackend {
                 .start_container(&id, None)
                 .await
                 .map_err(|e| daemon_error(&self.host, "starting the container", e))?;
+            // Watched from here on: an end after the inspect below reaches the sandbox, one
+            // before it fails this create.
+            let alive = self.liveness.register(&docker, &id);
             let inspect = docker
                 .inspect_container(&id, None)
                 .await
@@ -135,10 +145,10 @@ impl Backend for DockerBackend {
                 )));
             }
             let pid = i32::try_from(state.pid.unwrap_or_default()).unwrap_or_default();
-            Ok((pid, inspect.graph_driver))
+            Ok((alive, pid, inspect.graph_driver))
         }
         .await;
-        let (pid, driver) = started?;
+        let (alive, pid, driver) = started?;
         let local = LocalView::find(&id, pid, driver.as_ref());
         if local.is_none() {
             tracing::warn!(
@@ -151,13 +161,12 @@ impl Backend for DockerBackend {
             docker: docker.clone(),
             host: self.host.clone(),
             id,
-            alive: AtomicBool::new(true),
+            alive,
             local,
             watches: Arc::new(tokio::sync::Semaphore::new(
                 dsec_runtime::files::watch::MAX_WATCHES,
             )),
         });
-        tokio::spawn(watch(Arc::clone(&inner)));
         unfinished.id = None;
         Ok(Created {
             sandbox: Box::new(DockerSandbox(inner)),
@@ -171,7 +180,8 @@ struct Inner {
     docker: Docker,
     host: String,
     id: String,
-    alive: AtomicBool,
+    /// False once the container stopped (or the sandbox is being stopped).
+    alive: Alive,
     local: Option<LocalView>,
     /// Its watches open (see [`notify`]).
     watches: Arc<tokio::sync::Semaphore>,
@@ -484,15 +494,16 @@ impl Sandbox for DockerSandbox {
     }
 
     fn is_alive(&self) -> bool {
-        self.0.alive.load(Ordering::Acquire)
+        self.0.alive.get()
     }
 
     async fn stop(&self) {
         let inner = &self.0;
+        // Unregistered first: the removal's own `die` and `destroy` need no check.
+        inner.alive.end();
         if let Err(e) = remove(&inner.docker, &inner.id).await {
             tracing::warn!(container = %inner.id, error = %e, "removing the container");
         }
-        inner.alive.store(false, Ordering::Release);
     }
 }
 
@@ -500,7 +511,7 @@ impl Drop for DockerSandbox {
     /// A sandbox dropped without `stop` (the edge failed to register it) must not leave
     /// its container running.
     fn drop(&mut self) {
-        if !self.0.alive.load(Ordering::Acquire) {
+        if !self.0.alive.get() {
             return;
         }
         let inner = Arc::clone(&self.0);

@@ -10,7 +10,6 @@
 
 use std::os::fd::OwnedFd;
 use std::path::Path;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -115,7 +114,7 @@ impl FileWatch for DockerWatch {
         while !self.ended {
             let mut guard = match tokio::time::timeout(ALIVE_CHECK, self.fd.readable()).await {
                 Err(_) => {
-                    self.ended = !self.container.alive.load(Ordering::Acquire);
+                    self.ended = !self.container.alive.get();
                     continue;
                 }
                 Ok(Ok(guard)) => guard,
