@@ -232,8 +232,9 @@ pub(crate) struct CallSetup {
 pub(crate) struct CallRoot<'a> {
     pub(crate) setup: &'a CallSetup,
     /// The pidfd of the worker's standby process, whose mount namespace holds a root
-    /// built ahead for this call (see `init::standby`); `None`: the call's first process
-    /// builds its root itself, in the mount namespace it was cloned into.
+    /// built ahead for this call and whose IPC namespace the call takes too (see
+    /// `init::standby`); `None`: the call's first process builds its root itself, in the
+    /// mount and IPC namespaces it was cloned into.
     pub(crate) standby: Option<BorrowedFd<'a>>,
 }
 

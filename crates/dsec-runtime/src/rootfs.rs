@@ -185,14 +185,16 @@ pub fn finish_call_root() -> Result<(), RootfsError> {
     mount_proc_masks(root, &empty, Pid1::Alone)
 }
 
-/// Enters the root a worker's standby process built ([`prepare_call_root`]), through its
-/// pidfd `holder`, and finishes it: the call's mounts then go when that process and the
-/// call have both exited, the RCU wait of their teardown in the standby process.
+/// Enters the mount and IPC namespaces of a worker's standby process, through its pidfd
+/// `holder`, and finishes the root it built there ([`prepare_call_root`]): the call's
+/// mounts and IPC objects then go when that process and the call have both exited, the
+/// waits of their teardown in the standby process.
 pub fn enter_call_root(holder: BorrowedFd<'_>) -> Result<(), RootfsError> {
+    use rustix::thread::ThreadNameSpaceType;
     let root = Path::new("/");
     rustix::thread::move_into_thread_name_spaces(
         holder,
-        rustix::thread::ThreadNameSpaceType::MOUNT,
+        ThreadNameSpaceType::MOUNT | ThreadNameSpaceType::INTER_PROCESS_COMMUNICATION,
     )
     .step("enter the standby root of", root)?;
     rustix::process::chdir(root).step("chdir", root)?;

@@ -581,11 +581,10 @@ impl Init {
                 } else if state == Some(standby::State::Failed) {
                     self.standby = None;
                 }
-                // The call's root is in the standby's mount namespace, or built in one
-                // of its own.
-                let mut flags = libc::CLONE_NEWPID | libc::CLONE_NEWIPC;
+                // The call's root and IPC namespace are the standby's, or made for it.
+                let mut flags = libc::CLONE_NEWPID;
                 if standby.is_none() {
-                    flags |= libc::CLONE_NEWNS;
+                    flags |= libc::CLONE_NEWNS | libc::CLONE_NEWIPC;
                 }
                 let pid = launch::fork_into(flags).map_err(errno(InitStage::Fork))?;
                 if pid == 0 {

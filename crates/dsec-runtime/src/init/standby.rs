@@ -3,12 +3,13 @@
 //! A call's root costs its first process about 3 ms, most of it waiting: the detach of
 //! the old root after the pivot waits for an RCU grace period, and so does the teardown
 //! of the call's mounts when it exits, before its parent learns of the exit. A worker
-//! serves one call at a time, so between calls init forks a standby process into a mount
-//! namespace of its own, which builds the next call's root
+//! serves one call at a time, so between calls init forks a standby process into mount and
+//! IPC namespaces of its own (an IPC namespace, too, costs a filesystem of its own to make
+//! and to tear down), which builds the next call's root
 //! ([`crate::rootfs::prepare_call_root`]) and waits. The next call's first process enters
-//! that namespace through the standby's pidfd and only mounts its own `/proc`
+//! those namespaces through the standby's pidfd and only mounts its own `/proc`
 //! ([`crate::rootfs::enter_call_root`]); once the call has ended, init releases the
-//! standby, whose exit tears the namespace down, off the call's path. A call that finds
+//! standby, whose exit tears the namespaces down, off the call's path. A call that finds
 //! no standby ready builds its root itself, as before.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -17,6 +18,9 @@ use rustix::io::Errno;
 use rustix::pipe::{pipe_with, PipeFlags};
 
 use crate::launch::{self, exit_now, CallSetup};
+
+/// The standby's nice value: it builds what only a later call needs.
+const STANDBY_NICE: i32 = 10;
 
 /// A standby process and the root it builds or holds.
 pub(super) struct Standby {
@@ -42,7 +46,7 @@ impl Standby {
     pub(super) fn start(call: &CallSetup) -> std::io::Result<Standby> {
         let (ready_r, ready_w) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
         let (release_r, release_w) = pipe_with(PipeFlags::CLOEXEC)?;
-        let pid = launch::fork_into(libc::CLONE_NEWNS)?;
+        let pid = launch::fork_into(libc::CLONE_NEWNS | libc::CLONE_NEWIPC)?;
         if pid == 0 {
             hold(call, ready_w.as_fd(), release_r.as_fd());
         }
@@ -88,6 +92,9 @@ fn hold(call: &CallSetup, ready: BorrowedFd<'_>, release: BorrowedFd<'_>) -> ! {
     if unsafe { crate::fds::close_all_but(&[ready.as_raw_fd(), release.as_raw_fd()]) }.is_err() {
         exit_now(1)
     }
+    // The root is built while the last call's result travels to its caller: the edge,
+    // and the caller on the same host, go first.
+    let _ = rustix::process::setpriority_process(None, STANDBY_NICE);
     if crate::rootfs::prepare_call_root(call.layer_count, call.disk_bytes).is_err()
         || rustix::io::write(ready, &[1]) != Ok(1)
     {
