@@ -105,6 +105,20 @@ def test_every_call_sees_the_same_confined_view(fn: dsec.Sandbox) -> None:
     assert int(procs) <= 4 and (acpi, keys, sysctl) == ("0", "0", "ro"), checks
 
 
+def test_the_standby_takes_no_process_from_a_calls_pids(
+    client: dsec.Client, busybox_image: str
+) -> None:
+    """pids=4 has always left a call three processes beside its worker's init: the worker's
+    standby (the next call's root, built ahead) is dsec's own and does not take one."""
+    fn = client.create(backend="fncall", image=busybox_image, pids=4)
+    try:
+        for _ in range(3):  # the first call may find no standby yet; the later ones do
+            r = fn.run("sleep 0.2 & sleep 0.2 & wait; echo ok")
+            assert (r.exit_code, r.stdout) == (0, "ok\n"), r.stderr
+    finally:
+        fn.stop()
+
+
 def test_environment_and_files_do_not_carry(fn: dsec.Sandbox) -> None:
     r = fn.run("cat /in/data; echo ${MARK:-unset}", env={"MARK": "x"}, files={"/in/data": "1\n"})
     assert r.stdout == "1\nx\n"

@@ -131,6 +131,19 @@ pub struct CreateOptions {
     pub worker: bool,
 }
 
+impl CreateOptions {
+    /// The limits the sandbox's cgroups get: a fncall worker's pids limit also holds its
+    /// standby process (the next call's root, see `init::standby`), so that a call has as
+    /// many processes under its `pids` as it had before the standby.
+    fn cgroup_limits(&self) -> CgroupLimits {
+        let mut limits = self.limits;
+        if self.worker {
+            limits.pids += 1;
+        }
+        limits
+    }
+}
+
 /// A sandbox's writable layer, held by the edge for a snapshot.
 #[derive(Debug)]
 pub struct UpperDir(OwnedFd);
@@ -257,7 +270,7 @@ impl ContainerRuntime {
                 serde_json::to_vec(&record).expect("serializes"),
             )
             .map_err(io_err("write", &record_path))?;
-            cgroup.create(&opts.limits)?;
+            cgroup.create(&opts.cgroup_limits())?;
             let spec = SandboxSpec {
                 id: opts.id.clone(),
                 dir: dir.clone(),
