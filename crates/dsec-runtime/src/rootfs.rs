@@ -158,7 +158,7 @@ pub fn prepare_call_root(layer_count: usize, disk_bytes: u64) -> Result<(), Root
     build_overlay(&rw, &rootfs, &layers, disk_bytes)?;
     mount_dev_sys(&rootfs, &rw, None)?;
     let empty = make_empty_dir(&rw)?;
-    mask_all(&rootfs, &empty, non_proc(MASKED_PATHS))?;
+    mask_all(&rootfs, &empty, non_proc(MASKED_PATHS), &mut None)?;
     bind_with(
         &empty,
         &ensure_dir(&rootfs.join("proc"))?,
@@ -181,8 +181,9 @@ pub fn finish_call_root() -> Result<(), RootfsError> {
     )
     .step("open", proc_dir)?;
     mount_proc(root)?;
+    // Already a read-only bind: masks bind it as it is.
     let empty = PathBuf::from(format!("/proc/self/fd/{}", empty.as_raw_fd()));
-    mount_proc_masks(root, &empty, Pid1::Alone)
+    mount_proc_masks(root, &empty, Pid1::Alone, &mut Some(empty.clone()))
 }
 
 /// Enters the mount and IPC namespaces of a worker's standby process, through its pidfd
@@ -359,8 +360,9 @@ fn build_view(
     mount_proc(rootfs)?;
     mount_dev_sys(rootfs, scratch, sysfs)?;
     let empty = make_empty_dir(scratch)?;
-    mask_all(rootfs, &empty, non_proc(MASKED_PATHS))?;
-    mount_proc_masks(rootfs, &empty, pid1)
+    let mut masked_dir = None;
+    mask_all(rootfs, &empty, non_proc(MASKED_PATHS), &mut masked_dir)?;
+    mount_proc_masks(rootfs, &empty, pid1, &mut masked_dir)
 }
 
 /// The empty directory masks bind, made in `scratch`.
@@ -376,27 +378,32 @@ fn non_proc<'a>(paths: &'a [&'a str]) -> impl Iterator<Item = &'a str> {
 }
 
 /// Masks each of `paths` in `rootfs`: a directory with `empty` (read-only), a file with
-/// `/dev/null`.
+/// `/dev/null`; see [`mask`] for `masked_dir`.
 fn mask_all<'a>(
     rootfs: &Path,
     empty: &Path,
     paths: impl Iterator<Item = &'a str>,
+    masked_dir: &mut Option<PathBuf>,
 ) -> Result<(), RootfsError> {
-    let mut masked_dir = None;
     for path in paths {
-        mask(rootfs, path, empty, &mut masked_dir)?;
+        mask(rootfs, path, empty, masked_dir)?;
     }
     Ok(())
 }
 
 /// The masked and read-only paths under `rootfs`'s mounted `/proc`.
-fn mount_proc_masks(rootfs: &Path, empty: &Path, pid1: Pid1) -> Result<(), RootfsError> {
+fn mount_proc_masks(
+    rootfs: &Path,
+    empty: &Path,
+    pid1: Pid1,
+    masked_dir: &mut Option<PathBuf>,
+) -> Result<(), RootfsError> {
     let masked = MASKED_PATHS
         .iter()
         .copied()
         .filter(|p| p.starts_with("/proc/"))
         .chain((pid1 == Pid1::Protected).then_some(PID1_MASKED));
-    mask_all(rootfs, empty, masked)?;
+    mask_all(rootfs, empty, masked, masked_dir)?;
     let readonly = READONLY_PATHS
         .iter()
         .chain(PID1_READONLY.iter().filter(|_| pid1 == Pid1::Protected));
