@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,43 +78,93 @@ def test_a_reused_worker_is_pristine(fn: dsec.Sandbox) -> None:
     assert len(hosts) < 12
 
 
-def test_every_call_sees_the_same_confined_view(fn: dsec.Sandbox) -> None:
-    """A worker builds its next call's root ahead (a standby mount namespace) and a call
-    that finds none ready builds its own: either way a call sees the same mounts, with
-    /proc its own pid namespace's and the kernel's interfaces masked or read-only."""
-    look = (
-        "cut -d' ' -f5,6 /proc/self/mountinfo | sort; echo ==;"
-        " ls /proc | grep -c '^[0-9]'; ls /proc/acpi | wc -l; wc -c < /proc/keys;"
-        " echo 1 > /proc/sys/kernel/domainname 2>/dev/null || echo ro"
-    )
-    views = []
-    for i in range(8):
-        r = fn.run(look)
-        assert r.exit_code == 0, r.stderr
-        views.append(r.stdout)
-        if i % 2:
-            time.sleep(0.05)  # some calls find the next root ready, some may not
-    # (mounts, the number of processes, the masks' checks) of each call. How many
-    # processes `ls /proc` sees varies with whether `grep` was forked yet: 2 or 3.
-    seen = [(v.split("==\n")[0], *v.split("==\n")[1].split(maxsplit=1)) for v in views]
-    mounts = seen[0][0]
-    assert all((m, rest) == (mounts, seen[0][2]) for m, _, rest in seen), views
-    points = {line.split()[0]: line.split()[1] for line in mounts.splitlines()}
-    assert points["/proc/sys"].startswith("ro"), points
-    assert points["/proc/acpi"].startswith("ro"), points
-    assert "/proc/keys" in points and "/sys/firmware" in points, points
-    # Its own processes only (ls, grep and the shell, maybe wc), an empty /proc/acpi,
-    # /proc/keys reading as /dev/null, /proc/sys not writable.
-    for _, procs, rest in seen:
-        acpi, keys, sysctl = rest.split()
-        assert int(procs) <= 4 and (acpi, keys, sysctl) == ("0", "0", "ro"), views
+# What a call sees of its root, in shell builtins only (it also runs where a call may not
+# fork): its mount points and their options, then how many processes /proc shows, how many
+# entries /proc/acpi has, whether /proc/keys reads as empty, whether /proc/sys is writable.
+VIEW = (
+    'while read -r _ _ _ _ point opts _; do echo "$point $opts"; done < /proc/self/mountinfo;'
+    " echo ==; set -- /proc/[0-9]*; echo $#;"
+    ' set -- /proc/acpi/*; [ -e "$1" ] && echo $# || echo 0;'
+    " read -r k < /proc/keys && echo keys || echo empty;"
+    " { echo 1 > /proc/sys/kernel/domainname; } 2>/dev/null && echo rw || echo ro"
+)
+
+
+def call_view(sb: dsec.Sandbox) -> tuple[frozenset[str], str]:
+    r = sb.run(VIEW)
+    assert r.exit_code == 0, r.stderr
+    mounts, rest = r.stdout.split("==\n")
+    return frozenset(mounts.splitlines()), rest
+
+
+def standby_first_processes(worker: str) -> list[int]:
+    """The processes of a worker that are PID 1 of a pid namespace below its init's: its
+    standby's first process (between calls, nothing else is)."""
+    nspids = {}
+    for pid, _ in procs_in(worker):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("NSpid:"):
+                nspids[pid] = line.split()[1:]
+    inits = [ns for ns in nspids.values() if ns[-1] == "1"]
+    if not inits:
+        return []
+    depth = min(len(ns) for ns in inits) + 1
+    return [pid for pid, ns in nspids.items() if len(ns) == depth and ns[-1] == "1"]
+
+
+def test_every_call_sees_the_same_confined_view(busybox_rootfs: Path) -> None:
+    """A worker sets its next call up ahead (a standby: the root built, the call's first
+    process waiting in its pid namespace); a call whose standby died clones its own first
+    process, which builds the same root. Either way a call sees the same mounts, with /proc
+    its own pid namespace's and the kernel's interfaces masked or read-only."""
+    base = make_tempdir("dsec-fncall-")
+    # One worker per pool, so that the next call goes where the standby was killed.
+    one = ["--fncall-min-warm", "1", "--fncall-max-warm", "1"]
+    s = Server(base / "state", log_path=base / "server.log", extra_args=one)
+    try:
+        s.start()
+        with s.client() as c:
+            c.import_image(str(busybox_rootfs), name="bb")
+            fn = c.create(backend="fncall", image="bb")
+            views = [call_view(fn) for _ in range(4)]
+
+            def standbys() -> list[int] | None:
+                workers = os.listdir(s.state_dir / "sandboxes")
+                found = [standby_first_processes(w) for w in workers]
+                return [pid for f in found for pid in f] if found and all(found) else None
+
+            for _ in range(3):
+                killed = wait_until(standbys, 15)
+                assert killed, "no standby first process in the pool's worker"
+                for pid in killed:
+                    os.kill(pid, signal.SIGKILL)
+                views.append(call_view(fn))
+            views.append(call_view(fn))
+            fn.stop()
+        assert all(v == views[0] for v in views), views
+        mounts, rest = views[0]
+        points = dict(line.split(maxsplit=1) for line in mounts)
+        assert points["/proc/sys"].startswith("ro"), points
+        assert points["/proc/acpi"].startswith("ro"), points
+        assert "/proc/keys" in points and "/sys/firmware" in points, points
+        # The shell alone (PID 1), an empty /proc/acpi, /proc/keys reading as /dev/null,
+        # /proc/sys not writable.
+        assert rest == "1\n0\nempty\nro\n", views
+    finally:
+        s.cleanup()
+        safe_rmtree(base)
 
 
 def test_the_standby_takes_no_process_from_a_calls_pids(
     client: dsec.Client, busybox_image: str
 ) -> None:
     """pids=4 has always left a call three processes beside its worker's init: the worker's
-    standby (the next call's root, built ahead) is dsec's own and does not take one."""
+    standby (the next call set up ahead: a holder of its root, and its first process, which
+    becomes the call's command) is dsec's own and does not take one."""
     fn = client.create(backend="fncall", image=busybox_image, pids=4)
     try:
         for _ in range(3):  # the first call may find no standby yet; the later ones do

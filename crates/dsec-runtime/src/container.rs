@@ -133,8 +133,9 @@ pub struct CreateOptions {
 
 impl CreateOptions {
     /// The limits the sandbox's cgroups get: a fncall worker's pids limit also holds its
-    /// standby process (the next call's root, see `init::standby`), so that a call has as
-    /// many processes under its `pids` as it had before the standby.
+    /// standby's holder (of the next call's root, see `init::standby`; the standby's other
+    /// process becomes the call's first), so that a call has as many processes under its
+    /// `pids` as it had before the standby.
     fn cgroup_limits(&self) -> CgroupLimits {
         let mut limits = self.limits;
         if self.worker {

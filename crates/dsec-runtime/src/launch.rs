@@ -30,6 +30,7 @@ use rustix::process::Pid;
 use crate::files::{FileError, SandboxRoot};
 use crate::proto::{ExecSpec, InitStage};
 use crate::seccomp::SeccompProfile;
+use crate::steps::StepPlan;
 use crate::users::Account;
 
 /// Most bytes of a failing command child's report (stage, errno, a file error).
@@ -228,14 +229,23 @@ pub(crate) struct CallSetup {
     pub(crate) seccomp: SeccompProfile,
 }
 
-/// A fncall call's setup, and where its root comes from.
-pub(crate) struct CallRoot<'a> {
-    pub(crate) setup: &'a CallSetup,
-    /// The pidfd of the worker's standby process, whose mount namespace holds a root
-    /// built ahead for this call and whose IPC namespace the call takes too (see
-    /// `init::standby`); `None`: the call's first process builds its root itself, in the
-    /// mount and IPC namespaces it was cloned into.
-    pub(crate) standby: Option<BorrowedFd<'a>>,
+impl CallSetup {
+    /// Confines a call's first process once its root is built: the default capabilities,
+    /// then no_new_privs and seccomp. Returns the errno of what failed.
+    pub(crate) fn confine(&self) -> Result<(), i32> {
+        crate::caps::drop_to_default().map_err(|_| libc::EPERM)?;
+        self.seccomp.apply().map_err(|_| last_errno())
+    }
+}
+
+/// Where a fncall call's first process stands when it sets its command up.
+pub(crate) enum CallRoot<'a> {
+    /// Cloned for the call into mount, pid and IPC namespaces of its own: it builds the
+    /// call's root and confines itself.
+    Build(&'a CallSetup),
+    /// A worker's standby (see `init::standby`): its root was built and it was confined
+    /// before the call came.
+    Built,
 }
 
 /// A stepped call's runner's descriptors, inherited from init: the runner is a fork of
@@ -250,8 +260,9 @@ pub(crate) struct StepFds<'a> {
 }
 
 impl StepFds<'_> {
-    /// Every descriptor the runner needs.
-    fn all(&self) -> Vec<RawFd> {
+    /// Every descriptor the runner needs: the report pipe, `/dev/null`, then each step's
+    /// stdout and stderr.
+    pub(crate) fn all(&self) -> Vec<RawFd> {
         let mut fds = vec![self.reports.as_raw_fd(), self.devnull.as_raw_fd()];
         for (out, err) in &self.outputs {
             fds.extend([out.as_raw_fd(), err.as_raw_fd()]);
@@ -261,7 +272,7 @@ impl StepFds<'_> {
 }
 
 /// The descriptors a command's first process starts from, all open in init (and so in
-/// its forks and clones).
+/// its forks and clones; a standby's first process receives them, see `init::standby`).
 pub(crate) struct ChildFds<'a> {
     pub(crate) stdin: BorrowedFd<'a>,
     pub(crate) stdout: BorrowedFd<'a>,
@@ -406,16 +417,16 @@ impl Launch {
         })
     }
 
-    /// The command's environment, as its runner gives it to each step.
-    pub(crate) fn env(&self) -> &[CString] {
-        &self.env
+    /// The contents of a call's files, in order.
+    pub(crate) fn file_contents(&self) -> impl Iterator<Item = &[u8]> {
+        self.files.iter().map(|(_, _, data)| data.as_slice())
     }
 
     /// Runs in the command's first process: enters the commands' cgroup, becomes a
-    /// subreaper (or builds a fncall call's root, `call`), wires stdio, enters the working
-    /// directory, confines itself if it is a call (otherwise capabilities, no_new_privs and
-    /// seccomp are inherited from init), and execs. Reports a failing step through the
-    /// report pipe and exits.
+    /// subreaper (or, a fncall call's, builds the call's root and confines itself unless a
+    /// standby did, `call`; other commands inherit capabilities, no_new_privs and seccomp
+    /// from init), wires stdio, enters the working directory, and execs. Reports a failing
+    /// step through the report pipe and exits.
     pub(crate) fn exec_child(&self, fds: &ChildFds<'_>, call: Option<&CallRoot<'_>>) -> ! {
         self.set_up(fds, call);
         if crate::fds::close_on_exec_above_stdio().is_err() {
@@ -424,11 +435,28 @@ impl Launch {
         fail(fds, ChildStage::Exec, self.program.exec(&self.env))
     }
 
+    /// Runs a fncall call in its first process: a stepped call's steps (`plan`), or its
+    /// one command.
+    pub(crate) fn run_call(
+        &self,
+        plan: Option<&StepPlan>,
+        fds: &ChildFds<'_>,
+        call: &CallRoot<'_>,
+    ) -> ! {
+        match (plan, &fds.steps) {
+            (Some(plan), Some(step_fds)) => {
+                self.become_runner(fds, call);
+                plan.run(&self.env, step_fds)
+            }
+            _ => self.exec_child(fds, Some(call)),
+        }
+    }
+
     /// Runs in a stepped call's first process, which becomes the call's runner instead of
     /// exec'ing (see [`crate::steps`]): set up as [`Launch::exec_child`] would, but keeping
     /// its stdio and only the descriptors of `fds.steps`; then, with SIGCHLD blocked as
     /// init keeps it, it returns for the caller to run the steps.
-    pub(crate) fn become_runner(&self, fds: &ChildFds<'_>, call: &CallRoot<'_>) {
+    fn become_runner(&self, fds: &ChildFds<'_>, call: &CallRoot<'_>) {
         self.set_up(fds, Some(call));
         // Set up: init stops waiting for a failure report when this closes.
         // SAFETY: closing this process's copy of the report pipe, used no more: the
@@ -458,17 +486,17 @@ impl Launch {
             }
         }
         match call {
-            Some(call) => {
-                let built = match call.standby {
-                    Some(holder) => crate::rootfs::enter_call_root(holder),
-                    None => {
-                        crate::rootfs::setup_call(call.setup.layer_count, call.setup.disk_bytes)
-                    }
-                };
-                if let Err(e) = built {
+            // A call's root, then its confinement, before anything of the call is written:
+            // a standby's first process gets there before the call comes.
+            Some(CallRoot::Build(setup)) => {
+                if let Err(e) = crate::rootfs::setup_call(setup.layer_count, setup.disk_bytes) {
                     fail(fds, ChildStage::CallRoot, e.errno());
                 }
+                if let Err(errno) = setup.confine() {
+                    fail(fds, ChildStage::Confine, errno);
+                }
             }
+            Some(CallRoot::Built) => {}
             // Any pid sets the flag (rustix passes it as prctl's non-zero argument).
             None => {
                 if let Err(e) = rustix::process::set_child_subreaper(Some(Pid::INIT)) {
@@ -530,14 +558,6 @@ impl Launch {
         }
         if let Err(e) = rustix::process::chdir(self.cwd.as_c_str()) {
             fail(fds, ChildStage::Chdir, e.raw_os_error());
-        }
-        if let Some(call) = call {
-            if crate::caps::drop_to_default().is_err() {
-                fail(fds, ChildStage::Confine, libc::EPERM);
-            }
-            if call.setup.seccomp.apply().is_err() {
-                fail(fds, ChildStage::Confine, last_errno());
-            }
         }
     }
 }

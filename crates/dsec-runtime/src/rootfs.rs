@@ -11,7 +11,7 @@
 
 use std::ffi::CString;
 use std::fs;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 
@@ -134,8 +134,8 @@ pub fn setup(spec: &SandboxSpec) -> Result<OwnedFd, RootfsError> {
 /// first process, in mount, pid and IPC namespaces of its own: its writable layer, mounts
 /// and processes all vanish when it exits, and the worker is untouched.
 ///
-/// The same as [`prepare_call_root`] then [`finish_call_root`] in one process; a worker
-/// also builds its next call's root ahead (see `init::standby`).
+/// The same as [`prepare_call_root`] then [`finish_call_root`] in one process; a worker's
+/// standby builds its next call's root ahead, in two (see `init::standby`).
 pub fn setup_call(layer_count: usize, disk_bytes: u64) -> Result<(), RootfsError> {
     prepare_call_root(layer_count, disk_bytes)?;
     finish_call_root()
@@ -184,22 +184,6 @@ pub fn finish_call_root() -> Result<(), RootfsError> {
     // Already a read-only bind: masks bind it as it is.
     let empty = PathBuf::from(format!("/proc/self/fd/{}", empty.as_raw_fd()));
     mount_proc_masks(root, &empty, Pid1::Alone, &mut Some(empty.clone()))
-}
-
-/// Enters the mount and IPC namespaces of a worker's standby process, through its pidfd
-/// `holder`, and finishes the root it built there ([`prepare_call_root`]): the call's
-/// mounts and IPC objects then go when that process and the call have both exited, the
-/// waits of their teardown in the standby process.
-pub fn enter_call_root(holder: BorrowedFd<'_>) -> Result<(), RootfsError> {
-    use rustix::thread::ThreadNameSpaceType;
-    let root = Path::new("/");
-    rustix::thread::move_into_thread_name_spaces(
-        holder,
-        ThreadNameSpaceType::MOUNT | ThreadNameSpaceType::INTER_PROCESS_COMMUNICATION,
-    )
-    .step("enter the standby root of", root)?;
-    rustix::process::chdir(root).step("chdir", root)?;
-    finish_call_root()
 }
 
 /// Builds a VM guest's root on `rootfs` and makes it `/`. Runs in the guest's agent

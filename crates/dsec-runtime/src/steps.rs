@@ -62,6 +62,11 @@ impl StepPlan {
         })
     }
 
+    /// What every step reads on its standard input.
+    pub(crate) fn stdin(&self) -> &[u8] {
+        &self.stdin
+    }
+
     /// Runs every step, reports, and exits; never returns. Called in the confined runner
     /// with SIGCHLD blocked (inherited from init), in the call's working directory.
     pub(crate) fn run(&self, env: &[CString], fds: &StepFds<'_>) -> ! {

@@ -4,7 +4,8 @@
 //!
 //! Invariants: nothing here blocks (every descriptor is non-blocking, but a command's
 //! report pipe, read once right after its clone: the child writes it or closes it before
-//! it can block); output pipes are not read while more than [`MAX_QUEUED`] bytes wait for
+//! it can block; and a fncall worker's standby, waited for while it sets up, see
+//! [`standby`]); output pipes are not read while more than [`MAX_QUEUED`] bytes wait for
 //! the edge; a command's output is bounded by its `max_output_bytes` (the rest is dropped
 //! and the exit marked truncated).
 
@@ -136,10 +137,10 @@ pub(super) struct Init {
     /// The stack each command's first process runs on until its `execve`.
     child_stack: Vec<u8>,
     files: FileService,
-    /// A fncall worker's root built ahead for its next call (see [`standby`]).
+    /// A fncall worker's next call, set up ahead (see [`standby`]).
     standby: Option<Standby>,
-    /// The standby whose root a running call took, and that call's id: released when the
-    /// call ends.
+    /// The standby a running call took, and that call's id: its holder is released when
+    /// the call ends.
     standby_in_use: Option<(u32, Standby)>,
 }
 
@@ -186,11 +187,24 @@ impl Init {
         }
     }
 
-    /// Starts building the next call's root if a fncall worker has none on its way. A
-    /// standby that cannot start is no error: the call then builds its own root.
+    /// Starts setting up the next call if a fncall worker has no standby. A standby that
+    /// cannot start is no error: the call then clones its own first process.
     fn refill_standby(&mut self) {
         if let (Confine::Call(call), None) = (&self.prepared.confine, &self.standby) {
             self.standby = Standby::start(call).ok();
+        }
+    }
+
+    /// The standby for a call, once it is ready; `None` (and the standby dropped) if it
+    /// failed.
+    fn ready_standby(&mut self) -> Option<Standby> {
+        let mut standby = self.standby.take()?;
+        match standby.state() {
+            standby::State::Ready => Some(standby),
+            standby::State::Building => {
+                (standby.wait() == standby::State::Ready).then_some(standby)
+            }
+            standby::State::Failed => None,
         }
     }
 
@@ -542,6 +556,13 @@ impl Init {
         } else {
             Some(pipe().map_err(errno(InitStage::Pipe))?)
         };
+        let started = Instant::now();
+        // A fncall call takes the worker's standby: it is released when the call ends, or
+        // here if the call fails.
+        let mut standby = match self.prepared.confine {
+            Confine::Call(_) => self.ready_standby(),
+            Confine::Inherited => None,
+        };
         let stdin_child = stdin_pipe
             .as_ref()
             .map_or(self.prepared.devnull.as_fd(), |(r, _)| r.as_fd());
@@ -550,9 +571,6 @@ impl Init {
             (None, Some(((_, out), (_, err)))) => [stdin_child, out.as_fd(), err.as_fd()],
             (None, None) => unreachable!("a command off a terminal has a step"),
         };
-        let started = Instant::now();
-        // The standby a call takes is released when the call ends, or here if it fails.
-        let mut standby = None;
         let failure = AtomicU64::new(0);
         let fds = ChildFds {
             failure: &failure,
@@ -573,34 +591,24 @@ impl Init {
         };
         let pid = match self.prepared.confine {
             // A fncall worker's command gets mount, pid and IPC namespaces of its own, so
-            // it is PID 1 there and everything it leaves behind dies with it.
+            // it is PID 1 there and everything it leaves behind dies with it: from a
+            // standby that set them up ahead, or cloned now.
             Confine::Call(ref setup) => {
-                let state = self.standby.as_mut().map(Standby::state);
-                if state == Some(standby::State::Ready) {
-                    standby = self.standby.take();
-                } else if state == Some(standby::State::Failed) {
-                    self.standby = None;
-                }
-                // The call's root and IPC namespace are the standby's, or made for it.
-                let mut flags = libc::CLONE_NEWPID;
-                if standby.is_none() {
-                    flags |= libc::CLONE_NEWNS | libc::CLONE_NEWIPC;
-                }
-                let pid = launch::fork_into(flags).map_err(errno(InitStage::Fork))?;
-                if pid == 0 {
-                    let call = CallRoot {
-                        setup,
-                        standby: standby.as_ref().map(Standby::pidfd),
-                    };
-                    match (&plan, &fds.steps) {
-                        (Some(plan), Some(step_fds)) => {
-                            launch.become_runner(&fds, &call);
-                            plan.run(launch.env(), step_fds)
+                let handed = standby
+                    .as_ref()
+                    .and_then(|s| s.hand_over(spec, &launch, plan.as_ref(), &fds).ok());
+                match handed {
+                    Some(pid) => pid,
+                    None => {
+                        standby = None;
+                        let flags = libc::CLONE_NEWPID | libc::CLONE_NEWNS | libc::CLONE_NEWIPC;
+                        let pid = launch::fork_into(flags).map_err(errno(InitStage::Fork))?;
+                        if pid == 0 {
+                            launch.run_call(plan.as_ref(), &fds, &CallRoot::Build(setup))
                         }
-                        _ => launch.exec_child(&fds, Some(&call)),
+                        pid
                     }
                 }
-                pid
             }
             Confine::Inherited => launch::spawn_shared(&launch, &fds, &mut self.child_stack)
                 .map_err(errno(InitStage::Clone))?,
