@@ -15,6 +15,7 @@ from dsec_testlib import (
     descendants,
     image_for,
     leftovers,
+    mountinfo,
     procs_in,
     still_running,
     wait_until,
@@ -35,15 +36,11 @@ def _listed(client: dsec.Client, tag: str) -> list[str]:
     return [s.id for s in client.list(labels={"t": tag})]
 
 
-def test_stop_leaves_nothing(
-    server: Server, make_sandbox: MakeSandbox, backend: str
-) -> None:
+def test_stop_leaves_nothing(server: Server, make_sandbox: MakeSandbox, backend: str) -> None:
     sb = make_sandbox()
     sb.run("echo x > /root/x; sleep 1000 > /dev/null 2>&1 &")
     if backend == "container":
-        assert leftovers(server, sb.id), (
-            "sanity: the host shows no trace of a live sandbox"
-        )
+        assert leftovers(server, sb.id), "sanity: the host shows no trace of a live sandbox"
     sb.stop()
     assert_no_leftovers(server, sb.id)
 
@@ -51,18 +48,14 @@ def test_stop_leaves_nothing(
 def test_ttl(server: Server, client: dsec.Client, make_sandbox: MakeSandbox) -> None:
     sb = make_sandbox(ttl_s=1)
     t0 = time.monotonic()
-    assert wait_until(lambda: _gone(client, sb.id), 10, 0.25), (
-        "still there 10s after ttl_s=1"
-    )
+    assert wait_until(lambda: _gone(client, sb.id), 10, 0.25), "still there 10s after ttl_s=1"
     assert time.monotonic() - t0 >= 0.5
     assert_no_leftovers(server, sb.id)
     with pytest.raises(dsec.NotFound):
         sb.run("true")
 
 
-def test_ttl_ends_a_running_command(
-    client: dsec.Client, make_sandbox: MakeSandbox
-) -> None:
+def test_ttl_ends_a_running_command(client: dsec.Client, make_sandbox: MakeSandbox) -> None:
     sb = make_sandbox(ttl_s=2)
     t0 = time.monotonic()
     try:
@@ -73,16 +66,12 @@ def test_ttl_ends_a_running_command(
     assert time.monotonic() - t0 < 20, "the ttl did not end the command"
 
 
-def test_idle_ttl(
-    server: Server, client: dsec.Client, make_sandbox: MakeSandbox
-) -> None:
+def test_idle_ttl(server: Server, client: dsec.Client, make_sandbox: MakeSandbox) -> None:
     tag = uuid.uuid4().hex[:12]
     sb = make_sandbox(idle_ttl_s=1, labels={"t": tag})
     assert _listed(client, tag) == [sb.id]
     # Poll through list() only: a request to the sandbox itself would count as activity.
-    assert wait_until(lambda: not _listed(client, tag), 10, 0.25), (
-        "still listed 10s later"
-    )
+    assert wait_until(lambda: not _listed(client, tag), 10, 0.25), "still listed 10s later"
     assert_no_leftovers(server, sb.id)
 
 
@@ -96,9 +85,7 @@ def test_idle_ttl_is_reset_by_activity(make_sandbox: MakeSandbox) -> None:
     assert sb.info().state == "running"
 
 
-def test_many_sandboxes_stopped_leave_nothing(
-    server: Server, client: dsec.Client
-) -> None:
+def test_many_sandboxes_stopped_leave_nothing(server: Server, client: dsec.Client) -> None:
     from dsec_testlib import BACKENDS
 
     backend = BACKENDS[0]
@@ -123,26 +110,37 @@ def _start_inflight(sb: dsec.Sandbox) -> threading.Thread:
     return t
 
 
+def _sandboxes_tmpfs(s: Server) -> list[str]:
+    """The mounts on the server's `<state>/sandboxes` that are tmpfs."""
+    at = str((s.state_dir / "sandboxes").resolve())
+    return [line for m, line in mountinfo() if m == at and " - tmpfs " in line]
+
+
 @pytest.mark.timeout(180)
 def test_server_kill9_then_restart_cleans_up(
     make_server: Callable[..., Server],
 ) -> None:
+    """...and the tmpfs of the sandboxes' records: it keeps them for the next server, which
+    adopts it (no second one stacked) and unmounts it at its stop."""
     s = make_server()
+    assert len(_sandboxes_tmpfs(s)) == 1, mountinfo()
     with s.client() as c:
         sbs = [c.create(image="busybox", labels={"gen": "old"}) for _ in range(3)]
         for sb in sbs:
             sb.run("echo x > /root/x; sleep 1000 > /dev/null 2>&1 &")
         t = _start_inflight(sbs[0])
-        assert wait_until(
-            lambda: any("sleep 1000" in cmd for _, cmd in procs_in(sbs[0].id)), 10
-        ), "the in-flight command never showed up"
+        assert wait_until(lambda: any("sleep 1000" in cmd for _, cmd in procs_in(sbs[0].id)), 10), (
+            "the in-flight command never showed up"
+        )
         for sb in sbs:
-            assert leftovers(s, sb.id), (
-                "sanity: the host shows no trace of a live sandbox"
-            )
+            assert leftovers(s, sb.id), "sanity: the host shows no trace of a live sandbox"
+        for sb in sbs:
+            assert (s.state_dir / "sandboxes" / sb.id / "record.json").is_file()
         s.kill9()
         t.join(30)
+    assert len(_sandboxes_tmpfs(s)) == 1, "a killed server cannot unmount"
     s.restart()
+    assert len(_sandboxes_tmpfs(s)) == 1, f"stacked: {_sandboxes_tmpfs(s)}"
     for sb in sbs:
         assert_no_leftovers(s, sb.id, timeout=20)
     with s.client() as c2:
@@ -154,6 +152,9 @@ def test_server_kill9_then_restart_cleans_up(
             assert fresh.run("echo new").stdout == "new\n"
             assert fresh.id not in {sb.id for sb in sbs}
         assert_no_leftovers(s, fresh.id)
+    assert s.stop() == 0
+    assert not _sandboxes_tmpfs(s), _sandboxes_tmpfs(s)
+    assert not (s.state_dir / "sandboxes.mount").exists()
 
 
 @pytest.mark.timeout(120)

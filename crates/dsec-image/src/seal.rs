@@ -17,15 +17,15 @@
 //! namespace: its flags, not the store's, apply there.
 //!
 //! A store the server owns (inside its state directory) is bind-mounted over itself
-//! with those flags when it is not on such a mount already. The mount is recorded in a
-//! file before it is made, so that a server restarted after a crash adopts the mount its
-//! predecessor left instead of stacking another, and removes it at its own stop.
+//! with those flags when it is not on such a mount already ([`Seal`], whose recorded
+//! mounts also put the container runtime's per-sandbox state on a tmpfs).
 
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{AtFlags, StatVfsMountFlags, StatxAttributes, StatxFlags, CWD};
+use rustix::io::Errno;
 use rustix::mount::{MountFlags, UnmountFlags};
 
 /// Is `dir` on a mount that honours neither setuid bits nor device nodes?
@@ -34,7 +34,11 @@ pub fn is_inert(dir: &Path) -> io::Result<bool> {
     Ok(flags.contains(StatVfsMountFlags::NOSUID | StatVfsMountFlags::NODEV))
 }
 
-/// A `nosuid,nodev` bind mount of a directory over itself, removed when dropped.
+/// A mount the server made over a directory of its state directory, removed when
+/// dropped: the image store's `nosuid,nodev` bind over itself ([`Seal::apply`]), the
+/// runtime's tmpfs ([`Seal::tmpfs`]). The mount is recorded in a file before it is made,
+/// so that a server restarted after a crash adopts the mount its predecessor left instead
+/// of stacking another, and removes it at its own stop.
 #[derive(Debug)]
 pub struct Seal {
     /// The directory and the record of the mount, when this process owns the mount.
@@ -47,32 +51,65 @@ impl Seal {
     /// earlier run recorded is adopted; a mount made by someone else is used and left
     /// alone.
     pub fn apply(dir: &Path, record: &Path) -> io::Result<Seal> {
+        Seal::make(dir, record, "nosuid,nodev bind", is_inert, |dir| {
+            rustix::mount::mount_bind(dir, dir).and_then(|()| {
+                rustix::mount::mount_remount(
+                    dir,
+                    MountFlags::BIND | MountFlags::NOSUID | MountFlags::NODEV,
+                    "",
+                )
+                .inspect_err(|_| {
+                    let _ = rustix::mount::unmount(dir, UnmountFlags::DETACH);
+                })
+            })
+        })
+    }
+
+    /// Makes sure `dir` is on a tmpfs (`nosuid,nodev,noexec`, `0700`), mounting one if it
+    /// is not, recorded in `record` as [`apply`](Self::apply) does. For state that means
+    /// nothing after a reboot (mount points, records of live processes): writing it costs
+    /// no journal, which on a VM's disk takes a millisecond or more per file.
+    pub fn tmpfs(dir: &Path, record: &Path) -> io::Result<Seal> {
+        Seal::make(dir, record, "tmpfs", is_tmpfs, |dir| {
+            // What a run without the tmpfs left there stays visible to its clean-up.
+            if fs::read_dir(dir).map_err(|_| Errno::IO)?.next().is_some() {
+                return Err(Errno::NOTEMPTY);
+            }
+            rustix::mount::mount(
+                "tmpfs",
+                dir,
+                "tmpfs",
+                MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+                c"mode=0700",
+            )
+        })
+    }
+
+    /// Adopts the recorded mount on `dir`, or uses `dir` as it is when `present` says it
+    /// is on such a mount already, or mounts it (recorded first).
+    fn make(
+        dir: &Path,
+        record: &Path,
+        what: &str,
+        present: fn(&Path) -> io::Result<bool>,
+        mount: impl FnOnce(&Path) -> rustix::io::Result<()>,
+    ) -> io::Result<Seal> {
         if record.exists() {
-            if is_mount_root(dir)? && is_inert(dir)? {
-                tracing::info!(dir = %dir.display(), "adopting the nosuid,nodev mount of an earlier run");
+            if is_mount_root(dir)? && present(dir)? {
+                tracing::info!(dir = %dir.display(), mount = what, "adopting the mount of an earlier run");
                 return Ok(Seal::owned(dir, record));
             }
             fs::remove_file(record)?;
         }
-        if is_inert(dir)? {
+        if present(dir)? {
             return Ok(Seal { mounted: None });
         }
         fs::write(record, dir.as_os_str().as_encoded_bytes())?;
-        let mounted = rustix::mount::mount_bind(dir, dir).and_then(|()| {
-            rustix::mount::mount_remount(
-                dir,
-                MountFlags::BIND | MountFlags::NOSUID | MountFlags::NODEV,
-                "",
-            )
-            .inspect_err(|_| {
-                let _ = rustix::mount::unmount(dir, UnmountFlags::DETACH);
-            })
-        });
-        if let Err(e) = mounted {
+        if let Err(e) = mount(dir) {
             let _ = fs::remove_file(record);
             return Err(e.into());
         }
-        tracing::info!(dir = %dir.display(), "bind-mounted nosuid,nodev over itself");
+        tracing::info!(dir = %dir.display(), mount = what, "mounted over the directory");
         Ok(Seal::owned(dir, record))
     }
 
@@ -83,6 +120,12 @@ impl Seal {
     }
 }
 
+/// Is `dir` on a tmpfs?
+fn is_tmpfs(dir: &Path) -> io::Result<bool> {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    Ok(rustix::fs::statfs(dir)?.f_type == TMPFS_MAGIC)
+}
+
 impl Drop for Seal {
     fn drop(&mut self) {
         let Some((dir, record)) = self.mounted.take() else {
@@ -91,10 +134,10 @@ impl Drop for Seal {
         match rustix::mount::unmount(&dir, UnmountFlags::DETACH) {
             Ok(()) => {
                 let _ = fs::remove_file(&record);
-                tracing::debug!(dir = %dir.display(), "removed the nosuid,nodev mount");
+                tracing::debug!(dir = %dir.display(), "removed the mount over the directory");
             }
             Err(e) => {
-                tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the nosuid,nodev mount; the next start adopts it")
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the mount over the directory; the next start adopts it")
             }
         }
     }

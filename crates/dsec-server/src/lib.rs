@@ -195,6 +195,8 @@ pub struct HostSetup {
     exe: PathBuf,
     /// The image store's `nosuid,nodev` mount, held until the server stops.
     seal: Option<dsec_image::seal::Seal>,
+    /// The tmpfs of the container runtime's per-sandbox state, held until the server stops.
+    sandboxes_tmpfs: Option<dsec_image::seal::Seal>,
     /// The sysfs every container sandbox binds (`/run/dsec/sysfs/<tag>`).
     sysfs: Option<SharedSysfs>,
 }
@@ -259,6 +261,12 @@ impl HostSetup {
             memory_bytes: capacity.memory_mb << 20,
             pids: capacity.pids,
         })?;
+        // Each container sandbox's mount points and record, made on its create path: on
+        // a tmpfs, not the state directory's disk (they mean nothing after a reboot).
+        let sandboxes = state.join("sandboxes");
+        let sandboxes_tmpfs = dsec_image::seal::Seal::tmpfs(&sandboxes, &state.join("sandboxes.mount"))
+            .inspect_err(|e| tracing::warn!(dir = %sandboxes.display(), error = %e, "cannot mount a tmpfs for the sandboxes' state; it stays on the state directory's filesystem"))
+            .ok();
         let zygote = Zygote::spawn(exe)?;
         raise_descriptor_limit();
         // Under /run, not the state directory: a live sysfs there would be walked by
@@ -275,6 +283,7 @@ impl HostSetup {
             zygote,
             exe: exe.to_owned(),
             seal,
+            sandboxes_tmpfs,
             sysfs,
         })
     }
@@ -357,8 +366,10 @@ pub async fn run_with(
     host: HostSetup,
     membership: Option<Arc<dyn Membership>>,
 ) -> Result<(), ServeError> {
-    // Dropped last: the store stays sealed until every sandbox has stopped.
+    // Dropped last: the store stays sealed, and the sandboxes' tmpfs mounted, until every
+    // sandbox has stopped.
     let _seal = host.seal;
+    let _sandboxes_tmpfs = host.sandboxes_tmpfs;
     let metrics = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Suffix("_seconds".into()),
