@@ -20,22 +20,23 @@
 //!   call's command, PID 1 of its namespace, or its steps' runner.
 //!
 //! A call that comes while the standby is still being set up waits for it: what is left
-//! of it is less than a whole setup.
-//! A call that finds the standby failed clones its first process, which builds the same
-//! root itself (`rootfs::setup_call`). Either way a call has the worker's processes but
-//! init and one holder: no second call setup runs beside it.
+//! of it is less than a whole setup. A call that finds the standby dead clones its first
+//! process, which builds the same root itself (`rootfs::setup_call`). Either way a call
+//! has the worker's processes but init and one holder: no second setup runs beside it.
 
+use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
 
 use nix::sys::socket::{
     recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags,
     SockFlag, SockType,
 };
+use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::io::Errno;
 use rustix::pipe::{pipe_with, PipeFlags};
 use serde::{Deserialize, Serialize};
-use std::io::{IoSlice, IoSliceMut};
 
 use crate::launch::{
     self, exit_now, write_all_blocking, CallRoot, CallSetup, ChildFds, Launch, StepFds,
@@ -48,7 +49,7 @@ use crate::steps::StepPlan;
 const MAX_FDS: usize = 253;
 /// How long a call waits for a standby that is still being set up before it gives up on
 /// it and clones its own first process: far more than any setup takes.
-const WAIT_FOR_STANDBY: std::time::Duration = std::time::Duration::from_secs(5);
+const WAIT_FOR_STANDBY: Duration = Duration::from_secs(5);
 /// The fixed part of a handoff, sent with the descriptors: the header's length and the
 /// length of the contents after it.
 const PREFIX: usize = 4 + 8;
@@ -105,7 +106,6 @@ impl Standby {
         if pid == 0 {
             hold(call, cloned_w, release_r, first);
         }
-        // Dropping `release_w` on an error after this lets the holder go.
         drop((cloned_w, release_r, first));
         Ok(Standby {
             handoff,
@@ -118,10 +118,10 @@ impl Standby {
 
     /// Waits, at most [`WAIT_FOR_STANDBY`], for a standby still being set up.
     pub(super) fn wait(&mut self) -> State {
-        let deadline = std::time::Instant::now() + WAIT_FOR_STANDBY;
+        let deadline = Instant::now() + WAIT_FOR_STANDBY;
         loop {
             let state = self.state();
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let left = deadline.saturating_duration_since(Instant::now());
             if state != State::Building || left.is_zero() {
                 return state;
             }
@@ -129,12 +129,8 @@ impl Standby {
                 None => self.cloned.as_fd(),
                 Some(_) => self.handoff.as_fd(),
             };
-            let timeout = rustix::event::Timespec::try_from(left).unwrap_or_default();
-            let mut polled = [rustix::event::PollFd::new(
-                &fd,
-                rustix::event::PollFlags::IN,
-            )];
-            let _ = rustix::event::poll(&mut polled, Some(&timeout));
+            let timeout = Timespec::try_from(left).unwrap_or_default();
+            let _ = rustix::event::poll(&mut [PollFd::new(&fd, PollFlags::IN)], Some(&timeout));
         }
     }
 
@@ -189,11 +185,8 @@ impl Standby {
         }
         let total: usize = contents.iter().map(|c| c.len()).sum();
         let mut prefix = [0u8; PREFIX];
-        prefix[..4].copy_from_slice(
-            &u32::try_from(header.len())
-                .unwrap_or(u32::MAX)
-                .to_le_bytes(),
-        );
+        let header_len = u32::try_from(header.len()).map_err(|_| Errno::TOOBIG)?;
+        prefix[..4].copy_from_slice(&header_len.to_le_bytes());
         prefix[4..].copy_from_slice(&(total as u64).to_le_bytes());
         let sent = sendmsg::<()>(
             self.handoff.as_raw_fd(),
