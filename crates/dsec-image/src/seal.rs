@@ -72,7 +72,9 @@ impl Seal {
     pub fn tmpfs(dir: &Path, record: &Path) -> io::Result<Seal> {
         Seal::make(dir, record, "tmpfs", is_tmpfs, |dir| {
             // What a run without the tmpfs left there stays visible to its clean-up.
-            if fs::read_dir(dir).map_err(|_| Errno::IO)?.next().is_some() {
+            let mut entries =
+                fs::read_dir(dir).map_err(|e| Errno::from_io_error(&e).unwrap_or(Errno::IO))?;
+            if entries.next().is_some() {
                 return Err(Errno::NOTEMPTY);
             }
             rustix::mount::mount(
@@ -122,8 +124,7 @@ impl Seal {
 
 /// Is `dir` on a tmpfs?
 fn is_tmpfs(dir: &Path) -> io::Result<bool> {
-    const TMPFS_MAGIC: i64 = 0x0102_1994;
-    Ok(rustix::fs::statfs(dir)?.f_type == TMPFS_MAGIC)
+    Ok(rustix::fs::statfs(dir)?.f_type == libc::TMPFS_MAGIC)
 }
 
 impl Drop for Seal {

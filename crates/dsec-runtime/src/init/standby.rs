@@ -24,23 +24,20 @@
 //! process, which builds the same root itself (`rootfs::setup_call`). Either way a call
 //! has the worker's processes but init and one holder: no second setup runs beside it.
 
-use std::io::{IoSlice, IoSliceMut};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::borrow::Cow;
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
-use nix::sys::socket::{
-    recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags,
-    SockFlag, SockType,
-};
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::io::Errno;
 use rustix::pipe::{pipe_with, PipeFlags};
 use serde::{Deserialize, Serialize};
 
-use crate::launch::{
-    self, exit_now, write_all_blocking, CallRoot, CallSetup, ChildFds, Launch, StepFds,
-};
+use crate::launch::{self, exit_now, CallRoot, CallSetup, ChildFds, Launch, StepFds};
 use crate::proto::ExecSpec;
 use crate::steps::StepPlan;
 
@@ -50,15 +47,14 @@ const MAX_FDS: usize = 253;
 /// How long a call waits for a standby that is still being set up before it gives up on
 /// it and clones its own first process: far more than any setup takes.
 const WAIT_FOR_STANDBY: Duration = Duration::from_secs(5);
-/// The fixed part of a handoff, sent with the descriptors: the header's length and the
-/// length of the contents after it.
-const PREFIX: usize = 4 + 8;
+/// The fixed part of a handoff, sent with the descriptors: the header's length.
+const PREFIX: usize = 4;
 
 /// A standby: its first process, through the socket to it, and its holder.
 pub(super) struct Standby {
     /// init's end of the socket to the first process: a byte comes when it is ready
     /// (end-of-file if it failed); the call goes.
-    handoff: OwnedFd,
+    handoff: UnixStream,
     /// The first process's pid, from the holder once it cloned it (end-of-file if the
     /// holder failed first). Non-blocking.
     cloned: OwnedFd,
@@ -77,10 +73,11 @@ pub(super) enum State {
     Failed,
 }
 
-/// What a call's first process is told besides its descriptors.
+/// What a call's first process is told besides its descriptors (init sends the spec it
+/// holds; the first process reads its own copy).
 #[derive(Serialize, Deserialize)]
-struct Header {
-    spec: ExecSpec,
+struct Header<'a> {
+    spec: Cow<'a, ExecSpec>,
     /// The lengths of the files' contents, then of a stepped call's stdin, which follow
     /// the header in this order.
     lengths: Vec<usize>,
@@ -94,12 +91,7 @@ struct Header {
 impl Standby {
     /// Forks a holder that builds a root for `call` and clones the call's first process.
     pub(super) fn start(call: &CallSetup) -> std::io::Result<Standby> {
-        let (handoff, first) = socketpair(
-            AddressFamily::Unix,
-            SockType::Stream,
-            None,
-            SockFlag::SOCK_CLOEXEC,
-        )?;
+        let (handoff, first) = UnixStream::pair()?;
         let (cloned_r, cloned_w) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
         let (release_r, release_w) = pipe_with(PipeFlags::CLOEXEC)?;
         let pid = launch::fork_into(libc::CLONE_NEWNS | libc::CLONE_NEWIPC)?;
@@ -172,7 +164,7 @@ impl Standby {
         let mut contents: Vec<&[u8]> = launch.file_contents().collect();
         contents.extend(plan.map(StepPlan::stdin));
         let header = serde_json::to_vec(&Header {
-            spec: spec.clone(),
+            spec: Cow::Borrowed(spec),
             lengths: contents.iter().map(|c| c.len()).collect(),
             join_cgroup: fds.join_cgroup.is_some(),
             controlling_tty: fds.controlling_tty,
@@ -183,11 +175,9 @@ impl Standby {
         if descriptors.len() > MAX_FDS {
             return Err(Errno::TOOMANYREFS.into());
         }
-        let total: usize = contents.iter().map(|c| c.len()).sum();
-        let mut prefix = [0u8; PREFIX];
-        let header_len = u32::try_from(header.len()).map_err(|_| Errno::TOOBIG)?;
-        prefix[..4].copy_from_slice(&header_len.to_le_bytes());
-        prefix[4..].copy_from_slice(&(total as u64).to_le_bytes());
+        let prefix = u32::try_from(header.len())
+            .map_err(|_| Errno::TOOBIG)?
+            .to_le_bytes();
         let sent = sendmsg::<()>(
             self.handoff.as_raw_fd(),
             &[IoSlice::new(&prefix)],
@@ -199,22 +189,16 @@ impl Standby {
             return Err(Errno::PIPE.into());
         }
         // The first process reads as this writes: neither waits on the other for long.
-        write_all_blocking(&self.handoff, &header)?;
+        let mut socket = &self.handoff;
+        socket.write_all(&header)?;
         for c in contents {
-            write_all_blocking(&self.handoff, c)?;
+            socket.write_all(c)?;
         }
         // Its byte once it has the call: a standby that died before (killed while it
         // waited) takes nothing of the call with it, which then goes to a first process
         // cloned for it.
-        let mut byte = [0u8];
-        loop {
-            match rustix::io::read(&self.handoff, &mut byte) {
-                Ok(1) => return Ok(pid),
-                Err(Errno::INTR) => {}
-                Ok(_) => return Err(Errno::PIPE.into()),
-                Err(e) => return Err(e.into()),
-            }
-        }
+        socket.read_exact(&mut [0u8])?;
+        Ok(pid)
     }
 }
 
@@ -238,7 +222,7 @@ fn carried(fds: &ChildFds<'_>) -> Vec<RawFd> {
 /// The holder: builds the root in the mount namespace it was forked into, clones the
 /// first process, says its pid on `cloned`, and holds the namespaces until `release`
 /// closes.
-fn hold(call: &CallSetup, cloned: OwnedFd, release: OwnedFd, first: OwnedFd) -> ! {
+fn hold(call: &CallSetup, cloned: OwnedFd, release: OwnedFd, first: UnixStream) -> ! {
     // Standard input, output and error stay (init's /dev/null): the descriptors the first
     // process receives are never 0 to 2.
     let own = [cloned.as_raw_fd(), release.as_raw_fd(), first.as_raw_fd()];
@@ -268,21 +252,21 @@ fn hold(call: &CallSetup, cloned: OwnedFd, release: OwnedFd, first: OwnedFd) -> 
 
 /// The first process, PID 1 of its pid namespace: finishes the root, confines itself, says
 /// it is ready, and runs the call init hands it (or exits when init drops the standby).
-fn first_process(call: &CallSetup, socket: OwnedFd) -> ! {
+fn first_process(call: &CallSetup, mut socket: UnixStream) -> ! {
     // SAFETY: as in `hold`, whose copies of these descriptors this process never uses.
     if unsafe { crate::fds::close_all_but(&[0, 1, 2, socket.as_raw_fd()]) }.is_err() {
         exit_now(1)
     }
     if crate::rootfs::finish_call_root().is_err()
         || call.confine().is_err()
-        || rustix::io::write(&socket, &[1]) != Ok(1)
+        || socket.write_all(&[1]).is_err()
     {
         exit_now(1)
     }
-    let Some(received) = receive(socket.as_fd()) else {
+    let Some(received) = receive(&socket) else {
         exit_now(0)
     };
-    if rustix::io::write(&socket, &[1]) != Ok(1) {
+    if socket.write_all(&[1]).is_err() {
         exit_now(1)
     }
     drop(socket);
@@ -291,14 +275,14 @@ fn first_process(call: &CallSetup, socket: OwnedFd) -> ! {
 
 /// A call as its first process received it.
 struct Received {
-    header: Header,
+    header: Header<'static>,
     contents: Vec<Vec<u8>>,
     fds: Vec<OwnedFd>,
 }
 
 /// Reads a call from init; `None` at end-of-file (the standby was dropped unused) or on a
 /// malformed handoff.
-fn receive(socket: BorrowedFd<'_>) -> Option<Received> {
+fn receive(mut socket: &UnixStream) -> Option<Received> {
     let mut prefix = [0u8; PREFIX];
     let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
     let mut iov = [IoSliceMut::new(&mut prefix)];
@@ -327,37 +311,22 @@ fn receive(socket: BorrowedFd<'_>) -> Option<Received> {
     if msg.bytes != PREFIX {
         return None;
     }
-    let header_len = u32::from_le_bytes(prefix[..4].try_into().ok()?) as usize;
-    let total = usize::try_from(u64::from_le_bytes(prefix[4..].try_into().ok()?)).ok()?;
-    let header: Header = serde_json::from_slice(&read_exact(socket, header_len)?).ok()?;
-    if header.lengths.iter().sum::<usize>() != total {
-        return None;
-    }
+    let mut read = |len: usize| {
+        let mut buf = vec![0u8; len];
+        socket.read_exact(&mut buf).ok().map(|()| buf)
+    };
+    let header: Header =
+        serde_json::from_slice(&read(u32::from_le_bytes(prefix) as usize)?).ok()?;
     let contents = header
         .lengths
         .iter()
-        .map(|&len| read_exact(socket, len))
+        .map(|&len| read(len))
         .collect::<Option<Vec<_>>>()?;
     Some(Received {
         header,
         contents,
         fds,
     })
-}
-
-/// Reads exactly `len` bytes, or `None`.
-fn read_exact(socket: BorrowedFd<'_>, len: usize) -> Option<Vec<u8>> {
-    let mut buf = vec![0u8; len];
-    let mut got = 0;
-    while got < len {
-        match rustix::io::read(socket, &mut buf[got..]) {
-            Ok(0) => return None,
-            Ok(n) => got += n,
-            Err(Errno::INTR) => {}
-            Err(_) => return None,
-        }
-    }
-    Some(buf)
 }
 
 impl Received {
