@@ -14,6 +14,8 @@ pub struct Stat {
     pub state: char,
     /// Field 4: the parent's pid.
     pub ppid: i32,
+    /// Field 5: the process group id.
+    pub pgrp: i32,
     /// Field 6: the session id.
     pub session: i32,
     /// Field 14: user CPU time, in clock ticks.
@@ -42,6 +44,7 @@ impl Stat {
         Some(Stat {
             state: at(3)?.chars().next()?,
             ppid: at(4)?.parse().ok()?,
+            pgrp: at(5)?.parse().ok()?,
             session: at(6)?.parse().ok()?,
             utime_ticks: at(14)?.parse().ok()?,
             stime_ticks: at(15)?.parse().ok()?,
@@ -109,6 +112,7 @@ mod tests {
             Stat {
                 state: 'Z',
                 ppid: 17,
+                pgrp: 4242,
                 session: 4242,
                 utime_ticks: 7,
                 stime_ticks: 3,

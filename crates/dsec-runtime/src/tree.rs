@@ -5,13 +5,15 @@
 //! that session (a double fork leaves the tree but keeps the session). SIGTERM is not
 //! enough (it can be ignored) and a single SIGKILL pass races with forks, so the tree is
 //! stopped in rounds: each round SIGSTOPs the members found so far (a stopped process
-//! cannot fork) and rescans `/proc`, until a round finds no new member; then all are
-//! SIGKILLed.
+//! cannot fork), waits until they have stopped, and rescans `/proc`, until a round finds no
+//! new member; then all are SIGKILLed. The wait matters: a process the SIGSTOP finds inside
+//! `fork` finishes it before it stops, and its child shows in `/proc` only then.
 //!
 //! Every member is signalled through a pidfd taken when it was found to belong, never by
 //! pid: a process that exited and whose pid was reused is not hit.
 
 use std::os::fd::OwnedFd;
+use std::time::{Duration, Instant};
 
 use rustix::process::Signal;
 
@@ -21,6 +23,10 @@ use crate::procfs::{self, pid_namespace};
 /// Rounds after which the tree is killed even if it is still growing (a fork bomb outruns
 /// any scan; the members stopped so far no longer fork, so this only bounds the time).
 const MAX_ROUNDS: usize = 64;
+/// How long a round waits for its members to stop before it scans anyway: a process in an
+/// uninterruptible sleep (or a `vfork` parent, until its child execs) stops only when it
+/// wakes.
+const STOP_WAIT: Duration = Duration::from_millis(100);
 
 /// Kills the tree of `main` (see the module documentation).
 ///
@@ -37,6 +43,7 @@ pub fn kill_tree(main: i32, namespace: Option<u64>) {
     let mut members: Vec<(i32, OwnedFd)> = vec![(main, main_fd)];
     for _ in 0..MAX_ROUNDS {
         signal(&members, Signal::STOP);
+        wait_stopped(&members);
         let before = members.len();
         let procs: Vec<(i32, procfs::Stat)> = procfs::pids()
             .into_iter()
@@ -74,6 +81,19 @@ pub fn kill_namespace_init(pid: i32) {
     }
 }
 
+/// Waits (at most [`STOP_WAIT`]) until every member is stopped or dead.
+fn wait_stopped(members: &[(i32, OwnedFd)]) {
+    let deadline = Instant::now() + STOP_WAIT;
+    for (pid, _) in members {
+        while procfs::Stat::read(*pid).is_some_and(|s| !matches!(s.state, 'T' | 't' | 'Z' | 'X')) {
+            if Instant::now() >= deadline {
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
 fn signal(members: &[(i32, OwnedFd)], signal: Signal) {
     for (_, fd) in members {
         let _ = rustix::process::pidfd_send_signal(fd, signal);
@@ -82,7 +102,7 @@ fn signal(members: &[(i32, OwnedFd)], signal: Signal) {
 
 #[cfg(test)]
 mod tests {
-    use std::time::{Duration, Instant};
+    use std::os::unix::process::CommandExt;
 
     use super::*;
 
@@ -126,6 +146,51 @@ mod tests {
                 "the grandchild outlived the kill"
             );
             std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The live (not zombie) processes of process group `pgrp`.
+    fn live_in_group(pgrp: i32) -> Vec<i32> {
+        procfs::pids()
+            .into_iter()
+            .filter(|&pid| {
+                procfs::Stat::read(pid).is_some_and(|s| s.pgrp == pgrp && !s.is_zombie())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_child_forked_while_the_tree_is_stopped_dies_with_it() {
+        // A shell killed about when it forks its one child, not a session leader (so only
+        // the parent link counts): a kill that finds it inside fork must still find the
+        // child. Its own process group names every process it made, orphans included.
+        for attempt in 0..400u64 {
+            let mut child = std::process::Command::new("sh")
+                .args(["-c", "sleep 60 & wait"])
+                .process_group(0)
+                .spawn()
+                .unwrap();
+            let main = i32::try_from(child.id()).unwrap();
+            std::thread::sleep(Duration::from_micros(attempt * 5));
+            kill_tree(main, None);
+            child.wait().unwrap();
+            // The killed die on their own time: give them a moment before counting.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let mut left = live_in_group(main);
+            while !left.is_empty() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+                left = live_in_group(main);
+            }
+            if !left.is_empty() {
+                let _ = rustix::process::kill_process_group(
+                    rustix::process::Pid::from_raw(main).unwrap(),
+                    Signal::KILL,
+                );
+                panic!(
+                    "a kill {} µs after the start left the tree's child alive",
+                    attempt * 5
+                );
+            }
         }
     }
 

@@ -37,9 +37,19 @@ impl Inner {
             .path(path)
             .build();
         let stream = self.docker.download_from_container(&self.id, Some(opts));
-        spool(stream, limit)
-            .await
-            .map_err(|e| daemon_error(&self.host, "reading from the container", e))
+        spool(stream, limit).await.map_err(|e| match &e {
+            // The daemon `lstat`ed a link and a command swapped it for a file before the
+            // daemon's `readlink`: the path changed while it was read.
+            DockerError::DockerResponseServerError { message, .. }
+                if message.contains("readlink") && message.contains("invalid argument") =>
+            {
+                ApiError::conflict(format!(
+                    "reading {path:?}: the path changed in the sandbox while it was read \
+                     ({message})"
+                ))
+            }
+            _ => daemon_error(&self.host, "reading from the container", e),
+        })
     }
 
     /// The raw target of the symbolic link at `path`, read from its one-entry archive. A

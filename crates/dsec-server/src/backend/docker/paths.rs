@@ -17,6 +17,8 @@ use crate::error::ApiError;
 
 /// Symbolic links followed while resolving one path (the kernel's limit).
 const MAX_LINKS: usize = 40;
+/// How often a stat the daemon answers with 500 is asked (see [`Inner::path_stat`]).
+const STAT_TRIES: u32 = 3;
 /// Go's `os.FileMode` bits in the archive API's stat header.
 const GO_MODE_DIR: u32 = 1 << 31;
 const GO_MODE_SYMLINK: u32 = 1 << 27;
@@ -35,16 +37,31 @@ const KERNEL_DIRS: &[(&str, Option<&str>)] = &[
 
 impl Inner {
     /// The daemon's status of the resolved `path`, a symbolic link itself (`lstat`).
+    ///
+    /// The daemon answers 500 when the entry changes under its own stat (it `lstat`s a link,
+    /// a command swaps it for a file, its `readlink` fails with `EINVAL`); the answer to a
+    /// `HEAD` carries no message to tell that from a failing daemon, so a 500 is asked again
+    /// up to [`STAT_TRIES`] times before it is reported.
     pub(super) async fn path_stat(&self, path: &str) -> Result<Option<PathStatResponse>, ApiError> {
-        let opts = ContainerArchiveInfoOptionsBuilder::new().path(path).build();
-        match self
-            .docker
-            .get_container_archive_info(&self.id, Some(opts))
-            .await
-        {
-            Ok(s) => Ok(Some(s)),
-            Err(e) if status(&e) == Some(404) => Ok(None),
-            Err(e) => Err(daemon_error(&self.host, "reading the file's status", e)),
+        let mut tries = 1;
+        loop {
+            let opts = ContainerArchiveInfoOptionsBuilder::new().path(path).build();
+            match self
+                .docker
+                .get_container_archive_info(&self.id, Some(opts))
+                .await
+            {
+                Ok(s) => return Ok(Some(s)),
+                Err(e) if status(&e) == Some(404) => return Ok(None),
+                Err(e) if status(&e) == Some(500) && tries < STAT_TRIES => tries += 1,
+                Err(e) if status(&e) == Some(500) => {
+                    return Err(ApiError::internal(format!(
+                        "reading the status of {path:?}: the docker daemon answered 500 {tries} \
+                         times (a HEAD answer carries no message: the daemon's log has it)"
+                    )))
+                }
+                Err(e) => return Err(daemon_error(&self.host, "reading the file's status", e)),
+            }
         }
     }
 
