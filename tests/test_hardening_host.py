@@ -342,6 +342,55 @@ def test_an_idle_sandbox_costs_the_server_one_descriptor(make_server: MakeServer
         )
 
 
+def network_namespaces_held(pid: int) -> set[str]:
+    """The network namespaces ``pid`` holds descriptors of (``net:[inode]``)."""
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if target.startswith("net:["):
+            held.add(target)
+    return held
+
+
+def test_each_sandbox_has_a_fresh_network_namespace_of_its_own(make_server: MakeServer) -> None:
+    """Issue 15: a new network namespace is the dearest part of a sandbox's clone, so the
+    zygote makes a few ahead while it waits, and a create takes one. Each sandbox's is still
+    its own: not the host's, no other sandbox's, no spare the zygote still holds; no init
+    holds a descriptor of any (a spare, or the zygote's own namespace, inherited at the
+    clone); and a spare is fresh: only loopback in it, up."""
+    s = make_server()
+    host = os.readlink("/proc/self/ns/net")
+    zygote = next(
+        p for p in descendants(s.pid) if b"__zygote" in Path(f"/proc/{p}/cmdline").read_bytes()
+    )
+
+    def spares() -> set[str]:
+        return network_namespaces_held(zygote) - {host}
+
+    assert wait_until(lambda: len(spares()) >= 2, 10), "the zygote keeps no spare namespaces"
+    with s.client() as c:
+        made = spares()
+        # More than the zygote keeps: some creates take a spare, the rest may make their own.
+        sbs = [c.create(image="busybox", network=False, memory_mb=32) for _ in range(8)]
+        try:
+            nets = [os.readlink(f"/proc/{init_pid(sb)}/ns/net") for sb in sbs]
+            assert host not in nets
+            assert len(set(nets)) == len(nets), f"sandboxes share a namespace: {nets}"
+            assert made & set(nets), "no sandbox took a spare: the test proves nothing"
+            assert not spares() & set(nets), "the zygote still holds a namespace it gave away"
+            for sb in sbs:
+                assert not network_namespaces_held(init_pid(sb)), "an init holds a namespace"
+                dev = sb.run("cat /proc/net/dev").stdout.splitlines()[2:]
+                assert [line.split(":")[0].strip() for line in dev] == ["lo"], dev
+                assert sb.run("ping -c 1 -W 2 127.0.0.1").exit_code == 0
+        finally:
+            for sb in sbs:
+                sb.stop()
+
+
 def test_stop_kills_a_sandbox_whatever_its_processes_do(
     make_sandbox: MakeSandbox, server: Server
 ) -> None:

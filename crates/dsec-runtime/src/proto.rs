@@ -457,6 +457,8 @@ init_stages! {
     BlockSigchld => "block SIGCHLD",
     /// The signalfd could not be made.
     Signalfd => "signalfd",
+    /// init could not enter the network namespace the zygote made for it.
+    JoinNetworkNamespace => "join the network namespace",
     /// init could not join the sandbox's cgroups.
     JoinCgroup => "join cgroup",
     /// The cgroup namespace could not be unshared.

@@ -638,7 +638,7 @@ fn options(text: String) -> std::io::Result<CString> {
     })
 }
 
-/// Brings up `lo` in the sandbox's new network namespace.
+/// Brings up `lo` in the current (new) network namespace.
 pub fn loopback_up() -> std::io::Result<()> {
     use rustix::net::{AddressFamily, SocketFlags, SocketType};
     let fd = rustix::net::socket_with(

@@ -52,10 +52,16 @@ pub use agent::{serve_guest, GuestCgroup};
 use serve::Init;
 
 /// Sets up the sandbox and serves commands until the edge closes the channel; never
-/// returns. Runs in the child the zygote cloned into fresh namespaces.
-pub fn run(spec: &SandboxSpec, control: OwnedFd, seccomp: &SeccompProfile) -> ! {
+/// returns. Runs in the child the zygote cloned into fresh namespaces; `network` is the
+/// spare network namespace it enters first (`None`: the clone made one).
+pub fn run(
+    spec: &SandboxSpec,
+    control: OwnedFd,
+    network: Option<OwnedFd>,
+    seccomp: &SeccompProfile,
+) -> ! {
     let mut out = Vec::new();
-    let code = match prepare(spec, seccomp) {
+    let code = match prepare(spec, network, seccomp) {
         Ok(prepared) => {
             encode_ready(&mut out, prepared.upper.as_ref().map(AsRawFd::as_raw_fd));
             let mut init = Init::new(control, prepared, out, Vec::new());
@@ -146,9 +152,20 @@ fn io_setup_error(stage: InitStage, err: std::io::Error) -> InitError {
     setup_error(stage, err, errno)
 }
 
-fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, InitError> {
+fn prepare(
+    spec: &SandboxSpec,
+    network: Option<OwnedFd>,
+    seccomp: &SeccompProfile,
+) -> Result<Prepared, InitError> {
     let io = io_setup_error;
     let _ = rustix::process::set_parent_process_death_signal(Some(Signal::KILL));
+    // First: what is mounted below (sysfs) and set up (loopback) is the namespace's. A
+    // spare's loopback is up already (the zygote brought it up when it made it).
+    let loopback_up = network.is_some();
+    if let Some(network) = network {
+        nix::sched::setns(&network, nix::sched::CloneFlags::CLONE_NEWNET)
+            .map_err(|e| setup_error(InitStage::JoinNetworkNamespace, e, Some(e as i32)))?;
+    }
     // Every signal is at its default already (see `zygote::serve`). SIGPIPE is ignored by
     // init alone: a command's child resets it before its execve.
     // SAFETY: setting a disposition; no handler code is involved.
@@ -198,7 +215,9 @@ fn prepare(spec: &SandboxSpec, seccomp: &SeccompProfile) -> Result<Prepared, Ini
         ),
     };
     crate::rootfs::set_hostname(&spec.id).map_err(|e| io(InitStage::Sethostname, e))?;
-    crate::rootfs::loopback_up().map_err(|e| io(InitStage::Loopback, e))?;
+    if !loopback_up {
+        crate::rootfs::loopback_up().map_err(|e| io(InitStage::Loopback, e))?;
+    }
     let _ = rustix::stdio::dup2_stdin(&devnull);
     let _ = rustix::stdio::dup2_stdout(&devnull);
     let _ = rustix::stdio::dup2_stderr(&devnull);
