@@ -54,6 +54,7 @@ __all__ = [
     "assert_no_leftovers",
     "cgroup_dirs",
     "cgroup_mounts",
+    "cgroup_parents",
     "cmdline",
     "descendants",
     "docker_containers",
@@ -73,6 +74,7 @@ __all__ = [
     "require",
     "safe_rmtree",
     "sh_lines",
+    "spare_cgroup_sets",
     "still_running",
     "unless_unimplemented",
     "wait_until",
@@ -193,6 +195,23 @@ def unless_unimplemented(feature: str) -> Iterator[None]:
         if e.status in (404, 405, 501):
             pytest.skip(f"{feature}: not implemented by the server ({e.status})")
         raise
+
+
+def cgroup_parents(server: Server, sandbox_id: str) -> list[str]:
+    """The `dsec-<tag>` parents of a live sandbox's cgroups: the server's own."""
+    return sorted({os.path.dirname(d) for d in cgroup_dirs(sandbox_id, server.cgroups)})
+
+
+def spare_cgroup_sets(parents: Sequence[str]) -> set[str]:
+    """The spare cgroup sets (`.spare-<n>`, v1 hosts) in a server's `dsec-<tag>` parents
+    (from [`cgroup_parents`]): its own, not those other servers left."""
+    names: set[str] = set()
+    for parent in parents:
+        try:
+            names.update(e.name for e in os.scandir(parent) if e.name.startswith(".spare-"))
+        except FileNotFoundError:
+            continue
+    return names
 
 
 def sh_lines(r: Any) -> list[str]:

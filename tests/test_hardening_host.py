@@ -22,9 +22,13 @@ import pytest
 from dsec_testlib import (
     Server,
     assert_no_leftovers,
+    cgroup_dirs,
+    cgroup_mounts,
+    cgroup_parents,
     descendants,
     metric,
     procs_in,
+    spare_cgroup_sets,
     wait_until,
 )
 
@@ -389,6 +393,35 @@ def test_each_sandbox_has_a_fresh_network_namespace_of_its_own(make_server: Make
         finally:
             for sb in sbs:
                 sb.stop()
+
+
+def test_a_sandbox_made_from_a_spare_cgroup_set_has_its_own_limits(
+    make_server: MakeServer,
+) -> None:
+    """Issue 15: on a v1 host a create renames a cgroup set made ahead (five `mkdir`s off its
+    path) to its id, then writes its limits: the sandbox's cgroups are named by its id and
+    hold its limits, the spare is gone, and none outlives the server's stop."""
+    s = make_server()
+    if not any(key == "memory" for _, key in cgroup_mounts()):
+        pytest.skip("no v1 memory hierarchy: on cgroup2 every create makes its own cgroup")
+    with s.client() as c:
+        with c.create(image="busybox", memory_mb=32) as first:
+            parents = cgroup_parents(s, first.id)
+        assert wait_until(lambda: len(spare_cgroup_sets(parents)) >= 2, 10), parents
+        before = spare_cgroup_sets(parents)
+        with c.create(image="busybox", memory_mb=48, pids=37) as sb:
+            dirs = cgroup_dirs(sb.id, s.cgroups)
+            memory = [d for d in dirs if "/memory/" in d]
+            pids = [d for d in dirs if "/pids/" in d]
+            assert len(memory) == 1 and len(pids) == 1, dirs
+            assert Path(memory[0], "memory.limit_in_bytes").read_text() == f"{48 << 20}\n"
+            assert Path(pids[0], "pids.max").read_text() == "37\n"
+            assert sb.run("true").exit_code == 0
+            taken = before - spare_cgroup_sets(parents)
+            assert len(taken) == 1, f"not one spare set taken: {sorted(taken)}"
+        assert_no_leftovers(s, sb.id)
+    assert s.stop() == 0
+    assert not spare_cgroup_sets(parents), spare_cgroup_sets(parents)
 
 
 def test_stop_kills_a_sandbox_whatever_its_processes_do(

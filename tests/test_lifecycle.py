@@ -12,11 +12,14 @@ import pytest
 from dsec_testlib import (
     Server,
     assert_no_leftovers,
+    cgroup_mounts,
+    cgroup_parents,
     descendants,
     image_for,
     leftovers,
     mountinfo,
     procs_in,
+    spare_cgroup_sets,
     still_running,
     wait_until,
 )
@@ -121,7 +124,8 @@ def test_server_kill9_then_restart_cleans_up(
     make_server: Callable[..., Server],
 ) -> None:
     """...and the tmpfs of the sandboxes' records: it keeps them for the next server, which
-    adopts it (no second one stacked) and unmounts it at its stop."""
+    adopts it (no second one stacked) and unmounts it at its stop; and the spare cgroup sets
+    of a v1 host, which the next server removes at its start."""
     s = make_server()
     assert len(_sandboxes_tmpfs(s)) == 1, mountinfo()
     with s.client() as c:
@@ -136,11 +140,15 @@ def test_server_kill9_then_restart_cleans_up(
             assert leftovers(s, sb.id), "sanity: the host shows no trace of a live sandbox"
         for sb in sbs:
             assert (s.state_dir / "sandboxes" / sb.id / "record.json").is_file()
+        parents = cgroup_parents(s, sbs[0].id)
+        v1 = any(key == "memory" for _, key in cgroup_mounts())
+        assert not v1 or wait_until(lambda: spare_cgroup_sets(parents), 10)
         s.kill9()
         t.join(30)
     assert len(_sandboxes_tmpfs(s)) == 1, "a killed server cannot unmount"
     s.restart()
     assert len(_sandboxes_tmpfs(s)) == 1, f"stacked: {_sandboxes_tmpfs(s)}"
+    assert not spare_cgroup_sets(parents), "the spares of the killed server are left"
     for sb in sbs:
         assert_no_leftovers(s, sb.id, timeout=20)
     with s.client() as c2:
@@ -153,6 +161,7 @@ def test_server_kill9_then_restart_cleans_up(
             assert fresh.id not in {sb.id for sb in sbs}
         assert_no_leftovers(s, fresh.id)
     assert s.stop() == 0
+    assert not spare_cgroup_sets(parents), "spares outlived the server"
     assert not _sandboxes_tmpfs(s), _sandboxes_tmpfs(s)
     assert not (s.state_dir / "sandboxes.mount").exists()
 

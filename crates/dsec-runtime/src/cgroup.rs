@@ -27,10 +27,17 @@
 //! cgroup namespaces are delegation boundaries (`nsdelegate`) init could not place its
 //! commands in a cgroup outside its own namespace without a per-exec `cgroup.procs` write,
 //! which waits for an RCU grace period. On v2 init's protection is its OOM score.
+//!
+//! On v1 a sandbox's five `mkdir`s (the memory controller's alone ~0.3 ms) would be on its
+//! create's path; [`SpareCgroups`] makes sets ahead, named `.spare-<n>`, and a create
+//! renames one to the sandbox's id (v1 allows a rename within the parent) and writes its
+//! limits. cgroup2 refuses every rename, so on v2 each create makes its own.
 
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Which cgroup API the host offers.
@@ -119,6 +126,10 @@ pub struct InheritedLimits {
 
 /// The v1 memory cgroup, beside the sandboxes', that every init of the server lives in.
 const INITS_DIR: &str = "inits";
+/// The start of a spare set's name; a sandbox id never starts with a dot.
+const SPARE_PREFIX: &str = ".spare-";
+/// Spare sets kept on a v1 host: enough for a burst of creates one after another.
+const SPARE_SETS: usize = 4;
 /// v1 memory limits at or above this mean "no limit" (the kernel's `PAGE_COUNTER_MAX`
 /// in bytes, rounded to a page).
 const V1_UNLIMITED: u64 = 1 << 62;
@@ -319,11 +330,118 @@ impl CgroupLayout {
             .flatten()
             .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|name| name != INITS_DIR)
+            .filter(|name| name != INITS_DIR && !name.starts_with(SPARE_PREFIX))
             .collect();
         ids.sort();
         ids.dedup();
         ids
+    }
+
+    /// Removes the spare sets present on the host: what an earlier run left, or this
+    /// run's at its end.
+    pub fn remove_spares(&self) {
+        let names: Vec<String> = self
+            .bases()
+            .iter()
+            .filter_map(|b| fs::read_dir(b).ok())
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with(SPARE_PREFIX))
+            .collect();
+        for name in names {
+            let _ = self.sandbox(&name).destroy();
+        }
+    }
+}
+
+/// Sandbox cgroup sets made ahead on v1 hosts (see the module documentation).
+#[derive(Debug)]
+pub struct SpareCgroups {
+    layout: CgroupLayout,
+    /// The spares' names; `None` once closed (the server is stopping).
+    names: Mutex<Option<Vec<String>>>,
+    next: AtomicU64,
+    refilling: AtomicBool,
+}
+
+impl SpareCgroups {
+    /// Spares for `layout`'s sandboxes; none are made before [`refill`](Self::refill).
+    pub fn new(layout: CgroupLayout) -> SpareCgroups {
+        SpareCgroups {
+            layout,
+            names: Mutex::new(Some(Vec::new())),
+            next: AtomicU64::new(0),
+            refilling: AtomicBool::new(false),
+        }
+    }
+
+    fn names(&self) -> std::sync::MutexGuard<'_, Option<Vec<String>>> {
+        self.names
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether [`refill`](Self::refill) has anything to do.
+    pub fn short(&self) -> bool {
+        self.layout.version() == CgroupVersion::V1
+            && self.names().as_ref().is_some_and(|n| n.len() < SPARE_SETS)
+    }
+
+    /// Turns a spare into `cgroup`'s directories (renamed; limits not written yet);
+    /// whether there was one. A spare that cannot be renamed is removed.
+    pub fn take_as(&self, cgroup: &SandboxCgroup) -> bool {
+        let Some(name) = self.names().as_mut().and_then(Vec::pop) else {
+            return false;
+        };
+        let spare = self.layout.sandbox(&name);
+        for (done, (from, to)) in spare.dirs.iter().zip(&cgroup.dirs).enumerate() {
+            if let Err(e) = fs::rename(from, to) {
+                tracing::warn!(error = %e, from = %from.display(), "renaming a spare cgroup");
+                for (from, to) in spare.dirs.iter().zip(&cgroup.dirs).take(done) {
+                    let _ = fs::rename(to, from);
+                }
+                let _ = spare.destroy();
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Makes spares until there are [`SPARE_SETS`]; one caller at a time, the others
+    /// return at once. Blocking: a few `mkdir`s per spare.
+    pub fn refill(&self) {
+        if self.refilling.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        while self.short() {
+            let name = format!(
+                "{SPARE_PREFIX}{}",
+                self.next.fetch_add(1, Ordering::Relaxed)
+            );
+            let spare = self.layout.sandbox(&name);
+            if let Err(e) = spare.make_dirs() {
+                tracing::warn!(error = %e, "making a spare cgroup set");
+                let _ = spare.destroy();
+                break;
+            }
+            match self.names().as_mut() {
+                Some(names) => names.push(name),
+                // Closed while this one was made.
+                None => {
+                    let _ = spare.destroy();
+                    break;
+                }
+            }
+        }
+        self.refilling.store(false, Ordering::Release);
+    }
+
+    /// Removes every spare and makes no more (the server is stopping).
+    pub fn close(&self) {
+        for name in self.names().take().unwrap_or_default() {
+            let _ = self.layout.sandbox(&name).destroy();
+        }
     }
 }
 
@@ -415,9 +533,19 @@ impl SandboxCgroup {
 
     /// Makes the directories and writes the limits.
     pub fn create(&self, limits: &CgroupLimits) -> Result<(), CgroupError> {
+        self.make_dirs()?;
+        self.set_limits(limits)
+    }
+
+    fn make_dirs(&self) -> Result<(), CgroupError> {
         for dir in &self.dirs {
             fs::create_dir(dir).map_err(io_err("create", dir))?;
         }
+        Ok(())
+    }
+
+    /// Writes the limits.
+    pub fn set_limits(&self, limits: &CgroupLimits) -> Result<(), CgroupError> {
         // A float-to-integer `as` saturates (NaN and negatives to 0), and 1000 is the floor.
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let quota = ((limits.cpus * CFS_PERIOD_US as f64).round() as u64).max(1000);

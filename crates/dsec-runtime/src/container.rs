@@ -15,7 +15,9 @@ use std::time::Duration;
 use rustix::process::Pid;
 use serde::{Deserialize, Serialize};
 
-use crate::cgroup::{CgroupError, CgroupLayout, CgroupLimits, CgroupVersion, SandboxCgroup};
+use crate::cgroup::{
+    CgroupError, CgroupLayout, CgroupLimits, CgroupVersion, SandboxCgroup, SpareCgroups,
+};
 use crate::channel::Channel;
 pub use crate::channel::{ExecEvent, ExecHandle};
 use crate::files::FileError;
@@ -166,6 +168,7 @@ impl AsFd for UpperDir {
 pub struct ContainerRuntime {
     zygote: Zygote,
     layout: CgroupLayout,
+    spares: Arc<SpareCgroups>,
     sandboxes_dir: PathBuf,
     sysfs: Option<SharedSysfs>,
 }
@@ -198,6 +201,7 @@ impl ContainerRuntime {
     ) -> Self {
         ContainerRuntime {
             zygote,
+            spares: Arc::new(SpareCgroups::new(layout.clone())),
             layout,
             sandboxes_dir,
             sysfs,
@@ -235,6 +239,11 @@ impl ContainerRuntime {
                 return Err(e);
             }
         };
+        // The next create's cgroups, made while this sandbox serves its first requests.
+        if self.spares.short() {
+            let spares = Arc::clone(&self.spares);
+            tokio::task::spawn_blocking(move || spares.refill());
+        }
         let init_oom_kills = cgroup.init_oom_kills();
         Ok(Container {
             id,
@@ -271,7 +280,10 @@ impl ContainerRuntime {
                 serde_json::to_vec(&record).expect("serializes"),
             )
             .map_err(io_err("write", &record_path))?;
-            cgroup.create(&opts.cgroup_limits())?;
+            match self.spares.take_as(&cgroup) {
+                true => cgroup.set_limits(&opts.cgroup_limits())?,
+                false => cgroup.create(&opts.cgroup_limits())?,
+            }
             let spec = SandboxSpec {
                 id: opts.id.clone(),
                 dir: dir.clone(),
@@ -294,15 +306,19 @@ impl ContainerRuntime {
         }
     }
 
-    /// Removes this server's empty cgroup parents; call after every sandbox has stopped.
+    /// Removes the spare cgroup sets and this server's empty cgroup parents; call after
+    /// every sandbox has stopped.
     pub fn release_host(&self) {
+        self.spares.close();
         self.layout.remove_parents();
     }
 
     /// Removes what an earlier run of the server left: the processes, cgroups and
     /// directories of every sandbox recorded under the state dir, and cgroups in this
-    /// server's own `dsec-<tag>` parents. Returns the ids cleaned.
+    /// server's own `dsec-<tag>` parents (spare sets included). Returns the ids of the
+    /// sandboxes cleaned.
     pub fn clean_leftovers(&self) -> Vec<String> {
+        self.layout.remove_spares();
         let mut cleaned = Vec::new();
         if let Ok(entries) = std::fs::read_dir(&self.sandboxes_dir) {
             for entry in entries.flatten() {
