@@ -28,8 +28,9 @@
 //! per-namespace subsystem initialises its state, against ~0.2 ms for the other four
 //! namespaces together), so the zygote makes a few ahead while it waits for requests
 //! ([`SpareNetworks`]): a create takes one and init enters it (`setns`) before anything
-//! else, and the clone makes a namespace only when none is left. Each spare is a fresh,
-//! never-entered namespace; none is reused from a stopped sandbox.
+//! else, and the clone makes a namespace only when none is left. Each spare is fresh (the
+//! zygote enters it only to bring its loopback up and open it); none is reused from a
+//! stopped sandbox.
 //!
 //! The zygote dies with the server (`PDEATHSIG`), and each init dies with the zygote, so a
 //! killed server takes its sandboxes along.
