@@ -322,7 +322,24 @@ impl CgroupLayout {
     /// Sandbox cgroups present on the host, whether or not this run created them: what a
     /// crashed earlier run left behind.
     pub fn existing_sandboxes(&self) -> Vec<String> {
-        let mut ids: Vec<String> = self
+        self.children()
+            .into_iter()
+            .filter(|name| name != INITS_DIR && !name.starts_with(SPARE_PREFIX))
+            .collect()
+    }
+
+    /// Removes the spare sets present on the host: what an earlier run left.
+    pub fn remove_spares(&self) {
+        for name in self.children() {
+            if name.starts_with(SPARE_PREFIX) {
+                let _ = self.sandbox(&name).destroy();
+            }
+        }
+    }
+
+    /// The names of the cgroups in the `dsec-<tag>` parents, each once.
+    fn children(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
             .bases()
             .iter()
             .filter_map(|b| fs::read_dir(b).ok())
@@ -330,28 +347,10 @@ impl CgroupLayout {
             .flatten()
             .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|name| name != INITS_DIR && !name.starts_with(SPARE_PREFIX))
             .collect();
-        ids.sort();
-        ids.dedup();
-        ids
-    }
-
-    /// Removes the spare sets present on the host: what an earlier run left, or this
-    /// run's at its end.
-    pub fn remove_spares(&self) {
-        let names: Vec<String> = self
-            .bases()
-            .iter()
-            .filter_map(|b| fs::read_dir(b).ok())
-            .flatten()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|name| name.starts_with(SPARE_PREFIX))
-            .collect();
-        for name in names {
-            let _ = self.sandbox(&name).destroy();
-        }
+        names.sort();
+        names.dedup();
+        names
     }
 }
 
@@ -359,7 +358,8 @@ impl CgroupLayout {
 #[derive(Debug)]
 pub struct SpareCgroups {
     layout: CgroupLayout,
-    /// The spares' names; `None` once closed (the server is stopping).
+    /// The spares' names; `None` where none are kept (cgroup2) or once closed (the
+    /// server is stopping).
     names: Mutex<Option<Vec<String>>>,
     next: AtomicU64,
     refilling: AtomicBool,
@@ -368,9 +368,10 @@ pub struct SpareCgroups {
 impl SpareCgroups {
     /// Spares for `layout`'s sandboxes; none are made before [`refill`](Self::refill).
     pub fn new(layout: CgroupLayout) -> SpareCgroups {
+        let kept = layout.version() == CgroupVersion::V1;
         SpareCgroups {
             layout,
-            names: Mutex::new(Some(Vec::new())),
+            names: Mutex::new(kept.then(Vec::new)),
             next: AtomicU64::new(0),
             refilling: AtomicBool::new(false),
         }
@@ -384,8 +385,7 @@ impl SpareCgroups {
 
     /// Whether [`refill`](Self::refill) has anything to do.
     pub fn short(&self) -> bool {
-        self.layout.version() == CgroupVersion::V1
-            && self.names().as_ref().is_some_and(|n| n.len() < SPARE_SETS)
+        self.names().as_ref().is_some_and(|n| n.len() < SPARE_SETS)
     }
 
     /// Turns a spare into `cgroup`'s directories (renamed; limits not written yet);

@@ -23,9 +23,9 @@ use crate::procfs::{self, pid_namespace};
 /// Rounds after which the tree is killed even if it is still growing (a fork bomb outruns
 /// any scan; the members stopped so far no longer fork, so this only bounds the time).
 const MAX_ROUNDS: usize = 64;
-/// How long a round waits for its members to stop before it scans anyway: a process in an
-/// uninterruptible sleep (or a `vfork` parent, until its child execs) stops only when it
-/// wakes.
+/// How long one kill waits, over all its rounds, for members to stop before it scans
+/// anyway: a process in an uninterruptible sleep (or a `vfork` parent, until its child
+/// execs) stops only when it wakes, and a tree of such must not hold the killer for long.
 const STOP_WAIT: Duration = Duration::from_millis(100);
 
 /// Kills the tree of `main` (see the module documentation).
@@ -41,9 +41,10 @@ pub fn kill_tree(main: i32, namespace: Option<u64>) {
     };
     let own_session = procfs::Stat::read(main).is_some_and(|s| s.session == main);
     let mut members: Vec<(i32, OwnedFd)> = vec![(main, main_fd)];
+    let stop_deadline = Instant::now() + STOP_WAIT;
     for _ in 0..MAX_ROUNDS {
         signal(&members, Signal::STOP);
-        wait_stopped(&members);
+        wait_stopped(&members, stop_deadline);
         let before = members.len();
         let procs: Vec<(i32, procfs::Stat)> = procfs::pids()
             .into_iter()
@@ -81,9 +82,8 @@ pub fn kill_namespace_init(pid: i32) {
     }
 }
 
-/// Waits (at most [`STOP_WAIT`]) until every member is stopped or dead.
-fn wait_stopped(members: &[(i32, OwnedFd)]) {
-    let deadline = Instant::now() + STOP_WAIT;
+/// Waits until every member is stopped or dead, or `deadline` passes.
+fn wait_stopped(members: &[(i32, OwnedFd)], deadline: Instant) {
     for (pid, _) in members {
         while procfs::Stat::read(*pid).is_some_and(|s| !matches!(s.state, 'T' | 't' | 'Z' | 'X')) {
             if Instant::now() >= deadline {

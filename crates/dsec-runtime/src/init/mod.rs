@@ -161,7 +161,7 @@ fn prepare(
     let _ = rustix::process::set_parent_process_death_signal(Some(Signal::KILL));
     // First: what is mounted below (sysfs) and set up (loopback) is the namespace's. A
     // spare's loopback is up already (the zygote brought it up when it made it).
-    let loopback_up = network.is_some();
+    let loopback_is_up = network.is_some();
     if let Some(network) = network {
         nix::sched::setns(&network, nix::sched::CloneFlags::CLONE_NEWNET)
             .map_err(|e| setup_error(InitStage::JoinNetworkNamespace, e, Some(e as i32)))?;
@@ -215,7 +215,7 @@ fn prepare(
         ),
     };
     crate::rootfs::set_hostname(&spec.id).map_err(|e| io(InitStage::Sethostname, e))?;
-    if !loopback_up {
+    if !loopback_is_up {
         crate::rootfs::loopback_up().map_err(|e| io(InitStage::Loopback, e))?;
     }
     let _ = rustix::stdio::dup2_stdin(&devnull);

@@ -29,6 +29,24 @@ const MAX_LINK_ARCHIVE: u64 = 64 << 10;
 /// A file's archive beyond its size: headers, long names, padding.
 pub(super) const ARCHIVE_OVERHEAD: u64 = 64 << 10;
 
+/// Whether the daemon failed because a command changed the path while the daemon worked
+/// on it (after dsec resolved it): a directory on it swapped for a file or a link (or
+/// back) or removed — the daemon, told never to replace one with the other, refuses, or
+/// finds a file where it was to make a missing directory, or the directory gone — or a
+/// link swapped for a file between the daemon's `lstat` and its `readlink` (`EINVAL`).
+pub(super) fn changed_under_the_daemon(message: &str) -> bool {
+    message.contains("cannot overwrite")
+        || (message.contains("readlink") && message.contains("invalid argument"))
+        || (message.contains("Error processing tar file")
+            && [
+                "file exists",
+                "not a directory",
+                "no such file or directory",
+            ]
+            .iter()
+            .any(|m| message.contains(m)))
+}
+
 impl Inner {
     /// The archive of `path` (a resolved path), spooled to an anonymous file; `None` when
     /// it is larger than `limit`.
@@ -38,10 +56,8 @@ impl Inner {
             .build();
         let stream = self.docker.download_from_container(&self.id, Some(opts));
         spool(stream, limit).await.map_err(|e| match &e {
-            // The daemon `lstat`ed a link and a command swapped it for a file before the
-            // daemon's `readlink`: the path changed while it was read.
             DockerError::DockerResponseServerError { message, .. }
-                if message.contains("readlink") && message.contains("invalid argument") =>
+                if changed_under_the_daemon(message) =>
             {
                 ApiError::conflict(format!(
                     "reading {path:?}: the path changed in the sandbox while it was read \

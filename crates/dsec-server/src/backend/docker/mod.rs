@@ -394,16 +394,8 @@ impl Sandbox for DockerSandbox {
                     path: path.to_owned(),
                 })
             }
-            // A directory on the path was swapped for a file or a link (or back), or
-            // removed, after it was resolved: the daemon, told never to replace one with the
-            // other, refused, found a file where it was to make one of the missing
-            // directories, or found the directory gone.
             DockerError::DockerResponseServerError { message, .. }
-                if message.contains("cannot overwrite")
-                    || (message.contains("Error processing tar file")
-                        && (message.contains("file exists")
-                            || message.contains("not a directory")
-                            || message.contains("no such file or directory"))) =>
+                if archive::changed_under_the_daemon(message) =>
             {
                 ApiError::conflict(format!(
                     "writing {path:?}: the path changed in the sandbox while it was written \
