@@ -328,6 +328,55 @@ def test_device_nodes_of_an_image_do_not_open_in_the_sandbox(
         assert r.exit_code == 0 and r.stdout.strip() == "4", r.stderr
 
 
+#: Where a root's builder mounts or makes directories, as a link an image may carry
+#: (relative or to a host directory), and the backend that builds it.
+LINKED_MOUNT_POINTS = [
+    ("dev", "container", "host"),
+    ("proc", "container", "tmp"),
+    ("sys", "container", "host"),
+    (".dsec", "fncall", "host"),
+    (".dsec/layers", "fncall", "host"),
+]
+
+
+@pytest.mark.parametrize(("link", "backend", "to"), LINKED_MOUNT_POINTS)
+def test_a_link_an_image_carries_where_the_root_is_built_is_refused(
+    client: dsec.Client,
+    busybox_rootfs: Path,
+    open_base: Path,
+    link: str,
+    backend: str,
+    to: str,
+) -> None:
+    """The root is built before the pivot, where a link is followed from the host's `/`:
+    an image whose `/.dsec` led to a host directory had each fncall worker make its
+    directories there, and a linked `/dev`, `/proc` or `/sys` put the mount elsewhere.
+    Such an image is refused, saying which path, and nothing lands on the host."""
+    tag = link.replace("/", "-").strip(".-")
+    probe = open_base / f"probe-{tag}"
+    probe.mkdir()
+    rootfs = open_base / f"linked-{tag}-rootfs"
+    subprocess.run(["cp", "-a", str(busybox_rootfs), str(rootfs)], check=True)
+    path = rootfs / link
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        shutil.rmtree(path)
+    path.symlink_to(probe if to == "host" else to)
+    image = client.import_image(str(rootfs), name=f"linked-{tag}").name
+    try:
+        with pytest.raises(dsec.InvalidArgument) as refused:
+            if backend == "fncall":
+                client.call(["/bin/true"], image=image, timeout=30)
+            else:
+                client.create(image=image).stop()
+        message = str(refused.value)
+        assert "symbolic link" in message and f" /{link}:" in message, message
+        assert list(probe.iterdir()) == [], "the root's builder wrote on the host"
+    finally:
+        client.delete_image(image)
+        safe_rmtree(rootfs)
+
+
 def test_store_mounts_are_adopted_after_a_crash_and_gone_after_stop(
     server: Server,
 ) -> None:

@@ -22,7 +22,7 @@ use crate::channel::Channel;
 pub use crate::channel::{ExecEvent, ExecHandle};
 use crate::files::FileError;
 use crate::procfs::Stat;
-use crate::proto::{ExecSpec, InitError};
+use crate::proto::{ExecSpec, InitError, InitStage};
 use crate::rootfs::SharedSysfs;
 use crate::spec::SandboxSpec;
 use crate::zygote::{Init, Zygote, ZygoteError};
@@ -66,6 +66,15 @@ pub enum RuntimeError {
     /// The control channel broke or misbehaved.
     #[error("control channel: {0}")]
     Channel(String),
+}
+
+impl RuntimeError {
+    /// The image cannot make a root: it has a symbolic link where the root's mounts go
+    /// (see `rootfs::Root`). The caller's input, not the host's failure.
+    pub fn is_unusable_image(&self) -> bool {
+        matches!(self, RuntimeError::Setup(e)
+            if e.stage == InitStage::Rootfs && e.errno == Some(libc::ELOOP))
+    }
 }
 
 fn io_err<'a>(

@@ -11,11 +11,12 @@
 
 use std::ffi::CString;
 use std::fs;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 
-use rustix::fs::{FileType, Mode};
+use rustix::fs::{FileType, Mode, OFlags, ResolveFlags};
+use rustix::io::Errno;
 use rustix::mount::{
     mount, mount_bind, mount_bind_recursive, mount_change, mount_move, mount_remount, MountFlags,
     MountPropagationFlags, UnmountFlags,
@@ -121,10 +122,11 @@ pub fn setup(spec: &SandboxSpec) -> Result<OwnedFd, RootfsError> {
     let rootfs = spec.dir.join("rootfs");
     let rw = spec.dir.join("rw");
     let upper = build_overlay(&rw, &rootfs, &spec.layers, spec.disk_bytes)?;
+    let root = Root::open(&rootfs)?;
     if spec.worker {
-        expose_layers(&rootfs, &spec.layers)?;
+        expose_layers(&root, &spec.layers)?;
     } else {
-        build_view(&rootfs, &rw, Pid1::Protected, spec.sysfs.as_deref())?;
+        build_view(&root, &rw, Pid1::Protected, spec.sysfs.as_deref())?;
     }
     pivot(&rootfs)?;
     Ok(upper)
@@ -156,12 +158,13 @@ pub fn prepare_call_root(layer_count: usize, disk_bytes: u64) -> Result<(), Root
         .collect();
     let (rootfs, rw) = (base.join("root"), base.join("rw"));
     build_overlay(&rw, &rootfs, &layers, disk_bytes)?;
-    mount_dev_sys(&rootfs, &rw, None)?;
+    let root = Root::open(&rootfs)?;
+    mount_dev_sys(&root, &rw, None)?;
     let empty = make_empty_dir(&rw)?;
-    mask_all(&rootfs, &empty, non_proc(MASKED_PATHS), &mut None)?;
+    mask_all(&root, &empty, non_proc(MASKED_PATHS), &mut None)?;
     bind_with(
         &empty,
-        &ensure_dir(&rootfs.join("proc"))?,
+        &root.dir("proc")?,
         MountFlags::RDONLY | NOSUID_NODEV_NOEXEC,
     )?;
     pivot(&rootfs)
@@ -171,7 +174,7 @@ pub fn prepare_call_root(layer_count: usize, disk_bytes: u64) -> Result<(), Root
 /// namespace, in the root [`prepare_call_root`] built and pivoted into: its `/proc`,
 /// masked and read-only paths.
 pub fn finish_call_root() -> Result<(), RootfsError> {
-    let root = Path::new("/");
+    let root = Root::open(Path::new("/"))?;
     let proc_dir = Path::new("/proc");
     // The empty directory on /proc, named through this descriptor once proc covers it.
     let empty = rustix::fs::open(
@@ -180,10 +183,10 @@ pub fn finish_call_root() -> Result<(), RootfsError> {
         rustix::fs::Mode::empty(),
     )
     .step("open", proc_dir)?;
-    mount_proc(root)?;
+    mount_proc(&root)?;
     // Already a read-only bind: masks bind it as it is.
     let empty = PathBuf::from(format!("/proc/self/fd/{}", empty.as_raw_fd()));
-    mount_proc_masks(root, &empty, Pid1::Alone, &mut Some(empty.clone()))
+    mount_proc_masks(&root, &empty, Pid1::Alone, &mut Some(empty.clone()))
 }
 
 /// Builds a VM guest's root on `rootfs` and makes it `/`. Runs in the guest's agent
@@ -204,7 +207,7 @@ pub fn setup_guest(lowers: &[PathBuf], scratch: &Path, rootfs: &Path) -> Result<
         .collect();
     mount_overlay(&lowerdir.join(":"), &upper, &work, rootfs)?;
     let view = ensure_dir(Path::new("/.view"))?;
-    build_view(rootfs, &view, Pid1::Protected, None)?;
+    build_view(&Root::open(rootfs)?, &view, Pid1::Protected, None)?;
     rustix::process::chdir(rootfs).step("chdir", rootfs)?;
     mount_move(".", "/").step("move the new root over", Path::new("/"))?;
     rustix::process::chroot(".").step("chroot", rootfs)?;
@@ -336,17 +339,17 @@ enum Pid1 {
 /// a superblock per sandbox costs as much as the rest of the sandbox.
 /// `sysfs`: a [`SharedSysfs`] to bind, else the root gets a sysfs of its own.
 fn build_view(
-    rootfs: &Path,
+    root: &Root<'_>,
     scratch: &Path,
     pid1: Pid1,
     sysfs: Option<&Path>,
 ) -> Result<(), RootfsError> {
-    mount_proc(rootfs)?;
-    mount_dev_sys(rootfs, scratch, sysfs)?;
+    mount_proc(root)?;
+    mount_dev_sys(root, scratch, sysfs)?;
     let empty = make_empty_dir(scratch)?;
     let mut masked_dir = None;
-    mask_all(rootfs, &empty, non_proc(MASKED_PATHS), &mut masked_dir)?;
-    mount_proc_masks(rootfs, &empty, pid1, &mut masked_dir)
+    mask_all(root, &empty, non_proc(MASKED_PATHS), &mut masked_dir)?;
+    mount_proc_masks(root, &empty, pid1, &mut masked_dir)
 }
 
 /// The empty directory masks bind, made in `scratch`.
@@ -361,23 +364,23 @@ fn non_proc<'a>(paths: &'a [&'a str]) -> impl Iterator<Item = &'a str> {
     paths.iter().copied().filter(|p| !p.starts_with("/proc/"))
 }
 
-/// Masks each of `paths` in `rootfs`: a directory with `empty` (read-only), a file with
+/// Masks each of `paths` in `root`: a directory with `empty` (read-only), a file with
 /// `/dev/null`; see [`mask`] for `masked_dir`.
 fn mask_all<'a>(
-    rootfs: &Path,
+    root: &Root<'_>,
     empty: &Path,
     paths: impl Iterator<Item = &'a str>,
     masked_dir: &mut Option<PathBuf>,
 ) -> Result<(), RootfsError> {
     for path in paths {
-        mask(rootfs, path, empty, masked_dir)?;
+        mask(root, path, empty, masked_dir)?;
     }
     Ok(())
 }
 
-/// The masked and read-only paths under `rootfs`'s mounted `/proc`.
+/// The masked and read-only paths under `root`'s mounted `/proc`.
 fn mount_proc_masks(
-    rootfs: &Path,
+    root: &Root<'_>,
     empty: &Path,
     pid1: Pid1,
     masked_dir: &mut Option<PathBuf>,
@@ -387,30 +390,26 @@ fn mount_proc_masks(
         .copied()
         .filter(|p| p.starts_with("/proc/"))
         .chain((pid1 == Pid1::Protected).then_some(PID1_MASKED));
-    mask_all(rootfs, empty, masked, masked_dir)?;
+    mask_all(root, empty, masked, masked_dir)?;
     let readonly = READONLY_PATHS
         .iter()
         .chain(PID1_READONLY.iter().filter(|_| pid1 == Pid1::Protected));
     for path in readonly {
-        make_readonly(&rootfs.join(&path[1..]))?;
+        if let Some((target, _)) = root.existing(path)? {
+            make_readonly(&target)?;
+        }
     }
     Ok(())
 }
 
 /// Binds each image layer read-only at `WORKER_DIR/layers/<i>` (topmost first, as
 /// overlayfs wants them) and makes the mount points a call needs.
-fn expose_layers(rootfs: &Path, layers: &[PathBuf]) -> Result<(), RootfsError> {
-    let base = rootfs.join(&WORKER_DIR[1..]);
-    for dir in [
-        base.clone(),
-        base.join("layers"),
-        base.join("rw"),
-        base.join("root"),
-    ] {
-        ensure_dir(&dir)?;
+fn expose_layers(root: &Root<'_>, layers: &[PathBuf]) -> Result<(), RootfsError> {
+    for dir in ["", "/layers", "/rw", "/root"] {
+        root.dir(&format!("{WORKER_DIR}{dir}"))?;
     }
     for (i, layer) in layers.iter().enumerate() {
-        let target = ensure_dir(&base.join("layers").join(i.to_string()))?;
+        let target = root.dir(&format!("{WORKER_DIR}/layers/{i}"))?;
         mount_bind(layer, &target).step("bind layer on", &target)?;
         mount_remount(&target, MountFlags::BIND | MountFlags::RDONLY, "")
             .step("remount read-only", &target)?;
@@ -419,14 +418,14 @@ fn expose_layers(rootfs: &Path, layers: &[PathBuf]) -> Result<(), RootfsError> {
 }
 
 /// A procfs of the calling process's pid namespace on `rootfs`'s `/proc`.
-fn mount_proc(rootfs: &Path) -> Result<(), RootfsError> {
-    let proc_dir = ensure_dir(&rootfs.join("proc"))?;
+fn mount_proc(root: &Root<'_>) -> Result<(), RootfsError> {
+    let proc_dir = root.dir("/proc")?;
     mount("proc", &proc_dir, "proc", NOSUID_NODEV_NOEXEC, None).step("mount proc on", &proc_dir)
 }
 
 /// `/dev` (made in `scratch`, then bound: its files and `/dev/shm` count against the
 /// writable layer's size) and `/sys` (`sysfs` bound, or a sysfs of its own).
-fn mount_dev_sys(rootfs: &Path, scratch: &Path, sysfs: Option<&Path>) -> Result<(), RootfsError> {
+fn mount_dev_sys(root: &Root<'_>, scratch: &Path, sysfs: Option<&Path>) -> Result<(), RootfsError> {
     let dev = scratch.join("dev");
     fs::create_dir(&dev).step("mkdir", &dev)?;
     fs::set_permissions(&dev, std::os::unix::fs::PermissionsExt::from_mode(0o755))
@@ -462,7 +461,7 @@ fn mount_dev_sys(rootfs: &Path, scratch: &Path, sysfs: Option<&Path>) -> Result<
     // The writable layer's tmpfs is `nodev`; this one view of it is where the nodes open.
     let dev = bind_with(
         &dev,
-        &ensure_dir(&rootfs.join("dev"))?,
+        &root.dir("/dev")?,
         MountFlags::NOSUID | MountFlags::NOEXEC | MountFlags::STRICTATIME,
     )?;
     let pts = dev.join("pts");
@@ -475,7 +474,7 @@ fn mount_dev_sys(rootfs: &Path, scratch: &Path, sysfs: Option<&Path>) -> Result<
     )
     .step("mount devpts on", &pts)?;
 
-    let sys = ensure_dir(&rootfs.join("sys"))?;
+    let sys = root.dir("/sys")?;
     match sysfs {
         Some(shared) => bind_with(shared, &sys, NOSUID_NODEV_NOEXEC | MountFlags::RDONLY).map(drop),
         None => mount(
@@ -564,8 +563,94 @@ impl Drop for SharedSysfs {
     }
 }
 
-/// Creates a mount point the image may lack; the write lands in the sandbox's upper
-/// layer, never in the shared image.
+/// A root being built, whose paths are the image's: every mount point and directory made
+/// under it is looked up beneath it, and no symbolic link on the way is followed.
+///
+/// Before the pivot, a link an image carries would be followed from the host's `/`: an
+/// image whose `/.dsec` was a link to `/etc` had a fncall worker make directories in the
+/// host's `/etc`, and a linked `/proc` or `/dev` put its mount outside the root. After the
+/// pivot (a call's root) it would lead elsewhere in the sandbox, not where dsec means to
+/// mount. Images have real directories there, so a link is refused (`ELOOP`, saying
+/// where), not resolved. The image cannot change while this runs: its layers are
+/// read-only, the writable layer is new, and nothing of the sandbox runs yet.
+struct Root<'a> {
+    path: &'a Path,
+    fd: OwnedFd,
+}
+
+/// Beneath the root, no link of any kind.
+const NO_LINKS: ResolveFlags = ResolveFlags::BENEATH.union(ResolveFlags::NO_SYMLINKS);
+
+impl<'a> Root<'a> {
+    /// Opens `path`, where the root is mounted already (the descriptor names that mount).
+    fn open(path: &'a Path) -> Result<Self, RootfsError> {
+        let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        let fd = rustix::fs::open(path, flags, Mode::empty()).step("open", path)?;
+        Ok(Root { path, fd })
+    }
+
+    /// `path` (written from the root: `/proc/kcore`) under the root and what it is, if it
+    /// is there.
+    fn existing(&self, path: &str) -> Result<Option<(PathBuf, FileType)>, RootfsError> {
+        let rel = path.trim_start_matches('/');
+        let full = self.path.join(rel);
+        let flags = OFlags::PATH | OFlags::CLOEXEC;
+        match rustix::fs::openat2(&self.fd, rel, flags, Mode::empty(), NO_LINKS) {
+            Ok(fd) => {
+                let stat = rustix::fs::fstat(&fd).step("stat", &full)?;
+                Ok(Some((full, FileType::from_raw_mode(stat.st_mode))))
+            }
+            Err(Errno::NOENT) => Ok(None),
+            Err(e) => Err(self.refusal(e, path, &full)),
+        }
+    }
+
+    /// `path` under the root, a directory made if missing (in the writable layer, never
+    /// in the shared image); its parent must be there.
+    fn dir(&self, path: &str) -> Result<PathBuf, RootfsError> {
+        if let Some((full, _)) = self.existing(path)? {
+            return Ok(full);
+        }
+        let rel = Path::new(path.trim_start_matches('/'));
+        let full = self.path.join(rel);
+        let (parent, name) = match (rel.parent(), rel.file_name()) {
+            (Some(parent), Some(name)) => (parent, name),
+            _ => return Err(Errno::INVAL).step("mkdir", &full),
+        };
+        let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        let parent_fd = if parent.as_os_str().is_empty() {
+            None
+        } else {
+            match rustix::fs::openat2(&self.fd, parent, flags, Mode::empty(), NO_LINKS) {
+                Ok(fd) => Some(fd),
+                Err(e) => return Err(self.refusal(e, path, &full)),
+            }
+        };
+        let at = parent_fd.as_ref().map_or(self.fd.as_fd(), AsFd::as_fd);
+        rustix::fs::mkdirat(at, name, Mode::from_bits_truncate(0o777)).step("mkdir", &full)?;
+        Ok(full)
+    }
+
+    /// A failed look-up of `path` (`full` on the host): a link on the way is named as the
+    /// image has it.
+    fn refusal(&self, e: Errno, path: &str, full: &Path) -> RootfsError {
+        let (step, path) = match e {
+            Errno::LOOP | Errno::XDEV => (
+                "the image has a symbolic link (dsec follows none where it mounts) at or above",
+                Path::new(path),
+            ),
+            _ => ("open", full),
+        };
+        RootfsError {
+            step,
+            path: path.to_owned(),
+            source: e.into(),
+        }
+    }
+}
+
+/// Creates a directory in dsec's own scratch space (or the guest's), where no image path
+/// leads; see [`Root::dir`] for directories in a root.
 fn ensure_dir(path: &Path) -> Result<PathBuf, RootfsError> {
     match fs::create_dir(path) {
         Ok(()) => Ok(path.to_owned()),
@@ -578,17 +663,16 @@ fn ensure_dir(path: &Path) -> Result<PathBuf, RootfsError> {
 /// of `empty`. The first directory masked (`masked_dir`) is bound and remounted read-only;
 /// the others bind it, inheriting its flags: one remount per sandbox, not one per mask.
 fn mask(
-    rootfs: &Path,
+    root: &Root<'_>,
     path: &str,
     empty: &Path,
     masked_dir: &mut Option<PathBuf>,
 ) -> Result<(), RootfsError> {
-    let target = rootfs.join(&path[1..]);
-    let Ok(meta) = fs::symlink_metadata(&target) else {
+    let Some((target, file_type)) = root.existing(path)? else {
         return Ok(());
     };
-    if !meta.is_dir() {
-        return mount_bind(rootfs.join("dev/null"), &target).step("mask", &target);
+    if file_type != FileType::Directory {
+        return mount_bind(root.path.join("dev/null"), &target).step("mask", &target);
     }
     match masked_dir {
         Some(first) => mount_bind(&*first, &target).step("mask", &target),
@@ -609,9 +693,6 @@ fn bind_with(source: &Path, target: &Path, flags: MountFlags) -> Result<PathBuf,
 }
 
 fn make_readonly(target: &Path) -> Result<(), RootfsError> {
-    if fs::symlink_metadata(target).is_err() {
-        return Ok(());
-    }
     mount_bind_recursive(target, target).step("bind", target)?;
     mount_remount(
         target,

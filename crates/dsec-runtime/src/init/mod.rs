@@ -206,7 +206,8 @@ fn prepare(
         .write(true)
         .open("/dev/null")
         .map_err(|e| io(InitStage::OpenDevNull, e))?;
-    let upper = crate::rootfs::setup(spec).map_err(|e| setup_error(InitStage::Rootfs, &e, None))?;
+    let upper = crate::rootfs::setup(spec)
+        .map_err(|e| setup_error(InitStage::Rootfs, &e, Some(e.errno())))?;
     let files = match spec.worker {
         true => None,
         false => Some(

@@ -10,7 +10,7 @@ use dsec_image::{Image, ImageStore, MountedImage};
 use dsec_net::{Attachment, NetError, Networking, Policy};
 use dsec_runtime::cgroup::CgroupLimits;
 use dsec_runtime::container::{
-    Container, ContainerRuntime, CreateOptions, ExecEvent, ExecHandle, InitExit,
+    Container, ContainerRuntime, CreateOptions, ExecEvent, ExecHandle, InitExit, RuntimeError,
 };
 use dsec_runtime::proto::{ExecExit, ExecFile, ExecSpec};
 
@@ -98,7 +98,7 @@ impl Backend for ContainerBackend {
                         c.stop().await;
                         None
                     }
-                    Err(e) => Some(ApiError::internal(format!("creating the container: {e}"))),
+                    Err(e) => Some(creating_failed(&req.image, &e)),
                 };
                 let net_failed = match a {
                     Ok(Some(a)) => {
@@ -179,6 +179,15 @@ pub(crate) fn exit_status(exit: &ExecExit, container: &Container) -> ExitStatus 
     // The killed process may be a child (the shell then exits 137 itself): ask the
     // cgroup, not the exit status.
     super::exec_exit_status(exit, container.take_oom_kill())
+}
+
+/// A failed create of a container from `image`: the caller's error when the image cannot
+/// make a root, the host's otherwise.
+pub(crate) fn creating_failed(image: &str, e: &RuntimeError) -> ApiError {
+    match e.is_unusable_image() {
+        true => ApiError::invalid(format!("image {image:?} cannot be a sandbox's root: {e}")),
+        false => ApiError::internal(format!("creating the container: {e}")),
+    }
 }
 
 /// The runtime's options for a sandbox request.

@@ -49,7 +49,7 @@ use dsec_runtime::proto::{ExecSpec, ExecStep};
 use rand::Rng;
 use tokio::sync::Notify;
 
-use super::container::{carry, create_options, exit_status, run, ContainerOutput};
+use super::container::{carry, create_options, creating_failed, exit_status, run, ContainerOutput};
 use super::{
     Backend, CommandSpec, Created, ExitStatus, FileRead, FileWatch, FileWrite, ImageDefaults,
     MakeDir, MovePath, Output, OutputStream, RemovePath, Sandbox, SandboxRequest, Upload,
@@ -113,6 +113,9 @@ struct Pool {
     demand_changed: Notify,
     /// The budget's last refusal and when it came, while the pool cannot grow.
     refused: Mutex<Option<(Instant, ApiError)>>,
+    /// The last worker's create that failed for a reason another try cannot mend (the
+    /// image cannot make a root), and when: calls waiting then get it, not a timeout.
+    unusable: Mutex<Option<(Instant, ApiError)>>,
 }
 
 impl Pool {
@@ -140,6 +143,13 @@ impl Pool {
     fn give_back(&self, worker: Worker) {
         self.ready.lock().expect("lock").push_back(worker);
         self.ready_changed.notify_one();
+    }
+
+    /// Why no worker can be made, if a create after `since` said so.
+    fn unusable_since(&self, since: Instant) -> Option<ApiError> {
+        let unusable = self.unusable.lock().expect("lock");
+        let (at, error) = unusable.as_ref()?;
+        (*at >= since).then(|| error.clone())
     }
 
     /// The budget's refusal, if one came after `since` and no worker is on its way.
@@ -242,6 +252,7 @@ impl FnCallBackend {
             ready_changed: Notify::new(),
             demand_changed: Notify::new(),
             refused: Mutex::new(None),
+            unusable: Mutex::new(None),
         });
         pools.insert(key, Arc::clone(&pool));
         if let Some(me) = self.me.upgrade() {
@@ -367,6 +378,11 @@ impl FnCallBackend {
             Err(e) => {
                 self.total.fetch_sub(1, Ordering::AcqRel);
                 tracing::warn!(image = %pool.key.image, error = %e, "creating a fncall worker");
+                if e.is_unusable_image() {
+                    let error = creating_failed(&pool.key.image, &e);
+                    *pool.unusable.lock().expect("lock") = Some((Instant::now(), error));
+                    pool.ready_changed.notify_waiters();
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
@@ -619,6 +635,9 @@ impl FnCallSandbox {
             let ready = self.pool.ready_changed.notified();
             if let Some(w) = self.pool.take() {
                 break Ok(w);
+            }
+            if let Some(error) = self.pool.unusable_since(started) {
+                break Err(error);
             }
             let refused = self.pool.refused_since(started);
             if on_refusal == Refusal::Fail {
