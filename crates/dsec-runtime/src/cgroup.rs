@@ -36,7 +36,7 @@
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -362,7 +362,9 @@ pub struct SpareCgroups {
     /// server is stopping).
     names: Mutex<Option<Vec<String>>>,
     next: AtomicU64,
-    refilling: AtomicBool,
+    /// Held by the one refill at work, and by [`close`](Self::close) so that no refill
+    /// is still making a set when the parents are removed.
+    refilling: Mutex<()>,
 }
 
 impl SpareCgroups {
@@ -373,7 +375,7 @@ impl SpareCgroups {
             layout,
             names: Mutex::new(kept.then(Vec::new)),
             next: AtomicU64::new(0),
-            refilling: AtomicBool::new(false),
+            refilling: Mutex::new(()),
         }
     }
 
@@ -411,9 +413,9 @@ impl SpareCgroups {
     /// Makes spares until there are [`SPARE_SETS`]; one caller at a time, the others
     /// return at once. Blocking: a few `mkdir`s per spare.
     pub fn refill(&self) {
-        if self.refilling.swap(true, Ordering::AcqRel) {
+        let Ok(_refilling) = self.refilling.try_lock() else {
             return;
-        }
+        };
         while self.short() {
             let name = format!(
                 "{SPARE_PREFIX}{}",
@@ -425,20 +427,19 @@ impl SpareCgroups {
                 let _ = spare.destroy();
                 break;
             }
-            match self.names().as_mut() {
-                Some(names) => names.push(name),
-                // Closed while this one was made.
-                None => {
-                    let _ = spare.destroy();
-                    break;
-                }
+            if let Some(names) = self.names().as_mut() {
+                names.push(name);
             }
         }
-        self.refilling.store(false, Ordering::Release);
     }
 
-    /// Removes every spare and makes no more (the server is stopping).
+    /// Removes every spare and makes no more (the server is stopping), once a refill at
+    /// work has finished its set.
     pub fn close(&self) {
+        let _refilling = self
+            .refilling
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         for name in self.names().take().unwrap_or_default() {
             let _ = self.layout.sandbox(&name).destroy();
         }
