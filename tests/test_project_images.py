@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,12 +15,21 @@ from dsec_testlib import Server
 from test_projects import ADMIN, cli, new_project
 
 
-@pytest.fixture
-def srv(make_server: Callable[..., Server], tmp_path: Path) -> Server:
-    f = tmp_path / "token"
+def admin_token(d: Path) -> Path:
+    """The admin's token, in a file of `d`."""
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / "token"
     f.write_text(ADMIN + "\n")
     f.chmod(0o600)
-    return make_server(token_file=f)
+    return f
+
+
+@pytest.fixture
+def srv(make_server: Callable[..., Server], tmp_path: Path, busybox_rootfs: Path) -> Server:
+    """Projects may import the busybox rootfs by its path: it is an import root."""
+    return make_server(
+        token_file=admin_token(tmp_path), extra_args=["--import-root", str(busybox_rootfs)]
+    )
 
 
 def names(c: dsec.Client) -> set[str]:
@@ -119,3 +129,33 @@ def test_project_images_over_http_cli_and_project_delete(
         # Deleting the project deletes its images: nothing is left that nobody can reach.
         admin.delete_project("cli-a")
         assert not any(n.startswith("cli-a/") for n in names(admin))
+
+
+def test_a_project_imports_host_paths_only_beneath_an_import_root(
+    make_server: Callable[..., Server], tmp_path: Path, busybox_rootfs: Path
+) -> None:
+    """A host path is read with the server's rights: a project that imported `/etc` would
+    read the host's secrets from its sandbox. A project's token imports a path only
+    beneath a `--import-root` (a link out of one counts as outside, and a path elsewhere
+    is refused whether it exists or not), never from the host's Docker daemon; the
+    admin's imports any."""
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    shutil.copytree(busybox_rootfs, shelf / "rootfs", symlinks=True)
+    (shelf / "escape").symlink_to("/etc")
+    s = make_server(token_file=admin_token(tmp_path), extra_args=["--import-root", str(shelf)])
+    bare = make_server(token_file=admin_token(tmp_path / "bare"), import_busybox=False)
+    with s.client(token=new_project(s, "shelf")) as c:
+        assert c.import_image(str(shelf / "rootfs"), name="mine").name == "shelf/mine"
+        for source in ("/etc", str(shelf / "escape"), "/no/such/dir", "docker://busybox"):
+            with pytest.raises(dsec.PermissionDenied, match="not a project's to import"):
+                c.import_image(source, name="stolen")
+        assert "shelf/stolen" not in names(c)
+        with c.create(image="mine") as sb:
+            assert sb.run("echo ok").stdout == "ok\n"
+    with bare.client(token=new_project(bare, "bare")) as c:
+        with pytest.raises(dsec.PermissionDenied, match="no --import-root"):
+            c.import_image(str(busybox_rootfs), name="mine")
+    with bare.client(token=ADMIN) as admin:
+        assert admin.import_image(str(busybox_rootfs), name="admins").name == "admins"
+

@@ -551,6 +551,8 @@ def sdk_table(res: dict[str, Any]) -> list[str]:
     for mode, label in [("sync", "sync"), ("async_c1", "async, 1 in flight"),
                         (f"async_c{c}", f"async, {c} in flight")]:  # fmt: skip
         for key, name in clients.items():
+            if mode != "sync":
+                name = name.replace("raw socket", "raw asyncio protocol")
             mine = g("cpu", mode, "sdk_run" if key == "raw_run" else "sdk_info", "cpu_us")
             v = g("cpu", mode, key, "cpu_us")
             if v is None:
@@ -609,7 +611,10 @@ def sdk_table(res: dict[str, Any]) -> list[str]:
         "clients make the same `GET /v1/sandboxes/{id}` as `info()` (the raw socket also the "
         "same exec as `run`) and parse its JSON; their rows show the SDK's figure first and "
         "theirs second. The raw socket is the least a Python client can do (one blocking "
-        "socket, no timeouts, no pool): what is left above it is the SDK's own.  "
+        "socket, no timeouts, no pool), the raw asyncio protocol the least an asyncio one "
+        "can (an `asyncio.Protocol` per connection in flight, a future per answer): what is "
+        "left above them is the SDK's own. Where a floor is over the target, no client of "
+        "its kind meets it on that host.  "
     )
     out.append(
         f"ᵇ create → first exec of `/bin/true`, {c} in flight, all left running and stopped "

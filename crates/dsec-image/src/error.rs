@@ -64,6 +64,15 @@ pub enum ImageError {
         /// Whose it is (`the admin`, or `project "NAME"`).
         owner: String,
     },
+    /// A project asked for a source only the admin may import: a host path outside the
+    /// import roots, or the host's Docker daemon.
+    #[error("{input:?} is not a project's to import: {reason}")]
+    NotAllowed {
+        /// The source as given.
+        input: String,
+        /// Why, and what the project may import instead.
+        reason: String,
+    },
     /// The layer store cannot take or give a layer: it is full, read-only or unreachable.
     /// Nothing half-written is left in it.
     #[error("the layer store {store}: {reason}")]

@@ -10,7 +10,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::{self, BufReader, Read};
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
@@ -103,6 +103,8 @@ pub(crate) struct Inner {
     pub(crate) holds: HoldCounts,
     /// Where imports are pushed and missing images pulled from (`dsec edge --registry`).
     registry: OnceLock<Registry>,
+    /// The host directories beneath which a project may import by path (canonical).
+    import_roots: OnceLock<Vec<PathBuf>>,
     /// One pull at a time per image name: a batch of creates pulls a new image once.
     pulls: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -146,6 +148,7 @@ impl ImageStore {
                 .map_err(io_error(format!("cannot set up {}/mnt", local.display())))?,
             holds: HoldCounts::default(),
             registry: OnceLock::new(),
+            import_roots: OnceLock::new(),
             pulls: Mutex::default(),
         };
         for dir in [inner.layers_dir(), inner.meta_dir(), inner.leases_dir()] {
@@ -174,6 +177,74 @@ impl ImageStore {
     pub fn share_through(&self, registry: Registry) {
         if self.inner.registry.set(registry).is_err() {
             tracing::warn!("the image store shares through a registry already; keeping it");
+        }
+    }
+
+    /// Lets projects import host paths beneath `roots` (`dsec serve --import-root`); set
+    /// once. Without any, a project imports from registries only: a host path would let
+    /// it read whatever the server can, and the host's Docker images are the admin's.
+    pub fn allow_project_imports_under(&self, roots: &[PathBuf]) -> Result<(), ImageError> {
+        let roots = roots
+            .iter()
+            .map(|r| fs::canonicalize(r).map_err(io_error(format!("import root {}", r.display()))))
+            .collect::<Result<Vec<_>, _>>()?;
+        if self.inner.import_roots.set(roots).is_err() {
+            tracing::warn!("the image store has its import roots already; keeping them");
+        }
+        Ok(())
+    }
+
+    /// Whether a `project`'s import of `source` reads a host path: only an absolute one
+    /// beneath an import root (a path elsewhere is refused whether it exists or not, so
+    /// that a project learns nothing of the host's files; a link out of a root counts as
+    /// outside); a relative source is a registry reference. The admin reads any path that
+    /// exists.
+    async fn reads_host_path(
+        &self,
+        source: &str,
+        project: Option<&str>,
+    ) -> Result<bool, ImageError> {
+        let path = Path::new(source);
+        if project.is_none() {
+            return match tokio::fs::metadata(path).await {
+                Ok(_) => Ok(true),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+                Err(e) => Err(io_error(format!("cannot inspect {source}"))(e)),
+            };
+        }
+        if !path.is_absolute() {
+            return Ok(false);
+        }
+        let roots = self.inner.import_roots.get().map_or(&[][..], Vec::as_slice);
+        let beneath = |p: &Path| roots.iter().any(|root| p.starts_with(root));
+        let plain = path
+            .components()
+            .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
+        let refused = || ImageError::NotAllowed {
+            input: source.to_owned(),
+            reason: match roots {
+                [] => "a project imports from a registry; host paths are the admin's to import \
+                       (the server has no --import-root for projects)"
+                    .into(),
+                _ => format!(
+                    "a project imports host paths only beneath the server's --import-root \
+                     directories ({}), or from a registry",
+                    roots
+                        .iter()
+                        .map(|r| r.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            },
+        };
+        if !plain || !beneath(path) {
+            return Err(refused());
+        }
+        match tokio::fs::canonicalize(path).await {
+            Ok(real) if beneath(&real) => Ok(true),
+            Ok(_) => Err(refused()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(io_error(format!("cannot inspect {source}"))(e)),
         }
     }
 
@@ -300,6 +371,14 @@ impl ImageStore {
         progress: Arc<dyn Fn(ImportProgress) + Send + Sync>,
     ) -> Result<Image, ImageError> {
         if let Some(reference) = source.strip_prefix(docker::SCHEME) {
+            if project.is_some() {
+                return Err(ImageError::NotAllowed {
+                    input: source.to_owned(),
+                    reason: "the host's Docker images are the admin's to import; a project \
+                             imports from a registry"
+                        .into(),
+                });
+            }
             let name = Naming::new(name.unwrap_or(reference), project, source)?;
             let archive = docker::export(reference, source, &self.inner.staging).await?;
             let inner = self.inner.clone();
@@ -312,12 +391,7 @@ impl ImageStore {
             .await;
         }
         let path = Path::new(source);
-        let exists = match tokio::fs::metadata(path).await {
-            Ok(_) => true,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => false,
-            Err(e) => return Err(io_error(format!("cannot inspect {source}"))(e)),
-        };
-        if exists {
+        if self.reads_host_path(source, project).await? {
             let name = match name {
                 Some(name) => Naming::new(name, project, source)?,
                 None => Naming::new(&default_name(path), project, source)?,

@@ -114,6 +114,7 @@ impl From<ImageError> for ApiError {
                 ErrorKind::Unavailable
             }
             ImageError::Owned { .. } => ErrorKind::Conflict,
+            ImageError::NotAllowed { .. } => ErrorKind::PermissionDenied,
             ImageError::Io { .. } => ErrorKind::Internal,
         };
         let mut message = e.to_string();

@@ -73,6 +73,8 @@ pub struct ServerConfig {
     pub layer_store: Option<PathBuf>,
     /// The OCI registry a fleet's edges share images through (`--registry`).
     pub registry: Option<dsec_image::Registry>,
+    /// Host directories beneath which a project's token may import images by path.
+    pub import_roots: Vec<PathBuf>,
     /// Hosts (`HOST[:PORT]` or URLs) no sandbox may reach (`--protect`), besides the
     /// services the server relies on itself.
     pub protect: Vec<String>,
@@ -660,6 +662,7 @@ fn open_images(config: &ServerConfig, tag: &str) -> Result<ImageStore, ServeErro
     if let Some(registry) = &config.registry {
         store.share_through(registry.clone());
     }
+    store.allow_project_imports_under(&config.import_roots)?;
     Ok(store)
 }
 

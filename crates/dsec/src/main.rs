@@ -188,6 +188,11 @@ struct ServeArgs {
     /// and those in $DSEC_INSECURE_REGISTRIES, else HTTPS.
     #[arg(long, value_parser = parse_registry)]
     registry: Option<dsec_image::Registry>,
+    /// A host directory beneath which a project's token may import images by path
+    /// (repeatable; the admin's token imports any path). Without one a project imports
+    /// from registries only: a host path would let it read whatever the server can read.
+    #[arg(long = "import-root", value_name = "DIR")]
+    import_roots: Vec<PathBuf>,
     /// A host (`HOST[:PORT]`, or a URL) no sandbox may reach, whatever its network policy
     /// allows: services of the operator's that sandboxes must not touch (repeatable). The
     /// fleet's etcd, the --registry and a PostgreSQL --trajectory-db are protected anyway.
@@ -914,6 +919,7 @@ fn serve(
         },
         layer_store: args.layer_store,
         registry: args.registry,
+        import_roots: args.import_roots,
         protect: args.protect,
         sandboxfusion: SandboxFusionConfig {
             listen: args.sandboxfusion_listen,
