@@ -706,7 +706,13 @@ def test_a_link_swapped_between_check_and_use_never_reaches_the_host(
         assert host_file.read_text() == "host-secret\n", "a write reached the host"
         host_file.unlink()
         assert not host_dir_file.exists(), "a write through the swapped directory reached the host"
-    assert seen <= {b"inside\n", b"decoy\n", b"from-the-api\n"}, seen
+    own = {b"inside\n", b"decoy\n", b"from-the-api\n"}
+    if backend == "docker":
+        # dockerd sizes an archive's entry by one lstat and copies what the path names a
+        # moment later (inside the container's root), cut to that size: a file swapped in
+        # between reads as a prefix of itself. Torn, but the sandbox's own bytes.
+        own |= {whole[:n] for whole in own for n in range(1, len(whole))}
+    assert seen <= own, seen
     assert reads["ok"] + reads["refused"] >= 5, reads
 
     def on_record() -> tuple[int, int]:
