@@ -194,26 +194,27 @@ impl ImageStore {
         Ok(())
     }
 
-    /// Whether a `project`'s import of `source` reads a host path: only an absolute one
-    /// beneath an import root (a path elsewhere is refused whether it exists or not, so
-    /// that a project learns nothing of the host's files; a link out of a root counts as
-    /// outside); a relative source is a registry reference. The admin reads any path that
-    /// exists.
-    async fn reads_host_path(
+    /// The host path an import of `source` reads, if it reads one. A `project`'s reads
+    /// only an absolute path beneath an import root, and the import then reads the path
+    /// as checked, its links resolved (a path elsewhere is refused whether it exists or
+    /// not, so that a project learns nothing of the host's files; a link out of a root
+    /// counts as outside); a project's relative source is a registry reference. The admin
+    /// reads any path that exists.
+    async fn host_path(
         &self,
         source: &str,
         project: Option<&str>,
-    ) -> Result<bool, ImageError> {
+    ) -> Result<Option<PathBuf>, ImageError> {
         let path = Path::new(source);
         if project.is_none() {
             return match tokio::fs::metadata(path).await {
-                Ok(_) => Ok(true),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+                Ok(_) => Ok(Some(path.to_owned())),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
                 Err(e) => Err(io_error(format!("cannot inspect {source}"))(e)),
             };
         }
         if !path.is_absolute() {
-            return Ok(false);
+            return Ok(None);
         }
         let roots = self.inner.import_roots.get().map_or(&[][..], Vec::as_slice);
         let beneath = |p: &Path| roots.iter().any(|root| p.starts_with(root));
@@ -241,9 +242,9 @@ impl ImageStore {
             return Err(refused());
         }
         match tokio::fs::canonicalize(path).await {
-            Ok(real) if beneath(&real) => Ok(true),
+            Ok(real) if beneath(&real) => Ok(Some(real)),
             Ok(_) => Err(refused()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(io_error(format!("cannot inspect {source}"))(e)),
         }
     }
@@ -390,15 +391,14 @@ impl ImageStore {
             })
             .await;
         }
-        let path = Path::new(source);
-        if self.reads_host_path(source, project).await? {
+        if let Some(read) = self.host_path(source, project).await? {
             let name = match name {
                 Some(name) => Naming::new(name, project, source)?,
-                None => Naming::new(&default_name(path), project, source)?,
+                None => Naming::new(&default_name(Path::new(source)), project, source)?,
             };
             let inner = self.inner.clone();
-            let (path, input) = (path.to_owned(), source.to_owned());
-            return blocking(move || inner.import_path(&path, name, &input, &*progress)).await;
+            let input = source.to_owned();
+            return blocking(move || inner.import_path(&read, name, &input, &*progress)).await;
         }
         let Some(reference) = registry::parse_reference(source) else {
             return Err(ImageError::InvalidSource {

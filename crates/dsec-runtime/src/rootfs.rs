@@ -589,19 +589,16 @@ impl<'a> Root<'a> {
         Ok(Root { path, fd })
     }
 
-    /// `path` (written from the root: `/proc/kcore`) under the root and what it is, if it
-    /// is there.
-    fn existing(&self, path: &str) -> Result<Option<(PathBuf, FileType)>, RootfsError> {
+    /// `path` (written from the root: `/proc/kcore`) under the root, and an `O_PATH`
+    /// descriptor of it, if it is there.
+    fn existing(&self, path: &str) -> Result<Option<(PathBuf, OwnedFd)>, RootfsError> {
         let rel = path.trim_start_matches('/');
         let full = self.path.join(rel);
         let flags = OFlags::PATH | OFlags::CLOEXEC;
         match rustix::fs::openat2(&self.fd, rel, flags, Mode::empty(), NO_LINKS) {
-            Ok(fd) => {
-                let stat = rustix::fs::fstat(&fd).step("stat", &full)?;
-                Ok(Some((full, FileType::from_raw_mode(stat.st_mode))))
-            }
+            Ok(fd) => Ok(Some((full, fd))),
             Err(Errno::NOENT) => Ok(None),
-            Err(e) => Err(self.refusal(e, path, &full)),
+            Err(e) => Err(refusal(e, path, &full)),
         }
     }
 
@@ -623,29 +620,29 @@ impl<'a> Root<'a> {
         } else {
             match rustix::fs::openat2(&self.fd, parent, flags, Mode::empty(), NO_LINKS) {
                 Ok(fd) => Some(fd),
-                Err(e) => return Err(self.refusal(e, path, &full)),
+                Err(e) => return Err(refusal(e, path, &full)),
             }
         };
         let at = parent_fd.as_ref().map_or(self.fd.as_fd(), AsFd::as_fd);
         rustix::fs::mkdirat(at, name, Mode::from_bits_truncate(0o777)).step("mkdir", &full)?;
         Ok(full)
     }
+}
 
-    /// A failed look-up of `path` (`full` on the host): a link on the way is named as the
-    /// image has it.
-    fn refusal(&self, e: Errno, path: &str, full: &Path) -> RootfsError {
-        let (step, path) = match e {
-            Errno::LOOP | Errno::XDEV => (
-                "the image has a symbolic link (dsec follows none where it mounts) at or above",
-                Path::new(path),
-            ),
-            _ => ("open", full),
-        };
-        RootfsError {
-            step,
-            path: path.to_owned(),
-            source: e.into(),
-        }
+/// A failed look-up of `path` in a [`Root`] (`full` on the host): a link on the way is
+/// named as the image has it.
+fn refusal(e: Errno, path: &str, full: &Path) -> RootfsError {
+    let (step, path) = match e {
+        Errno::LOOP | Errno::XDEV => (
+            "the image has a symbolic link (dsec follows none where it mounts) at or above",
+            Path::new(path),
+        ),
+        _ => ("open", full),
+    };
+    RootfsError {
+        step,
+        path: path.to_owned(),
+        source: e.into(),
     }
 }
 
@@ -668,10 +665,11 @@ fn mask(
     empty: &Path,
     masked_dir: &mut Option<PathBuf>,
 ) -> Result<(), RootfsError> {
-    let Some((target, file_type)) = root.existing(path)? else {
+    let Some((target, fd)) = root.existing(path)? else {
         return Ok(());
     };
-    if file_type != FileType::Directory {
+    let mode = rustix::fs::fstat(&fd).step("stat", &target)?.st_mode;
+    if FileType::from_raw_mode(mode) != FileType::Directory {
         return mount_bind(root.path.join("dev/null"), &target).step("mask", &target);
     }
     match masked_dir {
