@@ -12,7 +12,9 @@
 //! [`ImageStore`] is the hub: the sources (`oci`: layouts and `docker save` archives,
 //! `registry`, `docker`: the daemon, `tree`: directories) each turn their input into a
 //! `plan` or a layer (`unpack`), and only the store writes anything into itself (`blob`
-//! builds and publishes, `mount` mounts, `holds` keeps layers from the collector).
+//! builds and publishes, `mount` mounts, `holds` keeps layers from the collector). A
+//! project's registry pull connects through an `egress` guard, which keeps it off the
+//! server's own network.
 //! A fleet's edges may share images through an OCI registry ([`Registry`]): imports are
 //! pushed there as their blobs, and `distribution` brings missing images back.
 //!
@@ -35,6 +37,7 @@ mod digest;
 mod disk;
 mod distribution;
 mod docker;
+mod egress;
 mod error;
 mod holds;
 mod image;
@@ -49,6 +52,7 @@ mod tree;
 mod unpack;
 
 pub use distribution::Registry;
+pub use egress::ProjectReach;
 pub use error::ImageError;
 pub use image::{owned_name, DiskImage, Fork, GuestSnapshot, Image, ImageConfig};
 pub use store::{

@@ -18,6 +18,7 @@ use tempfile::TempDir;
 use tokio::io::AsyncWriteExt;
 
 use crate::digest::sha256;
+use crate::egress::{Blocked, Guard};
 use crate::error::{io_error, ImageError};
 use crate::plan::{parse_config, Plan, PlannedLayer};
 
@@ -42,18 +43,31 @@ pub(crate) fn parse_reference(source: &str) -> Option<Reference> {
 
 /// Downloads what the store lacks of the image `reference` into a staging
 /// directory and returns the plan to import it. `stored` says whether the store has a
-/// layer already (and keeps it for this import); those are not downloaded.
+/// layer already (and keeps it for this import); those are not downloaded. A project's
+/// pull connects only through its `guard`, and fails as not allowed if the guard refused
+/// a destination on the way.
 pub(crate) async fn fetch(
     mut stored: impl FnMut(&str) -> Result<bool, ImageError>,
     staging: &Path,
     reference: &Reference,
     input: &str,
+    guard: Option<&Guard>,
 ) -> Result<(Plan, TempDir), ImageError> {
-    let registry_error = |e: OciDistributionError| ImageError::Registry {
-        reference: input.to_owned(),
-        reason: e.to_string(),
+    let registry_error = |e: OciDistributionError| match guard.and_then(Guard::blocked) {
+        Some(Blocked::Refused(refusal)) => ImageError::NotAllowed {
+            input: input.to_owned(),
+            reason: refusal.to_string(),
+        },
+        Some(Blocked::Unreachable(why)) => ImageError::Registry {
+            reference: input.to_owned(),
+            reason: why,
+        },
+        None => ImageError::Registry {
+            reference: input.to_owned(),
+            reason: e.to_string(),
+        },
     };
-    let client = client_for(reference);
+    let client = client_for(reference, guard);
     let (manifest, digest, config) = client
         .pull_manifest_and_config(reference, &RegistryAuth::Anonymous)
         .await
@@ -110,10 +124,13 @@ pub(crate) async fn fetch(
     Ok((Plan { id, config, layers }, downloads))
 }
 
-fn client_for(reference: &Reference) -> Client {
+fn client_for(reference: &Reference, guard: Option<&Guard>) -> Client {
+    let proxy = guard.map(|g| g.url().to_owned());
     Client::new(ClientConfig {
         protocol: protocol_for(reference.resolve_registry()),
         platform_resolver: Some(Box::new(pick_platform)),
+        https_proxy: proxy.clone(),
+        http_proxy: proxy,
         ..ClientConfig::default()
     })
 }

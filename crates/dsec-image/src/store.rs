@@ -21,6 +21,7 @@ use crate::digest::{sha256, sha256_hex, HashingReader};
 use crate::disk::{self, DiskFormat};
 use crate::distribution::{self, Registry};
 use crate::docker;
+use crate::egress::{Guard, ProjectReach};
 use crate::error::{io_error, store_error, Fault, ImageError};
 use crate::holds::{unix_now, Held, HoldCounts, StoreLock};
 use crate::image::{owned_name, DiskImage, Fork, GuestSnapshot, Image, ImageConfig};
@@ -105,6 +106,8 @@ pub(crate) struct Inner {
     registry: OnceLock<Registry>,
     /// The host directories beneath which a project may import by path (canonical).
     import_roots: OnceLock<Vec<PathBuf>>,
+    /// Where a project's registry imports may connect besides public addresses.
+    project_reach: OnceLock<Arc<ProjectReach>>,
     /// One pull at a time per image name: a batch of creates pulls a new image once.
     pulls: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -149,6 +152,7 @@ impl ImageStore {
             holds: HoldCounts::default(),
             registry: OnceLock::new(),
             import_roots: OnceLock::new(),
+            project_reach: OnceLock::new(),
             pulls: Mutex::default(),
         };
         for dir in [inner.layers_dir(), inner.meta_dir(), inner.leases_dir()] {
@@ -192,6 +196,15 @@ impl ImageStore {
             tracing::warn!("the image store has its import roots already; keeping them");
         }
         Ok(())
+    }
+
+    /// Lets projects' registry imports reach `reach` (`dsec serve --import-registry`, and
+    /// the services they may not reach); set once. Without it a project imports from
+    /// registries at public addresses only.
+    pub fn set_project_reach(&self, reach: ProjectReach) {
+        if self.inner.project_reach.set(Arc::new(reach)).is_err() {
+            tracing::warn!("the image store has its projects' reach already; keeping it");
+        }
     }
 
     /// The host path an import of `source` reads, if it reads one. A `project`'s reads
@@ -411,8 +424,25 @@ impl ImageStore {
         let held = Held::new(self.inner.clone());
         let inner = self.inner.clone();
         let stored = |diff_id: &str| inner.hold_if_stored(&held, diff_id);
-        let (plan, downloads) =
-            registry::fetch(stored, &self.inner.staging, &reference, source).await?;
+        // A project's pull reaches only what its reach allows (see `egress`).
+        let guard = match project {
+            Some(_) => {
+                let reach = self.inner.project_reach.get().cloned().unwrap_or_default();
+                Some(Guard::start(reach).await.map_err(io_error(
+                    "cannot start the proxy that guards a project's registry import",
+                ))?)
+            }
+            None => None,
+        };
+        let (plan, downloads) = registry::fetch(
+            stored,
+            &self.inner.staging,
+            &reference,
+            source,
+            guard.as_ref(),
+        )
+        .await?;
+        drop(guard);
         let inner = self.inner.clone();
         let input = source.to_owned();
         blocking(move || {

@@ -75,6 +75,9 @@ pub struct ServerConfig {
     pub registry: Option<dsec_image::Registry>,
     /// Host directories beneath which a project's token may import images by path.
     pub import_roots: Vec<PathBuf>,
+    /// Registries a project's token may import from although their addresses are not
+    /// public (`--import-registry`).
+    pub import_registries: Vec<String>,
     /// Hosts (`HOST[:PORT]` or URLs) no sandbox may reach (`--protect`), besides the
     /// services the server relies on itself.
     pub protect: Vec<String>,
@@ -401,7 +404,9 @@ pub async fn run_with(
         .state_dir
         .canonicalize()
         .map_or_else(|_| state_tag(&config.state_dir), |p| state_tag(&p));
-    let images = open_images(&config, &docker_tag)?;
+    // Sandboxes, and projects' registry imports, never reach these.
+    let protected = protected_services(&config, membership.as_deref()).await;
+    let images = open_images(&config, &docker_tag, &protected)?;
     let admission = Admission::new(host.capacity, config.admission);
     {
         let c = admission.capacity();
@@ -451,7 +456,6 @@ pub async fn run_with(
         config.edge.name.clone(),
     );
     // Sandbox networking: the bridge, nftables tables and resolver carry the same tag.
-    let protected = protected_services(&config, membership.as_deref()).await;
     let net = Arc::new(
         dsec_net::Networking::start(&docker_tag, config.net_pool, &config.state_dir, protected)
             .await,
@@ -639,7 +643,11 @@ pub async fn run_with(
 /// Opens the image store: layers and metadata in `--layer-store` (else the state
 /// directory's `images/`), staging and mounts in `images/`. The edge is known to others
 /// sharing the store as `<hostname>-<tag>`.
-fn open_images(config: &ServerConfig, tag: &str) -> Result<ImageStore, ServeError> {
+fn open_images(
+    config: &ServerConfig,
+    tag: &str,
+    protected: &[std::net::Ipv4Addr],
+) -> Result<ImageStore, ServeError> {
     let local = config.state_dir.join("images");
     let root = config.layer_store.clone().unwrap_or_else(|| local.clone());
     if config.layer_store.is_some() {
@@ -663,6 +671,10 @@ fn open_images(config: &ServerConfig, tag: &str) -> Result<ImageStore, ServeErro
         store.share_through(registry.clone());
     }
     store.allow_project_imports_under(&config.import_roots)?;
+    store.set_project_reach(dsec_image::ProjectReach {
+        trusted: config.import_registries.clone(),
+        protected: protected.iter().copied().map(Into::into).collect(),
+    });
     Ok(store)
 }
 

@@ -193,6 +193,13 @@ struct ServeArgs {
     /// from registries only: a host path would let it read whatever the server can read.
     #[arg(long = "import-root", value_name = "DIR")]
     import_roots: Vec<PathBuf>,
+    /// A registry (`HOST[:PORT]` as in image references; without a port, any of the
+    /// host's) a project's token may import from although its address is loopback or
+    /// private (repeatable). A project's registry import otherwise connects only to public
+    /// addresses (redirects and token services included), never to the server's own
+    /// network; the admin's imports reach any registry.
+    #[arg(long = "import-registry", value_name = "HOST")]
+    import_registries: Vec<String>,
     /// A host (`HOST[:PORT]`, or a URL) no sandbox may reach, whatever its network policy
     /// allows: services of the operator's that sandboxes must not touch (repeatable). The
     /// fleet's etcd, the --registry and a PostgreSQL --trajectory-db are protected anyway.
@@ -920,6 +927,7 @@ fn serve(
         layer_store: args.layer_store,
         registry: args.registry,
         import_roots: args.import_roots,
+        import_registries: args.import_registries,
         protect: args.protect,
         sandboxfusion: SandboxFusionConfig {
             listen: args.sandboxfusion_listen,
