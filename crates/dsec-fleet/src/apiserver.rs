@@ -331,10 +331,12 @@ impl Fleet {
         };
         let answer = request.send().await.map_err(|e| {
             metrics::counter!("dsec_fleet_edge_unreachable_total").increment(1);
-            ApiError::unavailable(format!(
-                "edge {:?} at {base} is unreachable: {e}",
-                member.record.name
-            ))
+            let name = &member.record.name;
+            ApiError::unavailable(if member.lapsed {
+                format!("edge {name:?} has left the fleet (its etcd lease expired or it stopped) and does not answer at {base}: {e}")
+            } else {
+                format!("edge {name:?} at {base} is unreachable: {e}")
+            })
         })?;
         metrics::histogram!("dsec_fleet_forward_seconds").record(started.elapsed().as_secs_f64());
         let mut response = Response::builder().status(answer.status().as_u16());
@@ -427,10 +429,21 @@ impl Fleet {
         .await
     }
 
-    /// The live edge called `name`, or why a request for its sandbox cannot be served.
+    /// The edge called `name`, live or lapsed (see [`LAPSE_GRACE`]), or why a request for
+    /// its sandbox cannot be served.
+    ///
+    /// [`LAPSE_GRACE`]: crate::membership::LAPSE_GRACE
     fn member(&self, name: &str, sandbox: &str) -> Result<Arc<Member>, ApiError> {
         if let Some(m) = self.table.members().get(name) {
             return Ok(Arc::clone(m));
+        }
+        if let Some(m) = self
+            .table
+            .lapsed()
+            .into_iter()
+            .find(|m| m.record.name == name)
+        {
+            return Ok(m);
         }
         let why = if self.table.departed(name) {
             "has left the fleet (its etcd lease expired or it stopped)"
@@ -460,6 +473,14 @@ impl Fleet {
             .filter(|m| m.record.ready)
             .cloned()
             .collect()
+    }
+
+    /// The edges a list asks: the ready ones and those that lapsed lately (an edge that
+    /// does not answer is left out of the list).
+    fn listed_members(&self) -> Vec<Arc<Member>> {
+        let mut members = self.ready_members();
+        members.extend(self.table.lapsed().into_iter().filter(|m| m.record.ready));
+        members
     }
 
     fn no_edges(&self) -> ApiError {
@@ -781,7 +802,9 @@ async fn sandbox_log(
     request: Request,
 ) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
-    let gone = crate::edge_of(&id).is_some_and(|edge| fleet.member(edge, &id).is_err());
+    // An edge that is not live (even one that lapsed lately) is read from the shared log,
+    // which holds what it wrote.
+    let gone = crate::edge_of(&id).is_some_and(|edge| fleet.table.members().get(edge).is_none());
     let Some(log) = fleet.log.as_ref().filter(|_| gone) else {
         return by_id(State(fleet), request).await;
     };
@@ -1136,7 +1159,7 @@ async fn list(
         None => "/v1/sandboxes".to_owned(),
     };
     let mut all = match fleet
-        .lists(&fleet.ready_members(), Listener::Api, &path, &headers)
+        .lists(&fleet.listed_members(), Listener::Api, &path, &headers)
         .await?
     {
         Lists::Merged { items, .. } => items,

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use dsec_server::edge::{Edge, EdgeLoad};
 use etcd_client::{
@@ -206,8 +206,10 @@ impl EdgeMembership {
         serde_json::to_vec(&record).expect("records serialize")
     }
 
-    /// Registers the name under a new lease, unless another edge holds it.
-    async fn register(&self) -> Result<(Client, i64), FleetError> {
+    /// Registers the name under a new lease with the record `ready` and `load` (an edge
+    /// that rejoins while serving is ready at once: lists and placement need not wait
+    /// for its next publication), unless another edge holds it.
+    async fn register(&self, ready: bool, load: EdgeLoad) -> Result<(Client, i64), FleetError> {
         crate::check_edge_name(&self.name)?;
         let mut client = connect(&self.endpoints).await?;
         let lease = client.lease_grant(self.ttl_s, None).await?.id();
@@ -216,7 +218,7 @@ impl EdgeMembership {
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(
                 key.clone(),
-                self.record(false, EdgeLoad::default()),
+                self.record(ready, load),
                 Some(PutOptions::new().with_lease(lease)),
             )]);
         if client.txn(txn).await?.succeeded() {
@@ -274,7 +276,7 @@ impl EdgeMembership {
                         }
                         Ok(LeaseState::Expired) => {
                             tracing::warn!(edge = %self.name, lease, "etcd: the edge's lease expired while etcd was out of reach; registering again");
-                            match self.register().await {
+                            match self.register(true, edge.load()).await {
                                 Ok((c, l)) => {
                                     (client, lease, keeper, reachable) = (c, l, None, true);
                                     tracing::info!(edge = %self.name, lease, "rejoined the fleet");
@@ -367,7 +369,10 @@ impl dsec_server::Membership for EdgeMembership {
     }
 
     async fn join(&self) -> Result<(), String> {
-        let joined = self.register().await.map_err(|e| e.to_string())?;
+        let joined = self
+            .register(false, EdgeLoad::default())
+            .await
+            .map_err(|e| e.to_string())?;
         tracing::info!(edge = %self.name, url = %self.url, lease_ttl_s = self.ttl_s, "joined the fleet");
         *self.joined.lock().expect("lock") = Some(joined);
         Ok(())
@@ -381,6 +386,13 @@ impl dsec_server::Membership for EdgeMembership {
     }
 }
 
+/// How long an apiserver still asks an edge whose record left etcd for its sandboxes
+/// (it never places new ones there): a lease that lapsed because etcd stalled, or because
+/// a busy edge missed its keep-alives, must not hide a live edge's sandboxes from lists
+/// and requests until it registers again. An edge that stopped does not answer, and a
+/// request for its sandbox fails at once, saying it left.
+pub const LAPSE_GRACE: Duration = Duration::from_secs(30);
+
 /// A live edge as an apiserver keeps it.
 #[derive(Debug)]
 pub struct Member {
@@ -389,6 +401,8 @@ pub struct Member {
     /// Sandboxes this apiserver placed there since that record: the published load is up
     /// to half a second old, and placement must not pile onto one edge meanwhile.
     pub placed: AtomicU64,
+    /// Its record left etcd, less than [`LAPSE_GRACE`] ago: this is its last record.
+    pub lapsed: bool,
 }
 
 impl Member {
@@ -396,6 +410,7 @@ impl Member {
         Arc::new(Member {
             record,
             placed: AtomicU64::new(0),
+            lapsed: false,
         })
     }
 
@@ -456,6 +471,9 @@ impl Members {
 #[derive(Default)]
 pub struct EdgeTable {
     members: RwLock<Arc<Members>>,
+    /// Edges whose record left etcd lately, as last seen, and since when: asked for their
+    /// sandboxes for [`LAPSE_GRACE`].
+    lapsed: Mutex<HashMap<String, (Arc<Member>, Instant)>>,
     /// Edges that left while this apiserver watched, so errors can say so.
     departed: Mutex<HashSet<String>>,
     /// The etcd endpoints, for messages.
@@ -471,6 +489,16 @@ impl EdgeTable {
     /// Whether `name` was seen leaving.
     pub fn departed(&self, name: &str) -> bool {
         self.departed.lock().expect("lock").contains(name)
+    }
+
+    /// The edges whose record left etcd less than [`LAPSE_GRACE`] ago, in name order:
+    /// still asked for their sandboxes, never given new ones.
+    pub fn lapsed(&self) -> Vec<Arc<Member>> {
+        let mut lapsed = self.lapsed.lock().expect("lock");
+        lapsed.retain(|_, (_, since)| since.elapsed() < LAPSE_GRACE);
+        let mut list: Vec<Arc<Member>> = lapsed.values().map(|(m, _)| Arc::clone(m)).collect();
+        list.sort_by(|a, b| a.record.name.cmp(&b.record.name));
+        list
     }
 
     /// A table holding `records` (tests and benchmarks).
@@ -491,14 +519,22 @@ impl EdgeTable {
             .map(|m| (m.record.name.clone(), Arc::clone(m)))
             .collect();
         let mut departed = self.departed.lock().expect("lock");
+        let mut lapsed = self.lapsed.lock().expect("lock");
         for name in deletes {
-            if records.remove(&name).is_some() {
+            if let Some(gone) = records.remove(&name) {
                 tracing::info!(edge = %name, "edge left the fleet");
+                let last = Arc::new(Member {
+                    record: gone.record.clone(),
+                    placed: AtomicU64::new(0),
+                    lapsed: true,
+                });
+                lapsed.insert(name.clone(), (last, Instant::now()));
             }
             departed.insert(name);
         }
         for record in upserts {
             departed.remove(&record.name);
+            lapsed.remove(&record.name);
             if !records.contains_key(&record.name) {
                 tracing::info!(edge = %record.name, url = %record.url, "edge joined the fleet");
             }
@@ -600,6 +636,19 @@ mod tests {
             updated_at: 0.0,
             e2b,
         }
+    }
+
+    #[test]
+    fn an_edge_that_left_is_kept_as_lapsed_until_it_returns() {
+        let table = EdgeTable::fixed([record(None)]);
+        table.apply(Vec::new(), vec!["e1".into()]);
+        assert!(table.members().get("e1").is_none() && table.departed("e1"));
+        let lapsed = table.lapsed();
+        assert_eq!(lapsed.len(), 1);
+        assert!(lapsed[0].lapsed && lapsed[0].record.url == "http://127.0.0.1:7700");
+        table.apply(vec![record(None)], Vec::new());
+        assert!(table.lapsed().is_empty() && !table.departed("e1"));
+        assert!(!table.members().get("e1").unwrap().lapsed);
     }
 
     #[test]

@@ -153,9 +153,10 @@ async fn by_id(State(fleet): State<Fleet>, request: Request) -> Result<Response>
     }
 }
 
-/// The live edges serving E2B.
+/// The edges serving E2B a list or a read of sandboxes asks (see
+/// [`Fleet::listed_members`]).
 fn e2b_members(fleet: &Fleet) -> Vec<std::sync::Arc<Member>> {
-    let mut members = fleet.ready_members();
+    let mut members = fleet.listed_members();
     members.retain(|m| m.record.e2b.is_some());
     members
 }
