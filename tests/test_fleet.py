@@ -189,6 +189,11 @@ def test_a_retried_create_returns_the_sandbox_already_made(fleet: Fleet) -> None
 @pytest.mark.timeout(300)
 def test_create_many_spreads_one_request_over_the_fleet(fleet: Fleet) -> None:
     n = 60
+    # Placement follows load: start from edges that all report the earlier tests'
+    # sandboxes gone (their teardown, and the load each edge publishes, lag the stops).
+    assert wait_until(lambda: all(e["load"]["sandbox_count"] == 0 for e in fleet.a.edges()), 60), (
+        fleet.a.edges()
+    )
     with fleet.a.client() as a, fleet.b.client() as b:
         made = a.create_many(n, image="busybox", memory_mb=64, labels={"t": "many"})
         try:
