@@ -14,8 +14,8 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
-use oci_client::client::ClientConfig;
 use oci_client::errors::{OciDistributionError, OciErrorCode};
 use oci_client::manifest::{OciDescriptor, OciImageManifest, OCI_IMAGE_MEDIA_TYPE};
 use oci_client::secrets::RegistryAuth;
@@ -25,7 +25,7 @@ use tokio::io::AsyncWriteExt;
 use crate::digest::sha256;
 use crate::error::{io_error, ImageError};
 use crate::image::Image;
-use crate::registry::protocol_for;
+use crate::registry::{client_config, READ_TIMEOUT};
 
 /// The media type of the config: the store's JSON record of the image.
 pub(crate) const CONFIG_MEDIA_TYPE: &str = "application/vnd.dsec.image.config.v1+json";
@@ -108,11 +108,9 @@ impl Registry {
             })
     }
 
-    fn client(&self) -> Client {
-        Client::new(ClientConfig {
-            protocol: protocol_for(self.host()),
-            ..ClientConfig::default()
-        })
+    /// A client of this registry; `read_timeout` for pulls only (see [`READ_TIMEOUT`]).
+    fn client(&self, read_timeout: Option<Duration>) -> Client {
+        Client::new(client_config(self.host(), read_timeout))
     }
 }
 
@@ -141,7 +139,7 @@ pub(crate) async fn push(
         reference: reference.to_string(),
         reason: e.to_string(),
     };
-    let client = registry.client();
+    let client = registry.client(None);
     client
         .store_auth_if_needed(reference.resolve_registry(), &RegistryAuth::Anonymous)
         .await;
@@ -207,7 +205,7 @@ pub(crate) async fn fetch(registry: &Registry, name: &str) -> Result<Pulled, Ima
         reference: reference.to_string(),
         reason,
     };
-    let client = registry.client();
+    let client = registry.client(Some(READ_TIMEOUT));
     let (manifest, _) = client
         .pull_image_manifest(&reference, &RegistryAuth::Anonymous)
         .await

@@ -7,6 +7,7 @@
 
 use std::net::Ipv4Addr;
 use std::path::Path;
+use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
 use oci_client::client::{ClientConfig, ClientProtocol};
@@ -27,6 +28,14 @@ const PARALLEL_DOWNLOADS: usize = 4;
 
 /// Registries reached over plain HTTP besides loopback ones (comma separated `host[:port]`).
 const INSECURE_ENV: &str = "DSEC_INSECURE_REGISTRIES";
+
+/// How long a registry may take to accept a connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a pull waits for a registry's answer, and for each read of a body (a large
+/// layer that keeps arriving is not bounded): one that accepts and never answers would
+/// otherwise hold the import, and the creates waiting on its pull, forever. Not for
+/// pushes: reqwest counts this from the request's start, so it would bound an upload.
+pub(crate) const READ_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// File name endings that mark a source as a path, never a reference.
 pub(crate) const ARCHIVE_SUFFIXES: [&str; 4] = [".tar.gz", ".tar.zst", ".tgz", ".tar"];
@@ -127,16 +136,27 @@ pub(crate) async fn fetch(
 fn client_for(reference: &Reference, guard: Option<&Guard>) -> Client {
     let proxy = guard.map(|g| g.url().to_owned());
     Client::new(ClientConfig {
-        protocol: protocol_for(reference.resolve_registry()),
         platform_resolver: Some(Box::new(pick_platform)),
         https_proxy: proxy.clone(),
         http_proxy: proxy,
-        ..ClientConfig::default()
+        ..client_config(reference.resolve_registry(), Some(READ_TIMEOUT))
     })
 }
 
+/// What every client of a registry at `registry` (`host[:port]`) starts from: its
+/// protocol, and bounds on a registry that does not answer (`read_timeout`: pulls only,
+/// see [`READ_TIMEOUT`]).
+pub(crate) fn client_config(registry: &str, read_timeout: Option<Duration>) -> ClientConfig {
+    ClientConfig {
+        protocol: protocol_for(registry),
+        connect_timeout: Some(CONNECT_TIMEOUT),
+        read_timeout,
+        ..ClientConfig::default()
+    }
+}
+
 /// Plain HTTP for loopback registries and those in `DSEC_INSECURE_REGISTRIES`, else HTTPS.
-pub(crate) fn protocol_for(registry: &str) -> ClientProtocol {
+fn protocol_for(registry: &str) -> ClientProtocol {
     let insecure = std::env::var(INSECURE_ENV).unwrap_or_default();
     if is_insecure(registry, &insecure) {
         ClientProtocol::Http
@@ -192,6 +212,25 @@ mod tests {
         assert!(is_insecure("reg.lan:5000", "other, reg.lan:5000"));
         assert!(is_insecure("reg.lan:5000", "reg.lan"));
         assert!(!is_insecure("reg.lan:5000", "reg.lan:6000"));
+    }
+
+    #[tokio::test]
+    async fn a_registry_that_never_answers_fails_the_pull() {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let registry = silent.local_addr().unwrap().to_string();
+        let reference: Reference = format!("{registry}/x:latest").parse().unwrap();
+        let client = Client::new(client_config(&registry, Some(Duration::from_millis(300))));
+        let started = std::time::Instant::now();
+        let pulled = client
+            .pull_manifest(&reference, &RegistryAuth::Anonymous)
+            .await;
+        assert!(pulled.is_err(), "a silent registry answered");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        drop(silent);
     }
 
     #[test]
