@@ -246,7 +246,15 @@ async fn serve(
     loop {
         tokio::select! {
             accepted = listener.accept() => {
-                let Ok((conn, _)) = accepted else { continue };
+                let conn = match accepted {
+                    Ok((conn, _)) => conn,
+                    Err(e) => {
+                        // Out of descriptors, say: the pull's requests wait, or time out.
+                        tracing::warn!(error = %e, "a project's import: the guard cannot accept");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
                 let reach = Arc::clone(&reach);
                 let blocked = Arc::clone(&blocked);
                 connections.spawn(async move {
