@@ -333,6 +333,7 @@ impl Fleet {
             metrics::counter!("dsec_fleet_edge_unreachable_total").increment(1);
             let name = &member.record.name;
             ApiError::unavailable(if member.lapsed {
+                self.table.forget_lapsed(name);
                 format!("edge {name:?} has left the fleet (its etcd lease expired or it stopped) and does not answer at {base}: {e}")
             } else {
                 format!("edge {name:?} at {base} is unreachable: {e}")

@@ -501,6 +501,14 @@ impl EdgeTable {
         list
     }
 
+    /// Stops asking the lapsed edge `name`: it did not answer, so it is gone rather than
+    /// cut off from etcd, and later requests need not wait on it again.
+    pub fn forget_lapsed(&self, name: &str) {
+        if self.lapsed.lock().expect("lock").remove(name).is_some() {
+            tracing::info!(edge = %name, "an edge whose lease lapsed does not answer: forgotten");
+        }
+    }
+
     /// A table holding `records` (tests and benchmarks).
     pub fn fixed(records: impl IntoIterator<Item = EdgeRecord>) -> EdgeTable {
         EdgeTable {
@@ -649,6 +657,10 @@ mod tests {
         table.apply(vec![record(None)], Vec::new());
         assert!(table.lapsed().is_empty() && !table.departed("e1"));
         assert!(!table.members().get("e1").unwrap().lapsed);
+        // One that lapsed and then did not answer is forgotten; it still departed.
+        table.apply(Vec::new(), vec!["e1".into()]);
+        table.forget_lapsed("e1");
+        assert!(table.lapsed().is_empty() && table.departed("e1"));
     }
 
     #[test]
