@@ -399,25 +399,27 @@ def test_an_edge_whose_lease_lapsed_while_it_lived_keeps_its_sandboxes_reachable
         made = [a.create(image="busybox", labels={"t": "lapse"})]
         while edge_of(made[-1].id) != victim and len(made) < 40:
             made.append(a.create(image="busybox", labels={"t": "lapse"}))
-        sb = made[-1]
-        assert edge_of(sb.id) == victim, [s.id for s in made]
-
-        def lapsed() -> bool:
-            return victim not in {e["name"] for e in fleet.b.edges()}
-
-        pid = fleet.edges[victim].pid
-        os.kill(pid, signal.SIGSTOP)
         try:
-            assert wait_until(lapsed, LEASE_TTL + 5)
+            sb = made[-1]
+            assert edge_of(sb.id) == victim, [s.id for s in made]
+
+            def lapsed() -> bool:
+                return victim not in {e["name"] for e in fleet.b.edges()}
+
+            pid = fleet.edges[victim].pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                assert wait_until(lapsed, LEASE_TTL + 5)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            # At once, before the edge registers again.
+            assert b.get(sb.id).run("echo alive").stdout == "alive\n"
+            assert sb.id in {s.id for s in b.list(labels={"t": "lapse"})}
+            fleet.b.wait_for_edges(EDGES)
+            fleet.a.wait_for_edges(EDGES)
         finally:
-            os.kill(pid, signal.SIGCONT)
-        # At once, before the edge registers again.
-        assert b.get(sb.id).run("echo alive").stdout == "alive\n"
-        assert sb.id in {s.id for s in b.list(labels={"t": "lapse"})}
-        fleet.b.wait_for_edges(EDGES)
-        fleet.a.wait_for_edges(EDGES)
-        for s in made:
-            s.stop()
+            for s in made:
+                s.stop()
 
 
 @pytest.mark.timeout(300)

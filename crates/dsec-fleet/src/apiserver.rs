@@ -438,12 +438,7 @@ impl Fleet {
         if let Some(m) = self.table.members().get(name) {
             return Ok(Arc::clone(m));
         }
-        if let Some(m) = self
-            .table
-            .lapsed()
-            .into_iter()
-            .find(|m| m.record.name == name)
-        {
+        if let Some(m) = self.table.lapsed_member(name) {
             return Ok(m);
         }
         let why = if self.table.departed(name) {

@@ -501,6 +501,13 @@ impl EdgeTable {
         list
     }
 
+    /// The edge `name` if it lapsed less than [`LAPSE_GRACE`] ago.
+    pub fn lapsed_member(&self, name: &str) -> Option<Arc<Member>> {
+        let lapsed = self.lapsed.lock().expect("lock");
+        let (member, since) = lapsed.get(name)?;
+        (since.elapsed() < LAPSE_GRACE).then(|| Arc::clone(member))
+    }
+
     /// Stops asking the lapsed edge `name`: it did not answer, so it is gone rather than
     /// cut off from etcd, and later requests need not wait on it again.
     pub fn forget_lapsed(&self, name: &str) {
@@ -654,6 +661,7 @@ mod tests {
         let lapsed = table.lapsed();
         assert_eq!(lapsed.len(), 1);
         assert!(lapsed[0].lapsed && lapsed[0].record.url == "http://127.0.0.1:7700");
+        assert!(table.lapsed_member("e1").is_some() && table.lapsed_member("e2").is_none());
         table.apply(vec![record(None)], Vec::new());
         assert!(table.lapsed().is_empty() && !table.departed("e1"));
         assert!(!table.members().get("e1").unwrap().lapsed);

@@ -223,8 +223,8 @@ impl Guard {
         &self.url
     }
 
-    /// The first destination the guard carried no connection to, if any: why the pull
-    /// failed.
+    /// Why the guard carried no connection, if it did not for one: the first refusal, else
+    /// the last destination it could not reach. Why the pull failed.
     pub(crate) fn blocked(&self) -> Option<Blocked> {
         self.blocked.lock().expect("lock").clone()
     }
@@ -314,7 +314,7 @@ async fn carry(
                 }
                 Blocked::Unreachable(_) => "502 Bad Gateway",
             };
-            blocked.lock().expect("lock").get_or_insert(why);
+            record(blocked, why);
             return answer(&mut client, status).await;
         }
     };
@@ -345,6 +345,15 @@ async fn carry(
     upstream.write_all(&buf.split_off(end + 4)).await?;
     tokio::io::copy_bidirectional(&mut client, &mut upstream).await?;
     Ok(())
+}
+
+/// Keeps `why` as the pull's failure: a refusal is what the project must hear, so a host
+/// that did not answer only stands until one comes.
+fn record(blocked: &Mutex<Option<Blocked>>, why: Blocked) {
+    let mut slot = blocked.lock().expect("lock");
+    if !matches!(*slot, Some(Blocked::Refused(_))) {
+        *slot = Some(why);
+    }
 }
 
 /// Reads up to the end of the request head; returns what was read and where the head
