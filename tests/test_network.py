@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import http.server
 import ipaddress
+import itertools
 import json
 import os
 import re
@@ -1249,13 +1250,29 @@ def test_a_live_servers_networking_is_never_taken(
     assert host_state(tag1) == []
 
 
+def same_first_log_group(d: Path) -> tuple[Path, Path]:
+    """Two state directories under `d` whose servers try the same nflog group first (their
+    tags end in the same byte)."""
+    seen: dict[str, Path] = {}
+    for i in itertools.count():
+        state = d / f"s{i}"
+        low = state_tag(state)[-2:]
+        if low in seen:
+            return seen[low], state
+        seen[low] = state
+    raise AssertionError("unreachable")
+
+
 def test_two_servers_with_the_default_pool_both_have_networking(
     busybox_rootfs: Path,
     hosts: Hosts,
 ) -> None:
+    """...and both report refused connections, though each tries the same nflog group
+    first (the second to bind it is refused by the kernel, and takes the next)."""
     d = make_tempdir("dsec-test-net-two-")
-    servers = [Server(d / n, log_path=d / f"{n}.log") for n in ("first", "second")]
+    servers = [Server(s, log_path=s.with_suffix(".log")) for s in same_first_log_group(d)]
     default_range = ipaddress.ip_network("10.208.0.0/12")
+    a, b = hosts
     try:
         pools = []
         for s in servers:
@@ -1263,11 +1280,19 @@ def test_two_servers_with_the_default_pool_both_have_networking(
         for s in servers:
             log = s.log_tail(200)
             assert "sandbox networking unavailable" not in log, log
+            assert "no refused-connection events" not in log, log
             with s.client() as c:
-                sb = networked_sandbox(c, busybox_rootfs, hosts[0])
+                sb = networked_sandbox(c, busybox_rootfs, a)
                 ip = ipaddress.ip_address(eth0_ip(sb))
                 assert ip in default_range
                 pools.append(ipaddress.ip_network(f"{ip}/16", strict=False))
+                sb.set_network({"allow": [a.ip]})
+                assert not reaches(sb, b)
+                refused = wait_until(
+                    lambda sb=sb: [e for e in sb.network_refused() if e["dst"] == b.ip] or None,
+                    timeout=5,
+                )
+                assert refused, (s.state_dir, sb.network_refused())
                 sb.stop()
         assert pools[0] != pools[1]
         assert "the default address pool is taken" in servers[1].log_tail(200)

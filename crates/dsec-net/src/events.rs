@@ -108,20 +108,24 @@ fn parse(logged: &Logged, time: f64) -> Option<(Ipv4Addr, Refused)> {
 /// Binds the first free nflog group from `first` on (within `0x6400`-`0x64ff`: another
 /// dsec server, or anything else, may hold some), returning it and its number; on failure,
 /// the error and `first`.
+///
+/// The kernel answers a bind of a group another socket holds with `EPERM` (not `EBUSY`,
+/// which is its answer to a second bind by the same socket), the answer it also gives a
+/// process without `CAP_NET_ADMIN`: both mean "try the next"; if every group says so,
+/// the error says which it may be.
 pub(crate) fn bind(first: u16) -> (std::io::Result<NfLog>, u16) {
-    let mut last_err = None;
     for k in 0..256u16 {
         let group = 0x6400 | ((first.wrapping_add(k)) & 0xff);
         match NfLog::bind(group, 64, Duration::from_secs(1)) {
             Ok(nflog) => return (Ok(nflog), group),
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => last_err = Some(e),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM | libc::EBUSY)) => {}
             Err(e) => return (Err(e), first),
         }
     }
-    (
-        Err(last_err.unwrap_or_else(|| std::io::Error::other("no nflog group"))),
-        first,
-    )
+    let taken = std::io::Error::other(
+        "every nflog group 0x6400-0x64ff is another socket's, or this process lacks CAP_NET_ADMIN",
+    );
+    (Err(taken), first)
 }
 
 /// Reads `nflog` on a thread of its own and files events under the chain number of their

@@ -402,10 +402,14 @@ const NFULNL_MSG_PACKET: u16 = 0;
 const NFULNL_MSG_CONFIG: u16 = 1;
 const NFULA_CFG_CMD: u16 = 1;
 const NFULA_CFG_MODE: u16 = 2;
+const NFULA_CFG_TIMEOUT: u16 = 4;
 const NFULNL_CFG_CMD_BIND: u8 = 1;
 const NFULNL_COPY_PACKET: u8 = 2;
 const NFULA_PAYLOAD: u16 = 9;
 const NFULA_PREFIX: u16 = 10;
+
+/// How long the kernel may hold logged packets before sending them, in 1/100 s.
+const FLUSH_HUNDREDTHS: u32 = 5;
 
 /// A packet an nftables `log group` rule sent: its prefix and its first bytes.
 pub(crate) struct Logged {
@@ -433,6 +437,12 @@ impl NfLog {
         mode.extend_from_slice(&[NFULNL_COPY_PACKET, 0]);
         let mut m = Msg::new(kind, 0);
         m.raw(&genmsg).attr(NFULA_CFG_MODE, &mode);
+        sock.call(&mut m)?;
+        // The kernel batches logged packets for up to a second by default; a refusal
+        // should be an event a caller sees right after it.
+        let mut m = Msg::new(kind, 0);
+        m.raw(&genmsg)
+            .attr(NFULA_CFG_TIMEOUT, &FLUSH_HUNDREDTHS.to_be_bytes());
         sock.call(&mut m)?;
         rustix::net::sockopt::set_socket_timeout(
             &sock.fd,
