@@ -1263,6 +1263,11 @@ def same_first_log_group(d: Path) -> tuple[Path, Path]:
     raise AssertionError("unreachable")
 
 
+def refused_to(sb: dsec.Sandbox, ip: str) -> bool:
+    """Whether `sb` has a refused connection to `ip` among its events."""
+    return any(e["dst"] == ip for e in sb.network_refused())
+
+
 def test_two_servers_with_the_default_pool_both_have_networking(
     busybox_rootfs: Path,
     hosts: Hosts,
@@ -1288,11 +1293,10 @@ def test_two_servers_with_the_default_pool_both_have_networking(
                 pools.append(ipaddress.ip_network(f"{ip}/16", strict=False))
                 sb.set_network({"allow": [a.ip]})
                 assert not reaches(sb, b)
-                refused = wait_until(
-                    lambda sb=sb: [e for e in sb.network_refused() if e["dst"] == b.ip] or None,
-                    timeout=5,
+                assert wait_until(functools.partial(refused_to, sb, b.ip), timeout=5), (
+                    s.state_dir,
+                    sb.network_refused(),
                 )
-                assert refused, (s.state_dir, sb.network_refused())
                 sb.stop()
         assert pools[0] != pools[1]
         assert "the default address pool is taken" in servers[1].log_tail(200)
