@@ -9,10 +9,12 @@
 //! id is the one the pushing edge recorded.
 //!
 //! A blob is sent whole from memory (the registry client takes a byte slice), so pushing
-//! a layer costs its size in memory for the time of its upload.
+//! a layer costs its size in memory for the time of its upload; each request of a push is
+//! bounded by [`upload_bound`].
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -125,6 +127,39 @@ pub(crate) struct Pulled {
     client: Client,
 }
 
+/// The slowest upload a push waits for, past its first [`READ_TIMEOUT`]: a request of a
+/// push may take that long plus a second per MiB it sends. The client has no read timeout
+/// for pushes (see [`READ_TIMEOUT`]), so without this bound a registry that stopped
+/// answering midway would hold the push, the import waiting on it, and the layer in
+/// memory, for ever.
+const SLOWEST_UPLOAD_BYTES_PER_S: f64 = 1024.0 * 1024.0;
+
+/// How long a push's request sending `len` bytes may take, `grace` included.
+fn upload_bound(len: usize, grace: Duration) -> Duration {
+    // A blob held in memory is far below f64's 2^53 exact integers.
+    #[allow(clippy::cast_precision_loss)]
+    let upload = Duration::from_secs_f64(len as f64 / SLOWEST_UPLOAD_BYTES_PER_S);
+    grace + upload
+}
+
+/// Runs `request` of a push, which sends `len` bytes, within its [`upload_bound`].
+async fn within<T>(
+    len: usize,
+    grace: Duration,
+    request: impl Future<Output = Result<T, OciDistributionError>>,
+) -> Result<T, String> {
+    let bound = upload_bound(len, grace);
+    match tokio::time::timeout(bound, request).await {
+        Ok(done) => done.map_err(|e| e.to_string()),
+        Err(_) => Err(format!(
+            "the registry did not take {len} bytes within {:.1} s (a push's request may take \
+             {} s plus 1 s per MiB it sends)",
+            bound.as_secs_f64(),
+            grace.as_secs_f64()
+        )),
+    }
+}
+
 /// Pushes `image`, whose layer blobs are `blobs` (bottom first) with content sizes
 /// `sizes`, to `registry`; returns the manifest's digest.
 pub(crate) async fn push(
@@ -133,26 +168,44 @@ pub(crate) async fn push(
     blobs: &[PathBuf],
     sizes: &[u64],
 ) -> Result<String, ImageError> {
+    push_within(registry, image, blobs, sizes, READ_TIMEOUT).await
+}
+
+/// [`push`], each request bounded by [`upload_bound`] with `grace`.
+async fn push_within(
+    registry: &Registry,
+    image: &Image,
+    blobs: &[PathBuf],
+    sizes: &[u64],
+    grace: Duration,
+) -> Result<String, ImageError> {
     let reference = registry.reference(&image.name)?;
-    let failed = |e: OciDistributionError| ImageError::Push {
+    let failed = |reason: String| ImageError::Push {
         image: image.name.clone(),
         reference: reference.to_string(),
-        reason: e.to_string(),
+        reason,
     };
     let client = registry.client(None);
-    client
-        .store_auth_if_needed(reference.resolve_registry(), &RegistryAuth::Anonymous)
-        .await;
+    let auth = async {
+        client
+            .store_auth_if_needed(reference.resolve_registry(), &RegistryAuth::Anonymous)
+            .await;
+        Ok(())
+    };
+    within(0, grace, auth).await.map_err(failed)?;
     let mut layers = Vec::with_capacity(blobs.len());
     for ((diff_id, blob), size) in image.layers.iter().zip(blobs).zip(sizes) {
         let data = tokio::fs::read(blob)
             .await
             .map_err(io_error(format!("cannot read layer {diff_id}")))?;
         let digest = sha256(&data);
-        client
-            .push_blob(&reference, &data, &digest)
-            .await
-            .map_err(failed)?;
+        within(
+            data.len(),
+            grace,
+            client.push_blob(&reference, &data, &digest),
+        )
+        .await
+        .map_err(failed)?;
         tracing::debug!(image = %image.name, layer = %diff_id, blob = %digest, "pushed layer");
         layers.push(OciDescriptor {
             media_type: LAYER_MEDIA_TYPE.to_owned(),
@@ -171,8 +224,8 @@ pub(crate) async fn push(
     };
     let config = serde_json::to_vec(&record).expect("an image record serializes");
     let config_digest = sha256(&config);
-    client
-        .push_blob(&reference, &config, &config_digest)
+    let config_push = client.push_blob(&reference, &config, &config_digest);
+    within(config.len(), grace, config_push)
         .await
         .map_err(failed)?;
     let manifest = OciImageManifest {
@@ -190,8 +243,8 @@ pub(crate) async fn push(
         artifact_type: None,
         annotations: None,
     };
-    let url = client
-        .push_manifest(&reference, &manifest.into())
+    let manifest = manifest.into();
+    let url = within(0, grace, client.push_manifest(&reference, &manifest))
         .await
         .map_err(failed)?;
     tracing::info!(image = %image.name, reference = %reference, "pushed image");
@@ -322,6 +375,53 @@ mod tests {
             "127.0.0.1:5000/dsec/team/img:latest"
         );
         assert!(r.reference("Upper").is_err());
+    }
+
+    #[tokio::test]
+    async fn a_registry_that_never_answers_fails_the_push() {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let registry = Registry::parse(&silent.local_addr().unwrap().to_string()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let blob = dir.path().join("layer");
+        std::fs::write(&blob, vec![7u8; 4096]).unwrap();
+        let image = Image {
+            name: "x".into(),
+            id: "sha256:0".into(),
+            size: 4096,
+            layers: vec!["sha256:1".into()],
+            created_at: 0.0,
+            config: crate::image::ImageConfig::default(),
+            fork: None,
+            guest: None,
+            disk: None,
+            project: None,
+        };
+        let started = std::time::Instant::now();
+        let pushed = push_within(
+            &registry,
+            &image,
+            &[blob],
+            &[4096],
+            Duration::from_millis(300),
+        )
+        .await;
+        let Err(ImageError::Push { reason, .. }) = pushed else {
+            panic!("a silent registry took the push: {pushed:?}");
+        };
+        assert!(reason.contains("did not take"), "{reason}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        drop(silent);
+    }
+
+    #[test]
+    fn an_upload_may_take_a_second_per_mib_past_its_grace() {
+        let grace = Duration::from_secs(60);
+        assert_eq!(upload_bound(0, grace), grace);
+        assert_eq!(upload_bound(10 << 20, grace), Duration::from_secs(70));
     }
 
     #[test]
