@@ -199,6 +199,22 @@ fn host_of(registry: &str) -> &str {
     }
 }
 
+/// Runs `talk` with the `host:port` of a registry that accepts connections and never
+/// answers, and checks that it came back within 10 s (its bounds, not the test's).
+#[cfg(test)]
+pub(crate) async fn against_a_silent_registry<T, F>(talk: impl FnOnce(String) -> F) -> T
+where
+    F: std::future::Future<Output = T>,
+{
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let started = std::time::Instant::now();
+    let out = talk(silent.local_addr().unwrap().to_string()).await;
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    drop(silent);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,21 +232,15 @@ mod tests {
 
     #[tokio::test]
     async fn a_registry_that_never_answers_fails_the_pull() {
-        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let registry = silent.local_addr().unwrap().to_string();
-        let reference: Reference = format!("{registry}/x:latest").parse().unwrap();
-        let client = Client::new(client_config(&registry, Some(Duration::from_millis(300))));
-        let started = std::time::Instant::now();
-        let pulled = client
-            .pull_manifest(&reference, &RegistryAuth::Anonymous)
-            .await;
+        let pulled = against_a_silent_registry(|registry| async move {
+            let reference: Reference = format!("{registry}/x:latest").parse().unwrap();
+            let client = Client::new(client_config(&registry, Some(Duration::from_millis(300))));
+            client
+                .pull_manifest(&reference, &RegistryAuth::Anonymous)
+                .await
+        })
+        .await;
         assert!(pulled.is_err(), "a silent registry answered");
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "{:?}",
-            started.elapsed()
-        );
-        drop(silent);
     }
 
     #[test]
