@@ -142,8 +142,9 @@ fn upload_bound(len: usize, grace: Duration) -> Duration {
     grace + upload
 }
 
-/// Runs `request` of a push, which sends `len` bytes, within its [`upload_bound`].
+/// Runs `request` of a push (`what` it sends, `len` bytes) within its [`upload_bound`].
 async fn within<T>(
+    what: &str,
     len: usize,
     grace: Duration,
     request: impl Future<Output = Result<T, OciDistributionError>>,
@@ -152,8 +153,8 @@ async fn within<T>(
     match tokio::time::timeout(bound, request).await {
         Ok(done) => done.map_err(|e| e.to_string()),
         Err(_) => Err(format!(
-            "the registry did not take {len} bytes within {:.1} s (a push's request may take \
-             {} s plus 1 s per MiB it sends)",
+            "the registry did not take {what} within {:.1} s (a push's request may take {} s \
+             plus 1 s per MiB it sends)",
             bound.as_secs_f64(),
             grace.as_secs_f64()
         )),
@@ -192,20 +193,20 @@ async fn push_within(
             .await;
         Ok(())
     };
-    within(0, grace, auth).await.map_err(failed)?;
+    within("the auth check", 0, grace, auth)
+        .await
+        .map_err(failed)?;
     let mut layers = Vec::with_capacity(blobs.len());
     for ((diff_id, blob), size) in image.layers.iter().zip(blobs).zip(sizes) {
         let data = tokio::fs::read(blob)
             .await
             .map_err(io_error(format!("cannot read layer {diff_id}")))?;
         let digest = sha256(&data);
-        within(
-            data.len(),
-            grace,
-            client.push_blob(&reference, &data, &digest),
-        )
-        .await
-        .map_err(failed)?;
+        let what = format!("layer {diff_id} ({} bytes)", data.len());
+        let layer_push = client.push_blob(&reference, &data, &digest);
+        within(&what, data.len(), grace, layer_push)
+            .await
+            .map_err(failed)?;
         tracing::debug!(image = %image.name, layer = %diff_id, blob = %digest, "pushed layer");
         layers.push(OciDescriptor {
             media_type: LAYER_MEDIA_TYPE.to_owned(),
@@ -225,7 +226,7 @@ async fn push_within(
     let config = serde_json::to_vec(&record).expect("an image record serializes");
     let config_digest = sha256(&config);
     let config_push = client.push_blob(&reference, &config, &config_digest);
-    within(config.len(), grace, config_push)
+    within("the image's record", config.len(), grace, config_push)
         .await
         .map_err(failed)?;
     let manifest = OciImageManifest {
@@ -244,7 +245,8 @@ async fn push_within(
         annotations: None,
     };
     let manifest = manifest.into();
-    let url = within(0, grace, client.push_manifest(&reference, &manifest))
+    let manifest_push = client.push_manifest(&reference, &manifest);
+    let url = within("the manifest", 0, grace, manifest_push)
         .await
         .map_err(failed)?;
     tracing::info!(image = %image.name, reference = %reference, "pushed image");

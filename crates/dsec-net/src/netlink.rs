@@ -435,13 +435,11 @@ impl NfLog {
         sock.call(&mut m)?;
         let mut mode = range.to_be_bytes().to_vec();
         mode.extend_from_slice(&[NFULNL_COPY_PACKET, 0]);
-        let mut m = Msg::new(kind, 0);
-        m.raw(&genmsg).attr(NFULA_CFG_MODE, &mode);
-        sock.call(&mut m)?;
         // The kernel batches logged packets for up to a second by default; a refusal
         // should be an event a caller sees right after it.
         let mut m = Msg::new(kind, 0);
         m.raw(&genmsg)
+            .attr(NFULA_CFG_MODE, &mode)
             .attr(NFULA_CFG_TIMEOUT, &FLUSH_HUNDREDTHS.to_be_bytes());
         sock.call(&mut m)?;
         rustix::net::sockopt::set_socket_timeout(
